@@ -1,0 +1,19 @@
+"Shared pytest setup: repository paths, quiet threads, and a helper to run the package's CLIs."
+import os, subprocess, sys
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores: keep test subprocesses from oversubscribing
+
+@pytest.fixture
+def root(): return ROOT
+
+def run_cli(*args, cwd=ROOT, env=None, timeout=600, check=True):
+    "Run `python args...` in a subprocess with the repo's interpreter; return the CompletedProcess."
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    env.pop("IN_TEST", None)
+    res = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"command failed ({res.returncode}): {' '.join(map(str, args))}\n--- stdout\n{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-4000:]}")
+    return res

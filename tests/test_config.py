@@ -1,0 +1,74 @@
+"Config loading: every official key and file, overrides, and the error messages users see."
+from fractions import Fraction
+import pytest
+from cascade_nb.config import ConfigError, KEY_SECTION, load_config, save_config
+from official_configs import OFFICIAL_CONFIGS, OFFICIAL_KEYS
+
+def test_every_official_key_is_known():
+    missing = [k for k in OFFICIAL_KEYS if k not in KEY_SECTION]
+    assert not missing, missing
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL_CONFIGS))
+def test_official_file_loads_and_round_trips(name, tmp_path):
+    path = tmp_path / name
+    path.write_text(OFFICIAL_CONFIGS[name])
+    cfg = load_config(path)
+    assert cfg.checkpoint.experiment_id.startswith("stage_")
+    assert cfg.data.webdataset_path[0].startswith("s3://")
+    expected_mode = "lora" if "lora" in name else "controlnet" if name.startswith("controlnet") else "full"
+    assert cfg.train.mode == expected_mode
+    assert cfg.model.stage == ("b" if "_b_" in name else "c")
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml").flat() == cfg.flat()
+
+def test_every_official_key_in_one_file(tmp_path):
+    "All official keys at once, with values of the official forms."
+    text = "\n".join([
+        "experiment_id: e", "checkpoint_path: c", "output_path: o", "model_version: 3.6B", "wandb_project: p",
+        "wandb_entity: u", "lr: 1.0e-4", "batch_size: 8", "image_size: 768", "multi_aspect_ratio: [1/1, 9/16]",
+        "grad_accum_steps: 2", "updates: 10", "backup_every: 5", "save_every: 5", "warmup_updates: 1", "use_fsdp: True",
+        "adaptive_loss_weight: True", "ema_start_iters: 5", "ema_iters: 1", "ema_beta: 0.9", "shift: 4", "offset_noise: 0.1",
+        "dtype: bfloat16", "webdataset_path: file:data.tar", "dataset_filters: [['width', 'lambda w: w >= 768']]",
+        "captions_getter: ['txt', identity]", "module_filters: ['.attn']", "rank: 4", "train_tokens: [['[x]', '^dog</w>']]",
+        "controlnet_blocks: [0, 4]", "controlnet_filter: CannyFilter", "controlnet_filter_params: {resize: 224}",
+        "controlnet_bottleneck_mode: effnet", "effnet_checkpoint_path: e.safetensors", "previewer_checkpoint_path: p.safetensors",
+        "generator_checkpoint_path: g.safetensors", "stage_a_checkpoint_path: a.safetensors", "edm_objective: True"])
+    keys_in_text = {line.split(":")[0] for line in text.splitlines()}
+    assert keys_in_text == set(OFFICIAL_KEYS)
+    (tmp_path / "all.yaml").write_text(text)
+    cfg = load_config(tmp_path / "all.yaml", ["train.mode=lora"])
+    assert cfg.data.multi_aspect_ratio == [Fraction(1), Fraction(9, 16)]
+    assert cfg.data.dataset_filters[0]({"width": 800}) and not cfg.data.dataset_filters[0]({"width": 700})
+    assert cfg.gdf.shift == 4.0 and cfg.model.dtype == "bfloat16" and cfg.gdf.loss_weight == "adaptive"
+
+@pytest.mark.parametrize("override, message", [
+    ("learnig_rate=1", "unknown key 'learnig_rate'; did you mean 'lr'"),
+    ("batchsize=4", "did you mean 'batch_size'"),
+    ("lr=fast", "key 'lr': 'fast' is not valid; expected float"),
+    ("rank=four", "key 'rank': 'four' is not valid"),
+    ("multi_aspect_ratio=[1/2, x]", "multi_aspect_ratio[1]"),
+    ("lr_schedule=linear", "expected one of 'constant', 'cosine'"),
+    ("dataset_filters=[[width, 'lambda w: __import__(\"os\").system(\"id\")']]", "Call is not allowed"),
+    ("dataset_filters=[[width, 'lambda w: w.real > 1']]", "Attribute is not allowed"),
+    ("dataset_filters=[[width, 'lambda w: y > 1']]", "unknown name 'y'"),
+    ("caption_dropout=1.5", "must be a probability"),
+    ("dtype=float16", "overflows fp16"),
+])
+def test_errors_name_key_value_and_expectation(override, message, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(OFFICIAL_CONFIGS["finetune_c_3b.yaml"])
+    with pytest.raises(ConfigError, match=None) as e: load_config(path, [override])
+    assert message in str(e.value), str(e.value)
+
+def test_unknown_key_in_file_names_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(OFFICIAL_CONFIGS["finetune_c_3b.yaml"] + "ema_betta: 0.9\n")
+    with pytest.raises(ConfigError) as e: load_config(path)
+    assert str(path) in str(e.value) and "'ema_beta'" in str(e.value)
+
+def test_missing_required_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="required key 'experiment_id'"): load_config(None, ["webdataset_path=x"])
+    with pytest.raises(ConfigError, match="required key 'webdataset_path'"): load_config(None, ["experiment_id=x"])
+    with pytest.raises(ConfigError, match="does not exist"): load_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"): load_config(tmp_path / "list.yaml")
