@@ -1,0 +1,126 @@
+"""The trainer end to end on CPU: a short run from the command line, exact resume after SIGKILL (also during a save),
+SIGTERM handling, the non-finite-loss guard, 2-process DDP, and the official Stage C configs at tiny size."""
+import json, os, random, signal, subprocess, sys, time
+from pathlib import Path
+import pytest
+from safetensors.torch import load_file
+from conftest import ROOT, run_cli
+from official_configs import OFFICIAL_CONFIGS
+
+DRIVER = ROOT / "tests" / "train_driver.py"
+TINY = ["webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0", "image_size=32", "batch_size=4",
+        "log_every=1", "lr=1e-3", "warmup_updates=2", "ema_start_iters=2", "ema_iters=1", "ema_beta=0.9"]
+
+def demo_args(tmp, name, *extra):
+    return [str(ROOT / "configs" / "demo.yaml"), *TINY, f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt",
+            f"output_path={tmp}/out", *extra]
+
+def weights(tmp, name, which="generator"):
+    return load_file(str(Path(tmp) / "ckpt" / name / f"{which}.safetensors"))
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not (a[k] == b[k]).all()]
+    assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:3]}"
+
+def info(tmp, name):
+    p = Path(tmp) / "ckpt" / name / "info.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+def test_short_run_from_the_command_line(tmp_path):
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "short", "updates=6", "save_every=3"))
+    run, out = tmp_path / "ckpt" / "short", tmp_path / "out" / "short"
+    assert info(tmp_path, "short")["update"] == 6
+    assert {"generator.safetensors", "generator_ema.safetensors", "info.json", "state-00000006"} <= {p.name for p in run.iterdir()}
+    assert (out / "000003.png").exists() and (out / "000006.png").exists() and (out / "loss.png").exists()
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["loss"] > 0 for r in rows)
+    # the export is a plain state dict in the official key layout, loadable by load_stage_c
+    from cascade_nb.models.stage_c import load_stage_c
+    load_stage_c(run / "generator.safetensors", preset="tiny", c_in=3, c_out=3, patch_size=2)
+
+def test_config_error_exits_2(tmp_path):
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "bad", "learning_rate=1"), check=False)
+    assert res.returncode == 2 and "unknown key 'learning_rate'; did you mean 'lr'" in res.stderr
+
+def _start(tmp, name, *extra):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}; env.pop("IN_TEST", None)
+    return subprocess.Popen([sys.executable, str(DRIVER), *demo_args(tmp, name, *extra)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+def _wait_for_update(tmp, name, update, proc, timeout=300):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        i = info(tmp, name)
+        if i and i["update"] >= update: return
+        if proc.poll() is not None: raise AssertionError(f"training ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting for a checkpoint")
+
+RUN = ["updates=10", "save_every=3"]
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    run_cli(DRIVER, *demo_args(tmp, "ref", *RUN))
+    return tmp
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path, reference_run):
+    proc = _start(tmp_path, "killed", *RUN)
+    _wait_for_update(tmp_path, "killed", 3, proc)
+    time.sleep(random.uniform(0, 1.5))   # somewhere in updates 4-6
+    proc.send_signal(signal.SIGKILL); proc.wait()
+    run_cli(DRIVER, *demo_args(tmp_path, "killed", *RUN))
+    assert info(tmp_path, "killed")["update"] == 10
+    assert_identical(weights(tmp_path, "killed"), weights(reference_run, "ref"))
+    assert_identical(weights(tmp_path, "killed", "generator_ema"), weights(reference_run, "ref", "generator_ema"))
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, reference_run):
+    res = run_cli(DRIVER, "--kill-in-commit", "6", *demo_args(tmp_path, "torn", *RUN), check=False)
+    assert res.returncode == -signal.SIGKILL
+    i = info(tmp_path, "torn")
+    assert i["update"] == 3 and (tmp_path / "ckpt" / "torn" / i["state_dir"]).is_dir()
+    run_cli(DRIVER, *demo_args(tmp_path, "torn", *RUN))        # resumes from update 3, overwrites the torn state-6
+    assert_identical(weights(tmp_path, "torn"), weights(reference_run, "ref"))
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    proc = _start(tmp_path, "term", "updates=200", "save_every=100")
+    t0 = time.time()
+    while not (tmp_path / "out" / "term" / "metrics.jsonl").exists():
+        assert time.time() - t0 < 300 and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "received SIGTERM" in out
+    i = info(tmp_path, "term")
+    assert 1 <= i["update"] < 200
+
+def test_nonfinite_losses(tmp_path):
+    res = run_cli(DRIVER, "--nan-from", "3", *demo_args(tmp_path, "nan", "updates=20", "max_nan_steps=4"), check=False)
+    assert res.returncode != 0 and "4 non-finite losses in a row" in res.stderr
+    res = run_cli(DRIVER, "--nan-once", "2", *demo_args(tmp_path, "nan1", "updates=4", "save_every=4"))
+    assert "update skipped" in res.stdout
+    assert info(tmp_path, "nan1")["nonfinite_total"] == 1
+
+def test_two_process_ddp(tmp_path):
+    env = {"OMP_NUM_THREADS": "1"}
+    res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
+                  "--main_process_port", str(29500 + random.randint(0, 400)), DRIVER, "--check-ddp-sync",
+                  *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8"), env=env)
+    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
+    i = info(tmp_path, "ddp")
+    assert i["num_processes"] == 2 and i["update"] == 4
+
+STAGE_C_FULL = [n for n in OFFICIAL_CONFIGS if n.startswith("finetune_c")  and "lora" not in n]
+
+@pytest.mark.parametrize("name", STAGE_C_FULL)
+def test_official_config_trains_at_tiny_size(name, tmp_path):
+    (tmp_path / name).write_text(OFFICIAL_CONFIGS[name])
+    run_cli("-m", "cascade_nb.train", tmp_path / name, "model_version=tiny", "model_overrides={c_in: 3, c_out: 3, patch_size: 2}",
+            "latent_space=pixels", "clip_text_model_name=tiny", "clip_image_model_name=null", "generator_checkpoint_path=null",
+            "effnet_checkpoint_path=null", "previewer_checkpoint_path=null", "wandb_project=null", "tracker=none",
+            *TINY, "updates=2", "save_every=2", "multi_aspect_ratio=null", "use_fsdp=false",
+            f"checkpoint_path={tmp_path}/ckpt", f"output_path={tmp_path}/out")
+    cfg_id = {"finetune_c_1b.yaml": "stage_c_1b_finetuning"}.get(name, "stage_c_3b_finetuning")
+    assert info(tmp_path, cfg_id)["update"] == 2

@@ -1,0 +1,55 @@
+"""Run the trainer in a subprocess with optional fault injection, for tests/test_train*.py.
+
+    python tests/train_driver.py [--kill-in-commit N] [--nan-from N] [--check-ddp-sync] CONFIG [key=value ...]
+
+--kill-in-commit N   SIGKILL the process inside the checkpoint commit of update N (state written, info.json not yet)
+--nan-from N         make every loss from micro-step N on NaN (the non-finite guard must stop the run)
+--nan-once N         make the loss of micro-step N NaN once (the update must be skipped, the run continues)
+--check-ddp-sync     after training, assert that every process holds identical generator weights
+"""
+import argparse, os, signal, sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import cascade_nb.train as T
+from cascade_nb.training import RunDir
+
+p = argparse.ArgumentParser()
+p.add_argument("--kill-in-commit", type=int)
+p.add_argument("--nan-from", type=int)
+p.add_argument("--nan-once", type=int)
+p.add_argument("--check-ddp-sync", action="store_true")
+args, rest = p.parse_known_args()
+
+if args.kill_in_commit is not None:
+    _commit = RunDir.commit
+    def commit(self, state_dir, info):
+        if info["update"] == args.kill_in_commit: os.kill(os.getpid(), signal.SIGKILL)
+        return _commit(self, state_dir, info)
+    RunDir.commit = commit
+
+if args.nan_from is not None or args.nan_once is not None:
+    _loss, calls = T.diffusion_loss, [0]
+    def diffusion_loss(*a, **kw):
+        loss, raw, d = _loss(*a, **kw)
+        calls[0] += 1
+        if (args.nan_from is not None and calls[0] >= args.nan_from) or calls[0] == args.nan_once:
+            loss = loss * float("nan")
+        return loss, raw, d
+    T.diffusion_loss = diffusion_loss
+
+if args.check_ddp_sync:   # compare weights across processes just before accelerate tears the process group down
+    from accelerate import Accelerator
+    import torch.distributed as dist
+    _end = Accelerator.end_training
+    def end_training(self):
+        model = self.unwrap_model(self._models[0])
+        flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), "DDP processes hold different weights"
+        print(f"rank {dist.get_rank()}: weights identical on {dist.get_world_size()} processes", flush=True)
+        return _end(self)
+    Accelerator.end_training = end_training
+
+T.main(rest)
