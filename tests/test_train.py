@@ -124,3 +124,18 @@ def test_official_config_trains_at_tiny_size(name, tmp_path):
             f"checkpoint_path={tmp_path}/ckpt", f"output_path={tmp_path}/out")
     cfg_id = {"finetune_c_1b.yaml": "stage_c_1b_finetuning"}.get(name, "stage_c_3b_finetuning")
     assert info(tmp_path, cfg_id)["update"] == 2
+
+STAGE_B = [n for n in OFFICIAL_CONFIGS if n.startswith("finetune_b")]
+
+@pytest.mark.parametrize("name", STAGE_B)
+def test_official_stage_b_config_trains_at_tiny_size(name, tmp_path):
+    "finetune_b_*.yaml: Stage B with its `shift` (used, unlike the reference), adaptive loss, Stage A latents, pyramid noise."
+    (tmp_path / name).write_text(OFFICIAL_CONFIGS[name])
+    run_cli("-m", "cascade_nb.train", tmp_path / name, "model_version=tiny", "stage=b", "stage_a_checkpoint_path=tiny",
+            "effnet_checkpoint_path=tiny", "clip_text_model_name=tiny", "clip_image_model_name=null", "generator_checkpoint_path=null",
+            "wandb_project=null", "tracker=none", *TINY, "image_size=64", "updates=2", "save_every=2", "use_fsdp=false",
+            f"checkpoint_path={tmp_path}/ckpt", f"output_path={tmp_path}/out")
+    exp = "stage_b_3b_finetuning" if "3b" in name else "stage_b_700m_finetuning"
+    i = info(tmp_path, exp)
+    assert i["update"] == 2 and i["config"]["shift"] == 4.0 and i["adaptive_loss"]["loss_weight"]["bucket_losses"]
+    assert (tmp_path / "out" / exp / "000002.png").exists()
