@@ -103,11 +103,13 @@ def test_nonfinite_losses(tmp_path):
     assert "update skipped" in res.stdout
     assert info(tmp_path, "nan1")["nonfinite_total"] == 1
 
+def _launch_2proc(*args, check=True):
+    return run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
+                   "--main_process_port", str(29500 + random.randint(0, 400)), DRIVER, *args,
+                   env={"OMP_NUM_THREADS": "1"}, check=check)
+
 def test_two_process_ddp(tmp_path):
-    env = {"OMP_NUM_THREADS": "1"}
-    res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
-                  "--main_process_port", str(29500 + random.randint(0, 400)), DRIVER, "--check-ddp-sync",
-                  *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8"), env=env)
+    res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8"))
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 4
@@ -139,3 +141,19 @@ def test_official_stage_b_config_trains_at_tiny_size(name, tmp_path):
     i = info(tmp_path, exp)
     assert i["update"] == 2 and i["config"]["shift"] == 4.0 and i["adaptive_loss"]["loss_weight"]["bucket_losses"]
     assert (tmp_path / "out" / exp / "000002.png").exists()
+
+def test_two_process_fsdp_sharded_checkpoint_resume(tmp_path):
+    "FSDP2 over 2 CPU processes: each holds about half the weights; a sharded checkpoint resumes to the same weights."
+    run = ["updates=4", "save_every=2", "batch_size=8"]
+    ref = _launch_2proc("--fsdp-cpu", "--report-shards", *demo_args(tmp_path, "fsdp_ref", *run))
+    shares = [float(l.split("holds ")[1].split()[0]) for l in ref.stdout.splitlines() if "holds" in l]
+    assert len(shares) == 2 and all(0.4 < s < 0.65 for s in shares), shares
+    state = tmp_path / "ckpt" / "fsdp_ref" / info(tmp_path, "fsdp_ref")["state_dir"]
+    assert (state / "pytorch_model_fsdp_0").is_dir() and (state / "optimizer_0").is_dir()   # torch.distributed.checkpoint shards
+    killed = _launch_2proc("--fsdp-cpu", "--kill-in-commit", "4", *demo_args(tmp_path, "fsdp_res", *run), check=False)
+    assert killed.returncode != 0 and info(tmp_path, "fsdp_res")["update"] == 2
+    _launch_2proc("--fsdp-cpu", *demo_args(tmp_path, "fsdp_res", *run))
+    assert info(tmp_path, "fsdp_res")["update"] == 4
+    assert_identical(weights(tmp_path, "fsdp_res"), weights(tmp_path, "fsdp_ref"))
+    from cascade_nb.models.stage_c import load_stage_c   # the gathered export is a plain official-layout state dict
+    load_stage_c(tmp_path / "ckpt" / "fsdp_ref" / "generator.safetensors", preset="tiny", c_in=3, c_out=3, patch_size=2)

@@ -6,6 +6,11 @@
 --nan-from N         make every loss from micro-step N on NaN (the non-finite guard must stop the run)
 --nan-once N         make the loss of micro-step N NaN once (the update must be skipped, the run continues)
 --check-ddp-sync     after training, assert that every process holds identical generator weights
+--fsdp-cpu           run accelerate's FSDP2 path on CPU processes (gloo). accelerate only enables FSDP on GPUs, so
+                     this flips its state to FSDP after it initialised: the trainer then runs the same prepare
+                     (fully_shard per block), sharded save_state/load_state (torch.distributed.checkpoint) and
+                     get_state_dict as on GPUs. Test-only: it relies on accelerate internals.
+--report-shards      print the fraction of the generator's parameters each process holds locally
 """
 import argparse, os, signal, sys
 from pathlib import Path
@@ -19,6 +24,8 @@ p.add_argument("--kill-in-commit", type=int)
 p.add_argument("--nan-from", type=int)
 p.add_argument("--nan-once", type=int)
 p.add_argument("--check-ddp-sync", action="store_true")
+p.add_argument("--fsdp-cpu", action="store_true")
+p.add_argument("--report-shards", action="store_true")
 args, rest = p.parse_known_args()
 
 if args.kill_in_commit is not None:
@@ -37,6 +44,34 @@ if args.nan_from is not None or args.nan_once is not None:
             loss = loss * float("nan")
         return loss, raw, d
     T.diffusion_loss = diffusion_loss
+
+if args.fsdp_cpu:
+    import accelerate.accelerator as A
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    _init = A.Accelerator.__init__
+    def __init__(self, *a, **kw):
+        kw["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="SHARDED_STATE_DICT",
+            transformer_cls_names_to_wrap=["ResBlock", "AttnBlock", "TimestepBlock"],
+            reshard_after_forward=True, cpu_ram_efficient_loading=False)
+        _init(self, *a, **kw)
+        if self.state.distributed_type == DistributedType.MULTI_CPU:   # what accelerate does on GPUs
+            from accelerate.state import PartialState
+            PartialState().distributed_type = DistributedType.FSDP     # AcceleratorState re-syncs from it
+            self.state.distributed_type = DistributedType.FSDP
+            self.state.fsdp_plugin = kw["fsdp_plugin"]
+    A.Accelerator.__init__ = __init__
+
+if args.report_shards:
+    from accelerate import Accelerator
+    _end0 = Accelerator.end_training
+    def end_training(self):
+        model = self._models[0]
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        print(f"rank {self.process_index}: holds {local / total:.3f} of {total} parameters", flush=True)
+        return _end0(self)
+    Accelerator.end_training = end_training
 
 if args.check_ddp_sync:   # compare weights across processes just before accelerate tears the process group down
     from accelerate import Accelerator
