@@ -3,7 +3,7 @@ so CI prints pytest's summary. Cells flagged with the project's `tst_flags` (gpu
 from pathlib import Path
 import pytest
 from nbdev.config import get_config
-from nbdev.test import test_nb
+from nbdev import test as nbdev_test   # (not `from ... import test_nb`: pytest would collect it)
 from conftest import ROOT
 
 def _notebooks():
@@ -16,7 +16,7 @@ NOTEBOOKS = _notebooks()
 def test_notebook(nb, monkeypatch):
     monkeypatch.chdir(nb.parent)   # nbdev-test runs notebooks from their folder
     skip = get_config(ROOT).tst_flags.split()
-    ok, _ = test_nb(nb, skip_flags=skip, basepath=ROOT, showerr=True)
+    ok, _ = nbdev_test.test_nb(nb, skip_flags=skip, basepath=ROOT, showerr=True)
     assert ok, f"{nb.name} failed (traceback above)"
 
 def test_found_notebooks():
