@@ -38,6 +38,10 @@ def test_short_run_from_the_command_line(tmp_path):
     # the export is a plain state dict in the official key layout, loadable by load_stage_c
     from cascade_nb.models.stage_c import load_stage_c
     load_stage_c(run / "generator.safetensors", preset="tiny", c_in=3, c_out=3, patch_size=2)
+    # ... and samples come from the run's EMA weights through the sample CLI
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "red apple", "--n", "4", "--steps", "3",
+                  "--cfg", "4", "--seed", "0", "--out", tmp_path / "samples")
+    assert "generator_ema.safetensors" in res.stdout and len(list((tmp_path / "samples").glob("0_*_red_apple.png"))) == 4
 
 def test_config_error_exits_2(tmp_path):
     res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "bad", "learning_rate=1"), check=False)
