@@ -161,3 +161,14 @@ def test_two_process_fsdp_sharded_checkpoint_resume(tmp_path):
     assert_identical(weights(tmp_path, "fsdp_res"), weights(tmp_path, "fsdp_ref"))
     from cascade_nb.models.stage_c import load_stage_c   # the gathered export is a plain official-layout state dict
     load_stage_c(tmp_path / "ckpt" / "fsdp_ref" / "generator.safetensors", preset="tiny", c_in=3, c_out=3, patch_size=2)
+
+def test_validation_loss_and_best_checkpoint(tmp_path):
+    "val_every + val_webdataset_path: a deterministic validation loss is logged and the best weights are kept."
+    shards = ROOT / "data_samples" / "emoji"
+    run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "val", "updates=4", "save_every=4", "val_every=2",
+            f"val_webdataset_path={shards}/shard-000005.tar", "val_batches=1"))
+    rows = [json.loads(l) for l in (tmp_path / "out" / "val" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in rows if "val_loss" in r]
+    assert [r["update"] for r in vals] == [2, 4] and all(r["val_loss"] > 0 for r in vals)
+    assert (tmp_path / "ckpt" / "val" / "generator_best.safetensors").exists()
+    assert info(tmp_path, "val")["best_val_loss"] == min(r["val_loss"] for r in vals)
