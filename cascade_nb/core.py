@@ -13,7 +13,9 @@ import numpy as np
 
 # %% auto #0
 __all__ = ['append_dims', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'save_safetensors_atomic', 'count_params',
-           'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device']
+           'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device',
+           'checkpoint_file', 'safetensors_header', 'save_with_config', 'load_safetensors_strict', 'load_with_config',
+           'frozen', 'seeded']
 
 # %% ../nbs/00_core.ipynb #1710a926
 def append_dims(v: torch.Tensor, like: torch.Tensor | int) -> torch.Tensor:
@@ -130,3 +132,67 @@ def default_device() -> torch.device:
     if torch.cuda.is_available(): return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(): return torch.device("mps")
     return torch.device("cpu")
+
+# %% ../nbs/00_core.ipynb #f2786c2d
+def checkpoint_file(path, stem: str, lite: bool | None = None, dtype=None) -> Path:
+    "`path` itself if a file, else the one `{stem}*.safetensors` in the directory matching `lite` and `dtype` (`_bf16`)."
+    path = Path(path)
+    if path.is_file(): return path
+    if not path.is_dir(): raise FileNotFoundError(f"{path} is neither a file nor a directory")
+    files = sorted(path.glob(f"{stem}*.safetensors"))
+    if lite is not None and len(files) > 1: files = [f for f in files if ("lite" in f.name) == lite]
+    if len(files) > 1: files = [f for f in files if ("bf16" in f.name) == (dtype == torch.bfloat16)] or files
+    if len(files) != 1:
+        raise FileNotFoundError(f"expected one {stem}*.safetensors in {path} (lite={lite}, dtype={dtype}); "
+                                f"found {[f.name for f in files]}. Pass the file itself.")
+    return files[0]
+
+def safetensors_header(path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    "(metadata, {key: shape}) of a `.safetensors` file, read from its header without loading any tensor."
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+def save_with_config(model: torch.nn.Module, path, key: str, dtype=None):
+    "Save `model`'s state dict as safetensors (floats cast to `dtype`), with `model.config` as JSON in metadata `key`."
+    cast = lambda v: v.to(resolve_dtype(dtype)) if dtype is not None and v.is_floating_point() else v
+    save_safetensors_atomic({k: cast(v) for k, v in model.state_dict().items()}, path,
+                            metadata={key: json.dumps(model.config)})
+
+# %% ../nbs/00_core.ipynb #c01892a6
+def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | None = None, device=None) -> torch.nn.Module:
+    "Assign a `.safetensors` file's tensors (floats cast to `dtype`) to `model` (e.g. on meta); refuse any key or shape mismatch."
+    from safetensors.torch import load_file
+    sd = load_file(str(path), device=str(device or "cpu"))
+    if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    what = type(model).__name__ + (f" with config {model.config}" if isinstance(getattr(model, "config", None), dict) else "")
+    try: result = model.load_state_dict(sd, strict=False, assign=True)
+    except RuntimeError as e: raise ValueError(f"{path} does not match {what}: tensors do not fit: {e}") from None
+    missing, unexpected = result.missing_keys, result.unexpected_keys
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match {what}: {len(missing)} missing keys {missing[:5]}, "
+                         f"{len(unexpected)} unexpected {unexpected[:5]}")
+    return model
+
+def load_with_config(cls, path, key: str, presets: dict, preset: str | None = None, infer=None, dtype=None,
+                     device=None, overrides: dict | None = None) -> torch.nn.Module:
+    "`cls(**config)` loaded strictly from `path`; config: metadata `key` (`save_with_config`), else `presets[preset or infer(shapes)]`."
+    meta, shapes = safetensors_header(path)
+    if preset is None and key in meta: config = json.loads(meta[key])
+    else:
+        if preset is None and infer is None: raise ValueError(f"{path} has no {key!r} metadata: pass a preset")
+        preset = infer(shapes) if preset is None else preset
+        if preset not in presets: raise ValueError(f"unknown {cls.__name__} preset {preset!r}; choose one of {sorted(presets)}")
+        config = presets[preset]
+    with torch.device("meta"): model = cls(**{**config, **(overrides or {})})
+    return load_safetensors_strict(model, path, dtype, device)
+
+def frozen(model: torch.nn.Module, device=None, dtype=None, allow_fp16: bool = False) -> torch.nn.Module:
+    "`model` on `device` in `dtype` (None → float32), in eval mode and without gradients: a fixed encoder or decoder."
+    return model.to(device=device, dtype=resolve_dtype(dtype, allow_fp16)).eval().requires_grad_(False)
+
+def seeded(build, seed: int = 0):
+    "`build()` under a private RNG seeded with `seed` (the global RNG is left untouched): the same random model every run."
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()

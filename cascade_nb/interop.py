@@ -13,7 +13,8 @@ from .models.stage_c import StageC
 # %% auto #0
 __all__ = ['ATTN_FUSED', 'ATTN_SPLIT', 'ATTN_RENAMES', 'STAGE_B_RENAMES', 'official_to_diffusers', 'diffusers_to_official',
            'stage_c_config_to_diffusers', 'stage_c_config_from_diffusers', 'model_from_diffusers', 'model_to_diffusers',
-           'check_diffusers_conds', 'stage_c_from_diffusers', 'stage_c_to_diffusers', 'DiffusersStageC']
+           'check_diffusers_conds', 'check_stable_cascade_unet', 'stage_c_from_diffusers', 'stage_c_to_diffusers',
+           'DiffusersModel', 'DiffusersStageC']
 
 # %% ../nbs/25_interop.ipynb #c676265d
 ATTN_FUSED = 'attention.attn.in_proj_'                                    # official: fused q, k, v (3C, C) / (3C,)
@@ -114,26 +115,32 @@ def check_diffusers_conds(unet, conds: dict):
             raise NotImplementedError(f"diffusers' StableCascadeUNet cannot take a non-zero {name!r} "
                                       "(it crashes on per-sample tensors); use the cascade_nb model")
 
-def _check_stage_c(unet):
+def check_stable_cascade_unet(unet, decoder: bool = False):
+    "Refuse anything but a diffusers `StableCascadeUNet`; with `decoder`, anything but a Stage B one."
     if type(unet).__name__ != 'StableCascadeUNet':
         raise TypeError(f"expected a diffusers StableCascadeUNet, got {type(unet).__name__}")
+    if decoder and unet.config.get('effnet_in_channels') is None:
+        raise ValueError("this StableCascadeUNet is not a Stage B (no effnet_in_channels); use stage_c_from_diffusers")
 
 def stage_c_from_diffusers(unet, copy: bool = True) -> StageC:
     "A cascade_nb `StageC` with the weights of a diffusers Stage C `StableCascadeUNet` (same outputs)."
-    _check_stage_c(unet)
+    check_stable_cascade_unet(unet)
     return model_from_diffusers(unet, StageC, stage_c_config_from_diffusers(dict(unet.config)), copy=copy)
 
 def stage_c_to_diffusers(model: StageC, copy: bool = True):
     "A diffusers `StableCascadeUNet` with the weights of a cascade_nb `StageC` (same outputs, see `DiffusersStageC`)."
     return model_to_diffusers(model, stage_c_config_to_diffusers(model.config), copy=copy)
 
-class DiffusersStageC(nn.Module):
-    "Wrap a diffusers StableCascadeUNet in cascade_nb's model protocol `model(x, r, **conditions)`, StageC's semantics."
+class DiffusersModel(nn.Module):
+    "A checked diffusers `StableCascadeUNet` behind cascade_nb's model protocol; a subclass maps the conditions."
+    decoder = False   # True in the Stage B wrapper
     def __init__(self, unet):
         super().__init__()
-        _check_stage_c(unet)
+        check_stable_cascade_unet(unet, self.decoder)
         self.unet = unet
 
+class DiffusersStageC(DiffusersModel):
+    "Wrap a diffusers StableCascadeUNet in cascade_nb's model protocol `model(x, r, **conditions)`, StageC's semantics."
     def forward(self, x, r, clip_text, clip_text_pooled, clip_img=None, **conds):
         check_diffusers_conds(self.unet, conds)
         B = x.shape[0]

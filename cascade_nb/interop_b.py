@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from .interop import (STAGE_B_RENAMES, official_to_diffusers, diffusers_to_official, model_from_diffusers,
-                                model_to_diffusers, check_diffusers_conds, stage_c_config_to_diffusers,
-                                stage_c_config_from_diffusers)
+                                model_to_diffusers, check_diffusers_conds, check_stable_cascade_unet, DiffusersModel,
+                                stage_c_config_to_diffusers, stage_c_config_from_diffusers)
 from .models.stage_b import StageB
 
 # %% auto #0
@@ -39,27 +39,18 @@ def stage_b_config_from_diffusers(config) -> dict:
             'c_effnet': config['effnet_in_channels'], 'c_pixels': config['pixel_mapper_in_channels']}
 
 # %% ../nbs/27_interop_b.ipynb #85e48f4d
-def _check_stage_b(unet):
-    if type(unet).__name__ != 'StableCascadeUNet':
-        raise TypeError(f"expected a diffusers StableCascadeUNet, got {type(unet).__name__}")
-    if unet.config.get('effnet_in_channels') is None:
-        raise ValueError("this StableCascadeUNet is not a Stage B (no effnet_in_channels); use stage_c_from_diffusers")
-
 def stage_b_from_diffusers(unet, copy: bool = True) -> StageB:
     "A cascade_nb `StageB` with the weights of a diffusers Stage B `StableCascadeUNet` (same outputs)."
-    _check_stage_b(unet)
+    check_stable_cascade_unet(unet, decoder=True)
     return model_from_diffusers(unet, StageB, stage_b_config_from_diffusers(unet.config), STAGE_B_RENAMES, copy)
 
 def stage_b_to_diffusers(model: StageB, copy: bool = True):
     "A diffusers `StableCascadeUNet` with the weights of a cascade_nb `StageB` (same outputs, see `DiffusersStageB`)."
     return model_to_diffusers(model, stage_b_config_to_diffusers(model.config), STAGE_B_RENAMES, copy)
 
-class DiffusersStageB(nn.Module):
+class DiffusersStageB(DiffusersModel):
     "Wrap a diffusers Stage B StableCascadeUNet in cascade_nb's model protocol, StageB's semantics."
-    def __init__(self, unet):
-        super().__init__()
-        _check_stage_b(unet)
-        self.unet = unet
+    decoder = True
 
     def forward(self, x, r, effnet, clip, pixels=None, **conds):
         check_diffusers_conds(self.unet, conds)

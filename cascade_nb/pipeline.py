@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .core import default_device, resolve_dtype, to_uint8
 from .gdf.presets import stage_c_gdf, stage_b_gdf, SAMPLING_DEFAULTS
 from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode_image, load_clip_tokenizer,
-                                    load_clip_text_model, load_clip_image_model, resize_and_center_crop)
+                                    load_clip_text_model, load_clip_image_model)
 
 # %% auto #0
 __all__ = ['COMPRESSION_C', 'COMPRESSION_A', 'latent_sizes', 'pipeline_dtype', 'to_tensor01', 'to_pil', 'CascadeOutput',
@@ -221,9 +221,7 @@ class CascadePipeline:
         clip_img = None
         if image is not None:                                           # image variation
             with self.use('image_model') as image_model:
-                size = image_model.config.image_size      # resize in float32 here: bicubic has no bf16 CPU kernel
-                img = resize_and_center_crop(to_tensor01(image).to(self.device), size)
-                clip_img = encode_image(image_model, img).float().expand(B, -1, -1)                 # (B, 1, c)
+                clip_img = encode_image(image_model, to_tensor01(image)).float().expand(B, -1, -1)  # (B, 1, c)
         x_init, steps = None, steps_c
         if init_image is not None:                                      # img2img
             with self.use('effnet') as effnet:

@@ -11,7 +11,7 @@ from pathlib import Path
 from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
-from ..core import resolve_dtype
+from ..core import frozen, seeded
 
 # %% auto #0
 __all__ = ['CLIP_TEXT_MODEL', 'CLIP_IMAGE_MODEL', 'CLIP_MAX_LENGTH', 'CLIP_MEAN', 'CLIP_STD', 'sample_tokenizer_dir',
@@ -39,27 +39,17 @@ def load_clip_tokenizer(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, **kwa
     return AutoTokenizer.from_pretrained(str(name_or_path), **kwargs)
 
 # %% ../../nbs/22_models.clip.ipynb #2aa5065f
-def _frozen(model, device=None, dtype=None):
-    "Move `model` to `device`/`dtype`, put it in eval mode and freeze it."
-    return model.to(device=device, dtype=resolve_dtype(dtype, allow_fp16=True)).eval().requires_grad_(False)
-
 def load_clip_text_model(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, device=None, dtype=None, **kwargs):
     "Frozen `CLIPTextModelWithProjection` from a local directory or a hub id (default: the reference's bigG)."
     from transformers import CLIPTextModelWithProjection
-    return _frozen(CLIPTextModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype)
+    return frozen(CLIPTextModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype, allow_fp16=True)
 
 def load_clip_image_model(name_or_path: str | os.PathLike = CLIP_IMAGE_MODEL, device=None, dtype=None, **kwargs):
     "Frozen `CLIPVisionModelWithProjection` from a local directory or a hub id (default: the reference's ViT-L/14)."
     from transformers import CLIPVisionModelWithProjection
-    return _frozen(CLIPVisionModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype)
+    return frozen(CLIPVisionModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype, allow_fp16=True)
 
 # %% ../../nbs/22_models.clip.ipynb #0bc289d7
-def _seeded(build, seed: int):
-    "Call `build()` under a private RNG seeded with `seed` (the global RNG is left untouched)."
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
-
 def tiny_clip_text_model(hidden: int = 64, proj: int = 64, layers: int = 2, heads: int = 2,
                          vocab_size: int = 49408, seed: int = 0):
     "A small random `CLIPTextModelWithProjection` with CLIP's vocabulary and special ids, frozen."
@@ -67,7 +57,7 @@ def tiny_clip_text_model(hidden: int = 64, proj: int = 64, layers: int = 2, head
     cfg = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=4 * hidden, projection_dim=proj,
                          num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=CLIP_MAX_LENGTH,
                          bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
-    return _frozen(_seeded(lambda: CLIPTextModelWithProjection(cfg), seed))
+    return frozen(seeded(lambda: CLIPTextModelWithProjection(cfg), seed))
 
 def tiny_clip_vision_model(hidden: int = 64, proj: int = 32, layers: int = 2, heads: int = 2,
                            image_size: int = 32, patch_size: int = 8, seed: int = 0):
@@ -75,7 +65,7 @@ def tiny_clip_vision_model(hidden: int = 64, proj: int = 32, layers: int = 2, he
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
     cfg = CLIPVisionConfig(hidden_size=hidden, intermediate_size=4 * hidden, projection_dim=proj,
                            num_hidden_layers=layers, num_attention_heads=heads, image_size=image_size, patch_size=patch_size)
-    return _frozen(_seeded(lambda: CLIPVisionModelWithProjection(cfg), seed))
+    return frozen(seeded(lambda: CLIPVisionModelWithProjection(cfg), seed))
 
 # %% ../../nbs/22_models.clip.ipynb #0bebb671
 def _device_dtype(model) -> tuple[torch.device, torch.dtype]:
@@ -117,8 +107,8 @@ def clip_preprocess(images01: torch.Tensor, size: int = 224) -> torch.Tensor:
 def encode_image(image_model, images01: torch.Tensor) -> torch.Tensor:
     "Images in [0, 1] (B, 3, H, W) → `clip_img` (B, 1, proj): CLIP preprocessing, then `image_embeds`."
     device, dtype = _device_dtype(image_model)
-    x = clip_preprocess(images01.to(device=device, dtype=dtype), image_model.config.image_size)
-    return image_model(pixel_values=x).image_embeds.unsqueeze(1)  # (B, 1, proj)
+    x = clip_preprocess(images01.to(device=device, dtype=torch.float32), image_model.config.image_size)  # bicubic in fp32
+    return image_model(pixel_values=x.to(dtype)).image_embeds.unsqueeze(1)  # (B, 1, proj)
 
 # %% ../../nbs/22_models.clip.ipynb #b41f823a
 def clip_conditions(tokenizer, text_model, captions: Sequence[str], image_model=None, images01: torch.Tensor | None = None,

@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from ..core import append_dims, resolve_dtype
+from ..core import append_dims, load_safetensors_strict, frozen
 
 # %% auto #0
 __all__ = ['EFFICIENTNET_V2_S', 'IMAGENET_MEAN', 'IMAGENET_STD', 'EFFNET_PRESETS', 'ConvNormAct', 'SqueezeExcitation',
            'drop_path', 'MBConv', 'EffNetStage', 'efficientnet_v2_features', 'EfficientNetEncoder',
-           'load_safetensors_strict', 'load_effnet_encoder']
+           'load_effnet_encoder']
 
 # %% ../../nbs/23_models.effnet.ipynb #8f1b34f3
 class ConvNormAct(nn.Sequential):
@@ -139,20 +139,7 @@ class EfficientNetEncoder(nn.Module):
         return self((images01 - mean) / std)
 
 # %% ../../nbs/23_models.effnet.ipynb #c726cc76
-def load_safetensors_strict(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    "Load a `.safetensors` state dict into `model` (may be on meta), refusing missing/unexpected keys and wrong shapes."
-    from safetensors.torch import load_file
-    sd = load_file(str(path))
-    try: result = model.load_state_dict(sd, strict=False, assign=True)
-    except RuntimeError as e: raise ValueError(f"{path}: tensors do not fit {type(model).__name__}: {e}") from None
-    missing, unexpected = result.missing_keys, result.unexpected_keys
-    if missing or unexpected:
-        raise ValueError(f"{path}: keys do not match {type(model).__name__}: {len(missing)} missing {missing[:5]}, "
-                         f"{len(unexpected)} unexpected {unexpected[:5]}")
-    return model
-
 def load_effnet_encoder(path: str | os.PathLike, device=None, dtype=None, preset: str = "v2_s") -> EfficientNetEncoder:
     "Frozen `EfficientNetEncoder` in eval mode from an official `effnet_encoder.safetensors`."
     with torch.device("meta"): model = EfficientNetEncoder.from_preset(preset)
-    model = load_safetensors_strict(model, path)
-    return model.to(device=device, dtype=resolve_dtype(dtype)).eval().requires_grad_(False)
+    return frozen(load_safetensors_strict(model, path), device, dtype)

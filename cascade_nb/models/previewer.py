@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import torch
 from torch import nn
-from ..core import resolve_dtype
-from .effnet import load_safetensors_strict
+from ..core import load_safetensors_strict, frozen
 
 # %% auto #0
 __all__ = ['Previewer', 'load_previewer']
@@ -41,5 +40,4 @@ class Previewer(nn.Module):
 def load_previewer(path: str | os.PathLike, device=None, dtype=None, **config) -> Previewer:
     "Frozen `Previewer` in eval mode from an official `previewer.safetensors` (`config`: non-default constructor args)."
     with torch.device("meta"): model = Previewer(**config)
-    model = load_safetensors_strict(model, path)
-    return model.to(device=device, dtype=resolve_dtype(dtype)).eval().requires_grad_(False)
+    return frozen(load_safetensors_strict(model, path), device, dtype)

@@ -6,15 +6,14 @@ Docs: https://cascade-nb.github.io/cascade_nb/models.stage_a.html.md"""
 
 # %% ../../nbs/28_models.stage_a.ipynb #6509790f
 from __future__ import annotations
-import json, os
+import os
 from pathlib import Path
 from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ..core import resolve_dtype, save_safetensors_atomic
+from ..core import save_with_config, load_with_config, frozen
 from .blocks import LayerNorm2d
-from .effnet import load_safetensors_strict
 
 # %% auto #0
 __all__ = ['STAGE_A_PRESETS', 'StageAResBlock', 'VectorQuantize', 'StageAEncoding', 'StageA', 'save_stage_a', 'load_stage_a',
@@ -132,20 +131,16 @@ _META_KEY = 'cascade_nb.stage_a.config'
 
 def save_stage_a(model: StageA, path: str | os.PathLike):
     "Save `model`'s weights in the official layout as safetensors, with its config in the metadata."
-    save_safetensors_atomic(dict(model.state_dict()), path, metadata={_META_KEY: json.dumps(model.config)})
+    save_with_config(model, path, _META_KEY)
 
 def load_stage_a(path: str | os.PathLike, device=None, dtype=None, preset: str | None = None, **overrides) -> StageA:
     "Frozen `StageA` in eval mode from `stage_a.safetensors` (a file or a directory); config: preset, else metadata, else official."
-    from safetensors import safe_open
     path = Path(path)
     if path.is_dir(): path = path / 'stage_a.safetensors'
     if not path.is_file(): raise FileNotFoundError(f"load_stage_a: no Stage A weights at {path}")
-    with safe_open(str(path), framework='pt') as f: meta = f.metadata() or {}
-    if preset is None and _META_KEY in meta: config = {**json.loads(meta[_META_KEY]), **overrides}
-    else: config = {**STAGE_A_PRESETS[preset or 'official'], **overrides}
-    with torch.device('meta'): model = StageA(**config)
-    model = load_safetensors_strict(model, path)
-    return model.to(device=device, dtype=resolve_dtype(dtype)).eval().requires_grad_(False)
+    model = load_with_config(StageA, path, _META_KEY, STAGE_A_PRESETS, preset, lambda shapes: 'official',
+                             overrides=overrides)
+    return frozen(model, device, dtype)
 
 # %% ../../nbs/28_models.stage_a.ipynb #7350b264
 def stage_a_from_paella(vq, copy: bool = True) -> StageA:

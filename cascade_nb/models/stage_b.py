@@ -6,20 +6,18 @@ Docs: https://cascade-nb.github.io/cascade_nb/models.stage_b.html.md"""
 
 # %% ../../nbs/26_models.stage_b.ipynb #be0923bd
 from __future__ import annotations
-import glob, json, math
-from pathlib import Path
+import math
 from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ..core import resolve_dtype, save_safetensors_atomic
+from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config
 from ..gdf.samplers import seeded_randn
 from .blocks import LayerNorm2d, TimestepBlock
 from .stage_c import StageC
 
 # %% auto #0
-__all__ = ['STAGE_B_PRESETS', 'StageB', 'save_stage_b', 'checkpoint_file', 'load_stage_b', 'pyramid_noise', 'random_effnet_size',
-           'effnet_condition']
+__all__ = ['STAGE_B_PRESETS', 'StageB', 'save_stage_b', 'load_stage_b', 'pyramid_noise', 'random_effnet_size', 'effnet_condition']
 
 # %% ../../nbs/26_models.stage_b.ipynb #a794a285
 def _cond_mapper(c_in: int, c: int) -> nn.Sequential:
@@ -59,14 +57,11 @@ class StageB(StageC):
 
     @torch.no_grad()
     def init_weights(self):
-        "StageC's init of the shared backbone, N(0, .02) for the clip, effnet and pixels mappers."
-        if not hasattr(self, 'effnet_mapper') or any(p.is_meta for p in self.parameters()): return  # StageC.__init__ calls this early
-        lent = ('clip_txt_mapper', 'clip_txt_pooled_mapper', 'clip_img_mapper')  # the names StageC's init addresses
-        for name in lent: setattr(self, name, self.clip_mapper)
-        try: super().init_weights()
-        finally:
-            for name in lent: delattr(self, name)
-        for conv in (*self.effnet_mapper[0::2], *self.pixels_mapper[0::2]): nn.init.normal_(conv.weight, std=0.02)
+        "StageC's init; its N(0, .02) draw covers the clip, effnet and pixels mappers (`_cond_mappers`)."
+        if hasattr(self, 'pixels_mapper'): super().init_weights()   # StageC.__init__ calls it before the mappers exist
+
+    def _cond_mappers(self) -> tuple[nn.Module, ...]:
+        return (self.clip_mapper, *self.effnet_mapper[0::2], *self.pixels_mapper[0::2])   # the 1×1 convs
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> StageB:
@@ -88,16 +83,7 @@ class StageB(StageC):
         clip = self.gen_c_embeddings(clip)
         x = self.embedding(x)                                                       # (B, c0, H/p, W/p)
         x = x + self.effnet_mapper(_resize_to(effnet, x)) + _resize_to(self.pixels_mapper(pixels.to(x.dtype)), x)
-        x = x.contiguous(memory_format=torch.channels_last)
-        r_embed, clip, no_cnet = r_embed.to(x.dtype), clip.to(x.dtype), iter(())
-        level_outputs = []
-        for blocks, downscaler, repmap in zip(self.down_blocks, self.down_downscalers, self.down_repeat_mappers):
-            x = self._run_level(downscaler(x), blocks, repmap, r_embed, clip, no_cnet)
-            level_outputs.insert(0, x)                                              # deepest first
-        x = level_outputs[0]
-        for i, (blocks, upscaler, repmap) in enumerate(zip(self.up_blocks, self.up_upscalers, self.up_repeat_mappers)):
-            x = upscaler(self._run_level(x, blocks, repmap, r_embed, clip, no_cnet, skip=level_outputs[i] if i > 0 else None))
-        return self.clf(x).contiguous()
+        return self._levels(x, r_embed, clip)                                       # StageC's U-Net body
 
 # %% ../../nbs/26_models.stage_b.ipynb #165a43b9
 STAGE_B_PRESETS = {
@@ -113,24 +99,10 @@ _META_KEY = 'cascade_nb.stage_b.config'
 
 def save_stage_b(model: StageB, path, dtype=None):
     "Save `model`'s weights in the official key layout as safetensors, with its config in the metadata."
-    sd = {k: v.to(resolve_dtype(dtype)) if dtype is not None else v for k, v in model.state_dict().items()}
-    save_safetensors_atomic(sd, path, metadata={_META_KEY: json.dumps(model.config)})
+    save_with_config(model, path, _META_KEY, dtype)
 
-def checkpoint_file(path, stem: str, lite: bool | None = None, dtype=None) -> Path:
-    "`path` itself if a file, else the one `{stem}*.safetensors` in the directory matching `lite` and `dtype` (`_bf16`)."
-    path = Path(path)
-    if path.is_file(): return path
-    if not path.is_dir(): raise FileNotFoundError(f"{path} is neither a file nor a directory")
-    files = sorted(Path(f) for f in glob.glob(str(path / f'{stem}*.safetensors')))
-    if lite is not None and len(files) > 1: files = [f for f in files if ('lite' in f.name) == lite]
-    if len(files) > 1: files = [f for f in files if ('bf16' in f.name) == (dtype == torch.bfloat16)] or files
-    if len(files) != 1:
-        raise FileNotFoundError(f"expected one {stem}*.safetensors in {path} (lite={lite}, dtype={dtype}); "
-                                f"found {[f.name for f in files]}. Pass the file itself.")
-    return files[0]
-
-def _infer_stage_b_preset(sd) -> str:
-    width = sd['down_downscalers.1.1.weight'].shape[0] if 'down_downscalers.1.1.weight' in sd else None
+def _infer_stage_b_preset(shapes: dict) -> str:
+    width = shapes.get('down_downscalers.1.1.weight', (None,))[0]
     for name in ('3B', '700M'):
         if width == STAGE_B_PRESETS[name].get('c_hidden', (320, 640))[1]: return name
     raise ValueError(f"load_stage_b: cannot infer the preset from down_downscalers.1.1.weight (level-1 width {width}); "
@@ -138,17 +110,10 @@ def _infer_stage_b_preset(sd) -> str:
 
 def load_stage_b(path_or_dir, preset: str | None = None, dtype=None, device='cpu', **overrides) -> StageB:
     "Load Stage B weights (official or ours, safetensors only) into a model built on the meta device."
-    from safetensors import safe_open
-    from safetensors.torch import load_file
     dtype = resolve_dtype(dtype)
     path = checkpoint_file(path_or_dir, 'stage_b', None if preset is None else preset == '700M', dtype)
-    with safe_open(str(path), framework='pt') as f: meta = f.metadata() or {}
-    sd = load_file(str(path), device=str(device))
-    if preset is None and _META_KEY in meta: config = {**json.loads(meta[_META_KEY]), **overrides}
-    else: config = {**STAGE_B_PRESETS[preset or _infer_stage_b_preset(sd)], **overrides}
-    with torch.device('meta'): model = StageB(**config)
-    try: model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
-    except RuntimeError as e: raise RuntimeError(f"load_stage_b: {path} does not match the StageB config {config}:\n{e}") from None
+    model = load_with_config(StageB, path, _META_KEY, STAGE_B_PRESETS, preset, _infer_stage_b_preset, dtype, device,
+                             overrides)
     return model.to(device)
 
 # %% ../../nbs/26_models.stage_b.ipynb #50d37b20

@@ -6,13 +6,12 @@ Docs: https://cascade-nb.github.io/cascade_nb/models.stage_c.html.md"""
 
 # %% ../../nbs/21_models.stage_c.ipynb #bd066fec
 from __future__ import annotations
-import glob, json, math, warnings
-from pathlib import Path
+import math, warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from ..core import resolve_dtype, save_safetensors_atomic
+from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config
 from .blocks import (LayerNorm2d, ResBlock, AttnBlock, FeedForwardBlock, TimestepBlock,
                                       UpDownBlock2d)
 
@@ -117,8 +116,7 @@ class StageC(nn.Module):
                 if m.bias is not None: nn.init.zeros_(m.bias)
             elif isinstance(m, nn.MultiheadAttention):  # its Linear layout is a fused (3C, C) matrix
                 nn.init.xavier_uniform_(m.in_proj_weight); nn.init.zeros_(m.in_proj_bias)
-        for mapper in (self.clip_txt_mapper, self.clip_txt_pooled_mapper, self.clip_img_mapper):
-            nn.init.normal_(mapper.weight, std=0.02)
+        for mapper in self._cond_mappers(): nn.init.normal_(mapper.weight, std=0.02)
         nn.init.xavier_uniform_(self.embedding[1].weight, gain=0.02)
         nn.init.zeros_(self.clf[1].weight)
         scale = math.sqrt(1 / sum(self.config['blocks'][0]))
@@ -127,6 +125,10 @@ class StageC(nn.Module):
             elif isinstance(block, TimestepBlock):
                 for lin in block.modules():
                     if isinstance(lin, nn.Linear): nn.init.zeros_(lin.weight)
+
+    def _cond_mappers(self) -> tuple[nn.Module, ...]:
+        "The conditioning mappers the init draws from N(0, 0.02) (a subclass with other conditions names its own)."
+        return self.clip_txt_mapper, self.clip_txt_pooled_mapper, self.clip_img_mapper
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> StageC:
@@ -177,15 +179,19 @@ class StageC(nn.Module):
         if clip_img is None: clip_img = clip_text.new_zeros(x.shape[0], 1, self.clip_img_mapper.in_features)
         r_embed = self.gen_r_embedding(r, **kwargs)
         clip = self.gen_c_embeddings(clip_text, clip_text_pooled, clip_img)
-        cnet = iter(cnet if cnet is not None else ())
-        x = self.embedding(x).contiguous(memory_format=torch.channels_last)   # (B, C, H, W) stored as (B, H, W, C)
+        return self._levels(self.embedding(x), r_embed, clip, cnet)
+
+    def _levels(self, x, r_embed, clip, cnet=None) -> torch.Tensor:
+        "Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips, `clf`."
+        x = x.contiguous(memory_format=torch.channels_last)   # (B, C, H, W) stored as (B, H, W, C)
         if x.dtype == torch.float16:   # fp16 weights or fp16 autocast
-            warnings.warn("StageC in float16: its activations overflow fp16 (max 65504); use bfloat16 or float32")
-        r_embed, clip = r_embed.to(x.dtype), clip.to(x.dtype)
+            warnings.warn(f"{type(self).__name__} in float16: its activations overflow fp16 (max 65504); "
+                          "use bfloat16 or float32")
+        r_embed, clip, cnet = r_embed.to(x.dtype), clip.to(x.dtype), iter(cnet if cnet is not None else ())
         level_outputs = []
         for blocks, downscaler, repmap in zip(self.down_blocks, self.down_downscalers, self.down_repeat_mappers):
             x = self._run_level(downscaler(x), blocks, repmap, r_embed, clip, cnet)
-            level_outputs.insert(0, x)
+            level_outputs.insert(0, x)                                          # deepest first
         x = level_outputs[0]
         for i, (blocks, upscaler, repmap) in enumerate(zip(self.up_blocks, self.up_upscalers, self.up_repeat_mappers)):
             x = upscaler(self._run_level(x, blocks, repmap, r_embed, clip, cnet, skip=level_outputs[i] if i > 0 else None))
@@ -204,23 +210,10 @@ _META_KEY = 'cascade_nb.stage_c.config'
 
 def save_stage_c(model: StageC, path, dtype=None):
     "Save `model`'s weights in the official key layout as safetensors, with its config in the metadata."
-    sd = {k: v.to(resolve_dtype(dtype)) if dtype is not None else v for k, v in model.state_dict().items()}
-    save_safetensors_atomic(sd, path, metadata={_META_KEY: json.dumps(model.config)})
+    save_with_config(model, path, _META_KEY, dtype)
 
-def _stage_c_file(path, preset, dtype) -> Path:
-    path = Path(path)
-    if path.is_file(): return path
-    if not path.is_dir(): raise FileNotFoundError(f"load_stage_c: {path} is neither a file nor a directory")
-    files = sorted(Path(f) for f in glob.glob(str(path / 'stage_c*.safetensors')))
-    if preset is not None and len(files) > 1: files = [f for f in files if ('lite' in f.name) == (preset == '1B')]
-    if len(files) > 1: files = [f for f in files if ('bf16' in f.name) == (dtype == torch.bfloat16)] or files
-    if len(files) != 1:
-        raise FileNotFoundError(f"load_stage_c: expected one stage_c*.safetensors in {path} for preset={preset!r}, "
-                                f"dtype={dtype}; found {[f.name for f in files]}. Pass the file itself.")
-    return files[0]
-
-def _infer_preset(sd) -> str:
-    width = sd['clip_txt_mapper.weight'].shape[0] if 'clip_txt_mapper.weight' in sd else None
+def _infer_preset(shapes: dict) -> str:
+    width = shapes.get('clip_txt_mapper.weight', (None,))[0]
     for name in ('3.6B', '1B'):
         if width == STAGE_C_PRESETS[name].get('c_cond', 2048): return name
     raise ValueError(f"load_stage_c: cannot infer the preset from clip_txt_mapper.weight (c_cond={width}); "
@@ -228,16 +221,7 @@ def _infer_preset(sd) -> str:
 
 def load_stage_c(path_or_dir, preset: str | None = None, dtype=None, device='cpu', **overrides) -> StageC:
     "Load Stage C weights (official or ours, safetensors only) into a model built on the meta device."
-    from safetensors import safe_open
-    from safetensors.torch import load_file
     dtype = resolve_dtype(dtype)
-    path = _stage_c_file(path_or_dir, preset, dtype)
-    with safe_open(str(path), framework='pt') as f: meta = f.metadata() or {}
-    sd = load_file(str(path), device=str(device))
-    if preset is None and _META_KEY in meta: config = {**json.loads(meta[_META_KEY]), **overrides}
-    else: config = {**STAGE_C_PRESETS[preset or _infer_preset(sd)], **overrides}
-    with torch.device('meta'): model = StageC(**config)
-    sd = {k: v.to(dtype) for k, v in sd.items()}
-    try: model.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e: raise RuntimeError(f"load_stage_c: {path} does not match the StageC config {config}:\n{e}") from None
+    path = checkpoint_file(path_or_dir, 'stage_c', None if preset is None else preset == '1B', dtype)
+    model = load_with_config(StageC, path, _META_KEY, STAGE_C_PRESETS, preset, _infer_preset, dtype, device, overrides)
     return model.to(device)
