@@ -1,0 +1,95 @@
+"""ControlNet training through the real trainer CLI: the official ControlNet YAMLs at tiny size, exact resume after a
+kill, 2-process DDP, and a frozen generator."""
+import json, random, signal
+from pathlib import Path
+import pytest, torch
+from safetensors.torch import load_file
+from conftest import ROOT, run_cli
+from official_configs import OFFICIAL_CONFIGS
+from test_lora_train import pretrained_tiny, assert_identical, info
+
+DRIVER = ROOT / "tests" / "train_driver.py"
+TINY = ["model_version=tiny", "model_overrides={c_in: 3, c_out: 3, patch_size: 2}", "latent_space=pixels",
+        "clip_text_model_name=tiny", "clip_image_model_name=null", "effnet_checkpoint_path=null",
+        "previewer_checkpoint_path=null", "wandb_project=null", "tracker=none", "dataset_filters=null",
+        "webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0", "image_size=32", "batch_size=4",
+        "log_every=1", "lr=1e-3", "warmup_updates=2", "sample_steps=2", "use_fsdp=false"]
+SIMPLE = ["controlnet_bottleneck_mode=simple"]   # small and fast for resume / DDP
+
+def cnet_args(tmp, name, config="controlnet_c_3b_canny.yaml", *extra):
+    Path(tmp).mkdir(parents=True, exist_ok=True)
+    cfg = Path(tmp) / config
+    cfg.write_text(OFFICIAL_CONFIGS[config])
+    return [cfg, *TINY, f"generator_checkpoint_path={pretrained_tiny(Path(tmp) / 'pretrained.safetensors')}",
+            f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt", f"output_path={tmp}/out", *extra]
+
+def released(tmp, name): return load_file(str(Path(tmp) / "ckpt" / name / "controlnet.safetensors"))
+
+@pytest.mark.parametrize("config", ["controlnet_c_3b_canny.yaml", "controlnet_c_3b_inpainting.yaml"])
+def test_official_controlnet_config_trains_at_tiny_size(config, tmp_path):
+    "The official keys as they are (effnet bottleneck, blocks [0, 4, 8, 12, 51, 55, 59, 63], offset noise) at tiny size."
+    run_cli("-m", "cascade_nb.train", *cnet_args(tmp_path, "c", config, "updates=2", "save_every=2"), env={"OMP_NUM_THREADS": "1"})
+    i = info(tmp_path, "c")
+    assert i["update"] == 2
+    run = tmp_path / "ckpt" / "c"
+    assert not (run / "generator.safetensors").exists()
+    sd = released(tmp_path, "c")
+    from cascade_nb.controlnet import load_controlnet, controlnet_config
+    want_c_in = {"controlnet_c_3b_canny.yaml": 1, "controlnet_c_3b_inpainting.yaml": 4}[config]
+    assert controlnet_config(sd) == dict(c_in=want_c_in, c_proj=64, bottleneck_mode="effnet", n_proj=8)
+    load_controlnet(sd, [0, 4, 8, 12, 51, 55, 59, 63])                          # official layout, strict
+    # the zero-initialised projections of the injected blocks (ResBlocks 0 and 4 of six) learned
+    assert sd["projections.0.2.weight"].abs().sum() > 0 and sd["projections.1.2.weight"].abs().sum() > 0
+    if "inpainting" in config: assert i["config"]["offset_noise"] == 0.1
+    assert (tmp_path / "out" / "c" / "000002.png").exists()
+
+RUN = ["updates=6", "save_every=2", *SIMPLE]
+
+def test_controlnet_resume_after_kill_is_bit_identical(tmp_path):
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    run_cli(DRIVER, *cnet_args(ref, "r", "controlnet_c_3b_inpainting.yaml", *RUN))   # random masks: RNG must resume too
+    res = run_cli(DRIVER, "--kill-in-commit", "4", *cnet_args(killed, "r", "controlnet_c_3b_inpainting.yaml", *RUN), check=False)
+    assert res.returncode == -signal.SIGKILL and info(killed, "r")["update"] == 2
+    run_cli(DRIVER, *cnet_args(killed, "r", "controlnet_c_3b_inpainting.yaml", *RUN))
+    assert info(killed, "r")["update"] == 6
+    assert_identical(released(killed, "r"), released(ref, "r"))
+
+def test_controlnet_two_process_ddp(tmp_path):
+    res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
+                  "--main_process_port", str(29500 + random.randint(0, 400)), DRIVER, "--check-ddp-sync",
+                  *cnet_args(tmp_path, "ddp", "controlnet_c_3b_canny.yaml", "updates=2", "save_every=2", "batch_size=8", *SIMPLE,
+                            "controlnet_filter_params={resize: 32}"),
+                  env={"OMP_NUM_THREADS": "1"})
+    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
+    i = info(tmp_path, "ddp")
+    assert i["num_processes"] == 2 and i["update"] == 2
+
+def test_controlnet_step_leaves_the_generator_frozen():
+    from cascade_nb.config import config_from_dict
+    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace, diffusion_loss
+    from cascade_nb.gdf.presets import gdf_from_config
+    from cascade_nb.controlnet import ControlNetTraining
+    cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
+                                model_overrides={"c_in": 3, "c_out": 3, "patch_size": 2}, latent_space="pixels",
+                                clip_text_model_name="tiny", clip_image_model_name=None, image_size=32, batch_size=2,
+                                controlnet_blocks=[0, 2, 5], controlnet_filter="InpaintFilter", controlnet_bottleneck_mode="simple"))
+    torch.manual_seed(0)
+    gen = build_generator(cfg); tok, te = build_text_encoder(cfg)
+    with torch.no_grad(): gen.clf[1].weight.normal_(std=0.1)
+    mode = ControlNetTraining(cfg, gen, tok, te, None, PixelSpace())
+    before = {k: v.clone() for k, v in gen.state_dict().items()}
+    opt = torch.optim.AdamW([p for p in mode.net.parameters() if p.requires_grad], lr=1e-2)
+    x0, conds = mode.encode({"images": torch.rand(2, 3, 32, 32), "captions": ["a", "b"]}, "cpu", rng=torch.Generator().manual_seed(0))
+    assert conds["cnet_input"].shape == (2, 4, 32, 32)
+    for step in range(2):
+        loss, _, _ = diffusion_loss(mode.net, gdf_from_config(cfg.gdf), x0, conds, rng=torch.Generator().manual_seed(step))
+        loss.backward()
+        with_grad = [n for n, p in mode.net.named_parameters() if p.grad is not None]
+        assert with_grad and all(n.startswith("controlnet.") for n in with_grad)
+        opt.step(); opt.zero_grad()
+    assert all(torch.equal(before[k], v) for k, v in gen.state_dict().items())
+    assert mode.net.controlnet.projections[0][2].weight.abs().sum() > 0
+
+def test_official_identity_config_explains_the_missing_face_models(tmp_path):
+    res = run_cli("-m", "cascade_nb.train", *cnet_args(tmp_path, "id", "controlnet_c_3b_identity.yaml", "updates=1"), check=False)
+    assert res.returncode != 0 and "IdentityFilter needs face detection" in res.stderr
