@@ -1,9 +1,10 @@
 """Run every notebook (library notebooks in nbs/ and the tutorials) the way `nbdev-test` does, one pytest test each,
-so CI prints pytest's summary. Cells flagged with the project's `tst_flags` (gpu, weights, notest) are skipped."""
-from pathlib import Path
+so CI prints pytest's summary. Cells flagged with the project's `tst_flags` (gpu, weights, notest) are skipped.
+Each notebook runs in its own process, like nbdev-test's workers: a notebook's tensors and models are freed when it
+ends, so the suite's memory stays that of the largest notebook, not the sum."""
+import os, subprocess, sys
 import pytest
 from nbdev.config import get_config
-from nbdev import test as nbdev_test   # (not `from ... import test_nb`: pytest would collect it)
 from conftest import ROOT
 
 def _notebooks():
@@ -11,13 +12,19 @@ def _notebooks():
     return [p for p in found if not any(part.startswith(("_", ".")) for part in p.relative_to(ROOT).parts)]
 
 NOTEBOOKS = _notebooks()
+RUN = """import sys
+from nbdev.test import test_nb
+ok, _ = test_nb(sys.argv[1], skip_flags=sys.argv[2].split(), basepath=sys.argv[3], showerr=True)
+sys.exit(0 if ok else 1)
+"""
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=[str(p.relative_to(ROOT)) for p in NOTEBOOKS])
-def test_notebook(nb, monkeypatch):
-    monkeypatch.chdir(nb.parent)   # nbdev-test runs notebooks from their folder
-    skip = get_config(ROOT).tst_flags.split()
-    ok, _ = nbdev_test.test_nb(nb, skip_flags=skip, basepath=ROOT, showerr=True)
-    assert ok, f"{nb.name} failed (traceback above)"
+def test_notebook(nb):
+    skip = get_config(ROOT).tst_flags
+    env = {k: v for k, v in os.environ.items() if k != "IN_TEST"}
+    res = subprocess.run([sys.executable, "-c", RUN, str(nb), skip, str(ROOT)], cwd=nb.parent, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"{nb.name} failed:\n{res.stderr[-6000:]}\n{res.stdout[-2000:]}"
 
 def test_found_notebooks():
     names = [p.name for p in NOTEBOOKS]
