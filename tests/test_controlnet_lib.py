@@ -2,8 +2,7 @@
 filter output shapes and determinism."""
 import pytest, torch
 from cascade_nb.models.stage_c import StageC
-from cascade_nb.controlnet import (ControlNet, load_controlnet, controlnet_config, CannyFilter, InpaintFilter, SRFilter,
-                                   SREffnetFilter, IdentityFilter, make_filter, canny_edges)
+from cascade_nb.controlnet import ControlNet, load_controlnet, controlnet_config, make_filter, canny_edges
 
 BLOCKS = [0, 4, 8, 12, 51, 55, 59, 63]
 

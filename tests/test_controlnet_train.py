@@ -1,6 +1,6 @@
 """ControlNet training through the real trainer CLI: the official ControlNet YAMLs at tiny size, exact resume after a
 kill, 2-process DDP, and a frozen generator."""
-import json, random, signal
+import random, signal
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file

@@ -1,10 +1,9 @@
 "Every source form reads the same samples; the bucket table matches the reference."
-import subprocess, warnings
+import subprocess
 from fractions import Fraction
 from pathlib import Path
 import pytest
 from cascade_nb.data import build_dataset, bucket_sizes, pack_folder, resolve_shards
-from cascade_nb.data.sources import open_url
 
 ROOT = Path(__file__).resolve().parents[1]
 EMOJI = ROOT / "data_samples" / "emoji"

@@ -1,6 +1,5 @@
 """LoRA library checks that notebooks test badly: peft loads our adapter onto the diffusers twin of the same
 weights, kohya/ComfyUI key layout, merge/unmerge equality, token init and gradient masking."""
-import json
 import pytest, torch
 from cascade_nb.models.stage_c import StageC
 from cascade_nb.lora import (apply_lora, lora_state_dict, merge_lora, unmerge_lora, to_kohya, from_kohya,

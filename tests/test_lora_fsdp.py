@@ -1,7 +1,7 @@
 """LoRA and ControlNet nets under FSDP2 (`fully_shard` per block, frozen generator sharded too) on 2 CPU processes
 (gloo): a training step matches a single-process step, and the released weights are gathered from the shards.
 accelerate's FSDP plugin is GPU-only, so this drives torch FSDP2 directly, as a launch config would on GPUs."""
-import random, textwrap
+import textwrap
 from conftest import ROOT, run_cli
 
 SCRIPT = textwrap.dedent('''

@@ -2,7 +2,7 @@
 2-process DDP, and a frozen base."""
 import json, random, signal
 from pathlib import Path
-import pytest, torch
+import torch
 from safetensors.torch import load_file
 from conftest import ROOT, run_cli
 from official_configs import OFFICIAL_CONFIGS

@@ -255,7 +255,6 @@ def check_page(page: Path, site: Path) -> list[str]:
     "Problems of one built page: output images not embedded, local pictures or links that point nowhere."
     text, problems = page.read_text(), []
     srcs = re.findall(r'<img\b[^>]*?\bsrc="([^"]+)"', text)
-    embedded = [s for s in srcs if s.startswith("data:image/")]
     m = re.search(r'name="cascade-nb-output-images" content="(\d+)"', text)
     expected = int(m.group(1)) if m else 0
     if len(re.findall(r'<img class="output" src="data:image/', text)) < expected:
