@@ -69,7 +69,7 @@ if args.report_shards:
         model = self._models[0]
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
         total = sum(p.numel() for p in model.parameters())
-        print(f"rank {self.process_index}: holds {local / total:.3f} of {total} parameters", flush=True)
+        print(f"\nrank {self.process_index}: holds {local / total:.3f} of {total} parameters", flush=True)
         return _end0(self)
     Accelerator.end_training = end_training
 
