@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
-import argparse, contextlib, copy, importlib.util, json, resource, signal, sys, time, warnings
+import argparse, contextlib, copy, gc, importlib.util, json, resource, signal, sys, time, warnings
 from pathlib import Path
 if __name__ == "__main__" and not __package__ and "__file__" in globals():
     # run as a script (`accelerate launch cascade_nb/train.py ...`): import the package, not the folder (PEP 366)
@@ -331,7 +331,10 @@ def _peak_memory_gb(device) -> float:
 
 # %% ../nbs/41_train.ipynb #4b466ff3
 def train(cfg: Config) -> dict:
-    "Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists."
+    """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
+
+    Returns the run's summary and modules. In a multi-process FSDP run the returned modules are sharded: drop the result
+    and `gc.collect()` before the interpreter exits, as `main` does (gloo can abort when they die during shutdown)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from fastprogress.fastprogress import progress_bar
@@ -508,9 +511,11 @@ def train(cfg: Config) -> dict:
 
     if is_main and metrics_path.exists(): plot_metrics(metrics_path, out_dir/"loss.png")
     acc.wait_for_everyone()
+    net = acc.unwrap_model(net)
+    acc.free_memory()   # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
     acc.end_training()
     return {"update": state.update, "run_dir": str(run_dir.path), "output_dir": str(out_dir),
-            "net": acc.unwrap_model(net), "ema": ema, "mode": mode, "state": state}
+            "net": net, "ema": ema, "mode": mode, "state": state}
 
 def _val_data(cfg: Config):
     "The data config for validation: the held-out source, read once, in order, centre-cropped."
@@ -547,9 +552,10 @@ def main(argv=None):
     p.add_argument("config", help="training YAML (official StableCascade keys or cascade_nb's)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lr=3e-4 updates=500")
     args = p.parse_args(argv)
-    try: return train(load_config(args.config, args.overrides))
+    try: train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
     except ConfigError as e:   # raised before any training step: a clear line, no traceback
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    gc.collect()   # FSDP-sharded modules must die before interpreter shutdown: gloo aborts if they outlive it
 
 if __name__ == "__main__" and "__file__" in globals(): main()   # not when this notebook runs

@@ -28,7 +28,8 @@ def info(tmp, name):
     return json.loads(p.read_text()) if p.exists() else None
 
 def test_short_run_from_the_command_line(tmp_path):
-    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "short", "updates=6", "save_every=3"))
+    # the installed console script: it exits with main()'s return value, so a finished run must exit 0
+    res = run_cli(Path(sys.executable).parent / "cascade-train", *demo_args(tmp_path, "short", "updates=6", "save_every=3"))
     run, out = tmp_path / "ckpt" / "short", tmp_path / "out" / "short"
     assert info(tmp_path, "short")["update"] == 6
     assert {"generator.safetensors", "generator_ema.safetensors", "info.json", "state-00000006"} <= {p.name for p in run.iterdir()}

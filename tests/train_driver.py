@@ -64,27 +64,27 @@ if args.fsdp_cpu:
 
 if args.report_shards:
     from accelerate import Accelerator
-    _end0 = Accelerator.end_training
-    def end_training(self):
+    _free0 = Accelerator.free_memory   # the trainer's last step before the process group goes
+    def free_memory(self, *objects):
         model = self._models[0]
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
         total = sum(p.numel() for p in model.parameters())
         print(f"\nrank {self.process_index}: holds {local / total:.3f} of {total} parameters", flush=True)
-        return _end0(self)
-    Accelerator.end_training = end_training
+        return _free0(self, *objects)
+    Accelerator.free_memory = free_memory
 
-if args.check_ddp_sync:   # compare weights across processes just before accelerate tears the process group down
+if args.check_ddp_sync:   # compare weights across processes just before the trainer releases the DDP wrapper
     from accelerate import Accelerator
     import torch.distributed as dist
-    _end = Accelerator.end_training
-    def end_training(self):
+    _free = Accelerator.free_memory
+    def free_memory(self, *objects):
         model = self.unwrap_model(self._models[0])
         flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
         gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
         assert all(torch.equal(g, gathered[0]) for g in gathered), "DDP processes hold different weights"
         print(f"rank {dist.get_rank()}: weights identical on {dist.get_world_size()} processes", flush=True)
-        return _end(self)
-    Accelerator.end_training = end_training
+        return _free(self, *objects)
+    Accelerator.free_memory = free_memory
 
 T.main(rest)
