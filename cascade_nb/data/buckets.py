@@ -10,12 +10,13 @@ import math, random, warnings
 from fractions import Fraction
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from .sources import SkipCounter, _worker_seed
 
 # %% auto #0
-__all__ = ['bucket_sizes', 'closest_bucket', 'resize_crop', 'pil_to_chw', 'images_to_float', 'pick_bucket', 'BucketResize',
-           'collate_samples', 'BucketBatcher']
+__all__ = ['bucket_sizes', 'closest_bucket', 'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket',
+           'BucketResize', 'collate_samples', 'BucketBatcher']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
 def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[int, int], ...]:
@@ -36,24 +37,37 @@ def closest_bucket(h: int, w: int, buckets) -> tuple[int, int]:
     lr = math.log(w / h)
     return min(buckets, key=lambda b: abs(math.log(b[1] / b[0]) - lr))
 
-def resize_crop(img: Image.Image, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
-    "Scale `img` to cover `size` (H, W) and crop it; returns the image and the crop's (top, left) in source pixels."
+def crop_box(h: int, w: int, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
+    "The (top, left, height, width) box of an h×w image, in source pixels, that scales to cover `size` (H, W): centred or random."
     H, W = size
-    scale = max(H / img.height, W / img.width)
-    bh, bw = min(H / scale, img.height), min(W / scale, img.width)   # the crop box in source pixels (min: float round-off)
-    if crop == "center": top, left = (img.height - bh) / 2, (img.width - bw) / 2
+    scale = max(H / h, W / w)
+    bh, bw = min(H / scale, h), min(W / scale, w)   # min: float round-off
+    if crop == "center": top, left = (h - bh) / 2, (w - bw) / 2
     elif crop == "random":
         rng = rng or random
-        top, left = rng.uniform(0, img.height - bh), rng.uniform(0, img.width - bw)
+        top, left = rng.uniform(0, h - bh), rng.uniform(0, w - bw)
     else: raise ValueError(f"crop must be 'center' or 'random', got {crop!r}")
-    top, left = max(0.0, top), max(0.0, left)
-    if (img.width, img.height) == (W, H): return img, (0, 0)   # already the bucket's size: nothing to resample
-    out = img.resize((W, H), Image.Resampling.BILINEAR, box=(left, top, left + bw, top + bh))   # antialiased when shrinking
+    return max(0.0, top), max(0.0, left), bh, bw
+
+def resize_crop(img: Image.Image, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
+    "Scale `img` to cover `size` (H, W) and crop it, as a PIL image (for previews); returns it and the crop's (top, left)."
+    top, left, bh, bw = crop_box(img.height, img.width, size, crop, rng)
+    if (img.height, img.width) == tuple(size): return img, (0, 0)   # already the bucket's size: nothing to resample
+    out = img.resize(size[::-1], Image.Resampling.BILINEAR, box=(left, top, left + bw, top + bh))   # antialiased when shrinking
     return out, (round(top), round(left))
 
-def pil_to_chw(img: Image.Image) -> np.ndarray:
-    "A PIL RGB image as a contiguous (3, H, W) uint8 array (cheap on uint8; makes collation a plain memcpy)."
-    return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
+def resize_crop_chw(img: Image.Image, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
+    """`resize_crop` for training: the box snapped to whole pixels and resampled by torch's uint8 antialiased bilinear
+    kernel (PIL's filter, within a few levels at the box edges; ≈4× faster on CPU), straight into a contiguous
+    (3, H, W) uint8 array (collation is then a plain copy). Returns the array and the crop's (top, left)."""
+    a = torch.from_numpy(np.array(img))   # (h, w, 3) uint8, writable
+    h, w = a.shape[:2]
+    top, left, bh, bw = crop_box(h, w, size, crop, rng)
+    t, l = round(top), round(left)
+    x = a[t:t + min(round(bh), h - t), l:l + min(round(bw), w - l)].permute(2, 0, 1)
+    if tuple(x.shape[1:]) != tuple(size):
+        x = F.interpolate(x[None], size=tuple(size), mode="bilinear", antialias=True, align_corners=False)[0]
+    return x.contiguous().numpy(), (t, l)
 
 def images_to_float(images: list[np.ndarray]) -> torch.Tensor:
     "Same-size (3, H, W) uint8 arrays → one (B, 3, H, W) float32 tensor in [0, 1]."
@@ -80,8 +94,8 @@ class BucketResize:
             img = s["image"]
             oh, ow = s.get("original_size", (img.height, img.width))   # the decoder may have decoded at reduced size
             bucket = s.get("bucket") or pick_bucket(oh, ow, self.buckets, self.p_random_ratio, rng)
-            out, (top, left) = resize_crop(img, bucket, self.crop, rng)
-            yield {**s, "image": pil_to_chw(out), "bucket": bucket, "original_size": (oh, ow),
+            chw, (top, left) = resize_crop_chw(img, bucket, self.crop, rng)
+            yield {**s, "image": chw, "bucket": bucket, "original_size": (oh, ow),
                    "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
 
 def collate_samples(samples: list[dict]) -> dict:

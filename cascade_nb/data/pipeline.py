@@ -35,11 +35,12 @@ def as_dataset_filters(specs) -> tuple[DatasetFilter, ...]:
 # %% ../../nbs/32_data.pipeline.ipynb #e2a2d5f4
 def to_rgb(img: Image.Image) -> Image.Image:
     "RGB image: EXIF rotation applied, transparency composited on white."
-    if img.format in ("JPEG", "MPO", "WEBP", "TIFF"): img = ImageOps.exif_transpose(img)   # formats that carry EXIF rotation
+    if img.format in ("JPEG", "MPO", "WEBP", "TIFF"):   # formats that carry EXIF rotation
+        ImageOps.exif_transpose(img, in_place=True)      # in place: no copy when there is nothing to rotate
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return img.convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 def default_min_side(image_size: int) -> int:
     "Images with a shorter side below this are skipped as `too_small` (upscaling them 8× teaches blur)."
@@ -191,7 +192,12 @@ def build_dataloader(source, batch_size: int, *, num_workers: int = 2, pin_memor
                       "pack more, smaller shards (python -m cascade_nb.data pack ... --shard-size N)")
     kw = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
               multiprocessing_context=multiprocessing_context) if num_workers > 0 else {}
-    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kw)
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                                       collate_fn=_as_is, **kw)
+
+def _as_is(batch):
+    "The DataLoader's collate_fn: batches leave the dataset already collated."
+    return batch
 
 def dataloader_from_config(data, batch_size: int, seed: int = 0, **overrides) -> torch.utils.data.DataLoader:
     "A DataLoader from a `DataConfig` (`cfg.data`); `batch_size` is per process; `overrides` replace any argument."
