@@ -54,3 +54,17 @@ def test_pages_in_headless_chromium(site, tmp_path):
         problems, info = browser.check_page(out, rel, tmp_path, browser.find_chromium())
         assert problems == [], (problems, info)
         assert info["embedded"] >= 1 and info["broken"] == 0
+
+def test_demo_images_tool(tmp_path):
+    "tools/make_demo_images.py turns a run's grids and loss curve into the three README/notebook pictures."
+    from PIL import Image
+    run = tmp_path / "run"; run.mkdir()
+    for n in (200, 400): Image.new("RGB", (40, 30), (n // 4, 0, 0)).save(run / f"{n:06d}.png")
+    Image.new("RGB", (60, 40)).save(run / "loss.png")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import make_demo_images
+    make_demo_images.main([str(run), "--images", str(tmp_path)])
+    assert Image.open(tmp_path / "demo_grid.png").getpixel((0, 0))[:3] == (100, 0, 0)   # the last grid
+    assert Image.open(tmp_path / "demo_progress.png").size == (40, 2 * (30 + 18))
+    assert (tmp_path / "demo_loss.png").exists()
+    with pytest.raises(SystemExit, match="expected NNNNNN.png"): make_demo_images.main([str(tmp_path / "nothing"), "--images", str(tmp_path)])
