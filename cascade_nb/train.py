@@ -454,7 +454,8 @@ def train(cfg: Config) -> dict:
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches
     net.train()
     metrics_path, losses, last_log, skipped, batch = out_dir/"metrics.jsonl", [], time.time(), {}, None
-    bar = progress_bar(range(state.update, t.updates), display=is_main, leave=True)
+    interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
+    bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
     for _ in bar:
         for _micro in range(t.grad_accum_steps):
             batch = next(stream); state.batches_drawn += 1
@@ -491,6 +492,7 @@ def train(cfg: Config) -> dict:
             if is_main:
                 with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, **m}) + "\n")
                 bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
+                if not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0:
             vl = validation_loss(acc.unwrap_model(net), gdf, [mode.encode(b, device, training=False) for b in val_batches])
             acc.log({"val_loss": vl}, step=state.update)

@@ -36,6 +36,8 @@ def test_short_run_from_the_command_line(tmp_path):
     assert (out / "000003.png").exists() and (out / "000006.png").exists() and (out / "loss.png").exists()
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["loss"] > 0 for r in rows)
+    # stdout is a pipe here, as in a SLURM log: one plain line per log_every, no progress bar redrawn with \r
+    assert "\r" not in res.stdout and len(re.findall(r"^update \d/6: loss [0-9.]+ \| lr", res.stdout, re.M)) == 6, res.stdout[-2000:]
     # the export is a plain state dict in the official key layout, loadable by load_stage_c
     from cascade_nb.models.stage_c import load_stage_c
     load_stage_c(run / "generator.safetensors", preset="tiny", c_in=3, c_out=3, patch_size=2)
