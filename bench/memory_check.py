@@ -19,8 +19,9 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    all_rows = calibration_rows(args.batch, args.side)
     for name, model in calibration_models().items():
-        rows = calibration_rows(args.batch, args.side, models=(name,))
+        rows = [r for r in all_rows if r["model"] == name]
         fp32 = rows[0]
         n = sum(q.numel() for q in model.parameters())
         ratios = ", ".join(f"{r['case']} {r['ratio']:.3f}" for r in rows)

@@ -11,6 +11,7 @@ import argparse, statistics, time
 import torch
 from cascade_nb.models.stage_c import StageC
 from cascade_nb.interop import stage_c_to_diffusers, DiffusersStageC
+from cascade_nb.memory import saved_bytes
 
 CONFIGS = {  # name: (StageC.from_preset overrides, batch, latent size)
     'tiny': (dict(), 4, 24),
@@ -18,20 +19,11 @@ CONFIGS = {  # name: (StageC.from_preset overrides, batch, latent size)
                  c_clip_text_pooled=256, c_clip_img=256), 2, 24),
 }
 
-def saved_bytes(f):
-    "Bytes of unique storages autograd saves for backward while running f()."
-    seen = {}
-    def pack(t):
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = f()
-    return out, sum(seen.values())
-
 def step(model, inp):
     model.zero_grad(set_to_none=True)
-    out, nbytes = saved_bytes(lambda: model(**inp))
-    out.square().mean().backward()
+    out = []
+    nbytes = saved_bytes(lambda: out.append(model(**inp)))   # every saved storage, parameters included
+    out[0].square().mean().backward()
     return nbytes
 
 def bench(name, iters):

@@ -308,8 +308,8 @@ def coerce(value, tp, key: str = "value"):
             except ConfigError as e: errors.append(e)
         raise errors[0] if len(errors) == 1 else bad()
     if origin is Literal:
-        if isinstance(value, bool) and ("yes" if value else "no") in args: return "yes" if value else "no"  # YAML 1.1 reads `no` as False
-        if value in args and not isinstance(value, bool): return value
+        word = ("yes" if value else "no") if isinstance(value, bool) else value   # YAML 1.1 reads `no` as False
+        if word in args: return word
         raise ConfigError(f"key '{key}': {value!r} is not allowed; expected one of {', '.join(repr(a) for a in args)}")
     if tp is bool:
         if isinstance(value, bool): return value

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from .config import Config, ConfigError, load_config
-from .core import human_count
+from .core import human_count, resolve_dtype
 
 # %% auto #0
 __all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'EFFNET_SAVED_PER_PIXEL', 'OFFICIAL_3B',
@@ -256,13 +256,11 @@ class MemoryPlan:
     def table(self, peak_line: bool = True) -> str:
         "The rows, the notes and (unless `peak_line=False`) the final `peak per GPU ≈ N GB` line."
         w = max(map(len, self.rows)) + 2
-        lines = [self.summary, f"{'component':<{w}}{'GB':>8}", "-" * (w + 8)] if self.summary else [f"{'component':<{w}}{'GB':>8}", "-" * (w + 8)]
+        lines = [self.summary] * bool(self.summary) + [f"{'component':<{w}}{'GB':>8}", "-" * (w + 8)]
         lines += [f"{k:<{w}}{v / GB:8.2f}" for k, v in self.rows.items()]
         lines += ["-" * (w + 8), *[f"note: {n}" for n in self.notes]]
         return "\n".join(lines + [f"peak per GPU ≈ {self.peak_gb:.1f} GB"] * peak_line)
     def __str__(self): return self.table()
-
-def _dtype_bytes(name) -> int: return 2 if name in ("bfloat16", "float16") else 4
 
 def _encoder_params(cfg: Config) -> dict[str, int]:
     "Parameters of the frozen models `train(cfg)` loads next to the generator."
@@ -305,7 +303,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     gen = meta_generator(cfg)
     n_gen = sum(p.numel() for p in gen.parameters())
     amp = (t.mixed_precision or "bf16") == "bf16"
-    wb = _dtype_bytes(m.dtype)
+    wb = resolve_dtype(m.dtype, allow_fp16=True).itemsize
     prec = Precision(wb, amp)
     frozen_b = 2 if amp else 4                                  # frozen encoders live in the compute dtype
     batch = per_process_batch(d.batch_size, world_size, t.grad_accum_steps)

@@ -1,5 +1,5 @@
-"Shared pytest setup: repository paths, quiet threads, and a helper to run the package's CLIs."
-import os, subprocess, sys
+"Shared pytest setup: repository paths, quiet threads, and helpers to run the package's CLIs and load tools/ scripts."
+import importlib.util, os, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -8,6 +8,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores: keep test subprocess
 
 @pytest.fixture
 def root(): return ROOT
+
+def tool(name: str):
+    "The script tools/{name}.py imported as a module (tools/ is not a package)."
+    if name in sys.modules: return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)
+    return mod
 
 def run_cli(*args, cwd=ROOT, env=None, timeout=600, check=True):
     "Run `python args...` in a subprocess with the repo's interpreter; return the CompletedProcess."

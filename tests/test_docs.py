@@ -1,16 +1,11 @@
 """The offline docs (tools/build_docs.py): a few key pages are run and rendered the way the whole site is, and every page
 of the site must show its plots embedded, with no broken local links. With Chromium installed, the same pages are
 opened in headless Chromium (tools/check_docs_browser.py): pictures decoded, screenshots not blank."""
-import importlib.util, shutil, sys
+import shutil
 import pytest, yaml
-from conftest import ROOT
+from conftest import ROOT, tool
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT/"tools"/f"{name}.py")
-    mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)
-    return mod
-
-build_docs, browser = _tool("build_docs"), _tool("check_docs_browser")
+build_docs, browser = tool("build_docs"), tool("check_docs_browser")
 KEY_PAGES = ["nbs/19_gdf.ipynb", "tutorials/04_inference.ipynb", "nbs/index.ipynb"]   # the GDF explorer, a tutorial, the README
 
 @pytest.fixture(scope="module")
@@ -61,8 +56,7 @@ def test_demo_images_tool(tmp_path):
     run = tmp_path / "run"; run.mkdir()
     for n in (200, 400): Image.new("RGB", (40, 30), (n // 4, 0, 0)).save(run / f"{n:06d}.png")
     Image.new("RGB", (60, 40)).save(run / "loss.png")
-    sys.path.insert(0, str(ROOT / "tools"))
-    import make_demo_images
+    make_demo_images = tool("make_demo_images")
     make_demo_images.main([str(run), "--images", str(tmp_path)])
     assert Image.open(tmp_path / "demo_grid.png").getpixel((0, 0))[:3] == (100, 0, 0)   # the last grid
     assert Image.open(tmp_path / "demo_progress.png").size == (40, 2 * (30 + 18))

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, run_cli
 
 BASE = ["webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0", "image_size=32", "batch_size=4",
-        "log_every=1", "updates=2", "save_every=2", "warmup_updates=1", "ema_start_iters=1", "ema_iters=1",
+        "log_every=1", "lr=1e-3", "updates=2", "save_every=2", "warmup_updates=1", "ema_start_iters=1", "ema_iters=1",
         "ema_beta=0.9", "tracker=none", "sample_steps=2"]
 
 def train(tmp, name, *options, check=True):

@@ -5,13 +5,9 @@ ends, so the suite's memory stays that of the largest notebook, not the sum."""
 import os, subprocess, sys
 import pytest
 from nbdev.config import get_config
-from conftest import ROOT
+from conftest import ROOT, tool
 
-def _notebooks():
-    found = sorted((ROOT / "nbs").rglob("*.ipynb")) + sorted((ROOT / "tutorials").rglob("*.ipynb"))
-    return [p for p in found if not any(part.startswith(("_", ".")) for part in p.relative_to(ROOT).parts)]
-
-NOTEBOOKS = _notebooks()
+NOTEBOOKS = tool("build_docs").all_notebooks(ROOT)   # the same list the docs site is built from
 RUN = """import sys
 from nbdev.test import test_nb
 ok, _ = test_nb(sys.argv[1], skip_flags=sys.argv[2].split(), basepath=sys.argv[3], showerr=True)

@@ -46,10 +46,9 @@ def execute(src: Path, skip_flags: list[str] | None = None, cell_timeout: int = 
     from execnb.shell import CaptureShell
     from fastcore.xtras import working_directory
     from nbdev.config import get_config
-    from nbdev.process import NBProcessor
     from nbdev.test import _skip_cell
     skip_flags = get_config(ROOT).tst_flags.split() if skip_flags is None else skip_flags
-    nb = NBProcessor(src, rm_directives=False, process=True).nb
+    nb = load_unexecuted(src)
     shell = CaptureShell(src, mpl_format="png")
     prev = os.environ.get("IN_TEST")
     os.environ["IN_TEST"] = "1"    # what notebooks see under nbdev-test (e.g. nbdev-export is a no-op)
@@ -64,6 +63,7 @@ def execute(src: Path, skip_flags: list[str] | None = None, cell_timeout: int = 
     return nb
 
 def load_unexecuted(src: Path):
+    "The notebook as nbdev processes it (directives kept), without running it."
     from nbdev.process import NBProcessor
     return NBProcessor(src, rm_directives=False, process=True).nb
 
