@@ -1,7 +1,8 @@
-"""The offline docs (tools/build_docs.py): a few key pages are run and rendered the way the whole site is, and every page
-of the site must show its plots embedded, with no broken local links. With Chromium installed, the same pages are
-opened in headless Chromium (tools/check_docs_browser.py): pictures decoded, screenshots not blank."""
-import shutil
+"""The offline docs (tools/build_docs.py): a few key pages are rendered (from their saved outputs when fresh, else run)
+the way the whole site is, and every page of the site must show its plots embedded, with no broken local links. With
+Chromium installed (CI installs it), every page is opened in headless Chromium (tools/check_docs_browser.py):
+pictures decoded, links resolved, no error output, maths rendered, and the key pages' screenshots not blank."""
+import re, shutil
 import pytest, yaml
 from conftest import ROOT, tool
 
@@ -26,7 +27,8 @@ def test_key_pages_render_with_plots_embedded(site):
     out, written = site
     for page in written:
         text = page.read_text()
-        assert 'content="true"' in text and "<main>" in text and '<nav id="sidebar">' in text, page
+        assert re.search(r'name="cascade-nb-executed" content="(true|stored)"', text), page     # outputs, saved or fresh
+        assert "<main>" in text and '<nav id="sidebar">' in text, page
         assert text.count('<img class="output" src="data:image/png;base64,') >= (1 if "index" not in page.name else 0), page
     gdf = (out/"19_gdf.html").read_text()
     assert gdf.count('<img class="output" src="data:image/png;base64,') >= 3          # the explorer and the toy run's plots
@@ -42,13 +44,48 @@ def test_sidebar_sections_match_quarto_config():
     sections = [c["section"] for c in cfg["website"]["sidebar"]["contents"] if isinstance(c, dict)]
     assert sections == [name for name, _ in build_docs.SECTIONS]
 
-@pytest.mark.skipif(browser.find_chromium() is None, reason="chromium not installed (apt-get install -y chromium): browser check skipped")
-def test_pages_in_headless_chromium(site, tmp_path):
+def test_fresh_saved_outputs_are_used_without_running(tmp_path, monkeypatch):
+    "A notebook whose saved outputs are fresh is rendered from them; a stale one is run for its page."
+    if not shutil.which("pandoc"): pytest.skip("pandoc not installed (apt-get install -y pandoc)")
+    ran = []
+    monkeypatch.setattr(build_docs, "execute", lambda src, *a, **k: ran.append(src) or build_docs.load_unexecuted(src))
+    for fresh in (True, False):
+        monkeypatch.setattr(build_docs.run_notebooks, "is_fresh", lambda p, root=ROOT: fresh)
+        ran.clear()
+        [page] = build_docs.build([ROOT/"nbs/explanations/three_stages.ipynb"], tmp_path, log=lambda *_: None)
+        assert ran == ([] if fresh else [(ROOT/"nbs/explanations/three_stages.ipynb").resolve()])
+        assert 'cascade-nb-executed" content="true"' in page.read_text() or fresh
+
+needs_chromium = pytest.mark.skipif(browser.find_chromium() is None, reason="chromium not installed (apt-get install -y chromium): browser check skipped")
+
+@needs_chromium
+def test_every_page_in_headless_chromium(site, tmp_path):
+    "Every page of the site as a browser shows it; the key pages also get a screenshot that must not be blank."
     out, _ = site
-    for rel in ("19_gdf.html", "tutorials/04_inference.html", "index.html"):
-        problems, info = browser.check_page(out, rel, tmp_path, browser.find_chromium())
-        assert problems == [], (problems, info)
-        assert info["embedded"] >= 1 and info["broken"] == 0
+    problems = []
+    for page in sorted(out.rglob("*.html")):
+        rel = page.relative_to(out).as_posix()
+        shots = tmp_path if rel in ("19_gdf.html", "tutorials/04_inference.html", "index.html") else None
+        p, info = browser.check_page(out, rel, shots, browser.find_chromium())
+        problems += p
+        if rel == "19_gdf.html": assert info["embedded"] >= 3 and info["maths"] >= 1 and info["rawtex"] == 0, info
+    assert problems == [], "\n".join(problems)
+
+@needs_chromium
+def test_browser_check_sees_problems(tmp_path):
+    "The browser check reports a picture that does not decode, a missing output picture, a broken link, an error output and raw TeX."
+    (tmp_path/"ok.html").write_text("<html><body>ok</body></html>")
+    (tmp_path/"bad.html").write_text(
+        '<html><head><meta name="cascade-nb-output-images" content="2"></head><body><main>'
+        '<img class="output" src="data:image/png;base64,AAAAAAAAAAAAAAAAAAAAAAAA">'
+        '<a href="ok.html">fine</a> <a href="missing.html">gone</a>'
+        '<p>Energy $E = \\frac{1}{2} m v^2$ left as TeX</p><math><mi>x</mi></math>'
+        '<pre class="output error">Traceback (most recent call last):\nValueError</pre></main></body></html>')
+    problems, info = browser.check_page(tmp_path, "bad.html", None, browser.find_chromium())
+    text = "\n".join(problems)
+    assert "1 embedded picture(s) failed to decode" in text and "0 output pictures rendered, 2 expected" in text
+    assert "broken link to" in text and "missing.html" in text and "ok.html" not in text
+    assert "error output" in text and "raw TeX" in text, problems
 
 def test_demo_images_tool(tmp_path):
     "tools/make_demo_images.py turns a run's grids and loss curve into the three README/notebook pictures."

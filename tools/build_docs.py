@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Offline HTML documentation: run the notebooks the way `nbdev-test` does (cells flagged with the project's
-`tst_flags` skipped), then render each one to a self-contained page in `_site/` with Debian's `pandoc`: outputs and
+"""Offline HTML documentation: take each notebook with its saved outputs (`tools/run_notebooks.py`) when they are
+fresh, else run it the way `nbdev-test` does (cells flagged with the project's `tst_flags` skipped), then render it to a self-contained page in `_site/` with Debian's `pandoc`: outputs and
 local pictures embedded as data URIs, LaTeX as MathML, a sidebar by folder (reference notebooks, tutorials,
 explanations: the sections of `nbs/_quarto.yml`), links between notebooks rewritten to pages and links to other
 repository files to GitHub. The published site (GitHub Pages) is `nbdev-docs` with quarto, which cannot be installed
@@ -8,16 +8,21 @@ offline; this build is what CI and the browser check (`tools/check_docs_browser.
 
     python tools/build_docs.py                                         # every notebook -> _site/
     python tools/build_docs.py nbs/19_gdf.ipynb tutorials/04_inference.ipynb --out /tmp/site
+    python tools/build_docs.py --rerun nbs/19_gdf.ipynb                # execute even if the saved outputs are fresh
     python tools/build_docs.py --check _site                           # only check a built site
 
-Needs `pandoc` (`apt-get install -y pandoc`). The notebooks in git are clean (no outputs), so pages always come from
-a fresh run; the notebooks themselves are never modified.
+Needs `pandoc` (`apt-get install -y pandoc`). A notebook's saved outputs are used as they are when their fingerprint
+matches its source (what `nbdev-docs` publishes); a stale or never-run notebook is executed for its page (with the
+same cleaning of outputs as tools/run_notebooks.py), and the notebook file itself is never modified. Each page
+records where its outputs came from in `<meta name="cascade-nb-executed">`: `stored`, `true` (run now) or `false`.
 """
 from __future__ import annotations
 import argparse, base64, html, json, mimetypes, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_notebooks                                   # noqa: E402  (tools/ is not a package)
 REPO_URL = "https://github.com/cascade-nb/cascade_nb/blob/main"
 SECTIONS = (("Reference", "nbs"), ("Tutorials", "tutorials"), ("Explanations", "nbs/explanations"))  # as nbs/_quarto.yml
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif", "image/svg+xml")
@@ -25,10 +30,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MAX_TEXT_LINES = 40    # longer text outputs (e.g. a whole tensor) are shortened in the middle
 
 # ---------------------------------------------------------------- which notebooks, where their pages go
-def all_notebooks(root: Path = ROOT) -> list[Path]:
-    "Every documented notebook: nbs/ (with subfolders) and tutorials/, skipping `_`/`.` names (e.g. _proc/)."
-    found = sorted((root/"nbs").rglob("*.ipynb")) + sorted((root/"tutorials").rglob("*.ipynb"))
-    return [p for p in found if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)]
+all_notebooks = run_notebooks.all_notebooks   # every documented notebook: nbs/ (with subfolders) and tutorials/
 
 def page_path(src: Path, root: Path = ROOT) -> Path:
     "Site path of a notebook: nbs/x.ipynb -> x.html, nbs/explanations/x.ipynb -> explanations/x.html, tutorials/x -> tutorials/x.html."
@@ -43,24 +45,7 @@ def section_of(src: Path, root: Path = ROOT) -> str:
 # ---------------------------------------------------------------- run a notebook
 def execute(src: Path, skip_flags: list[str] | None = None, cell_timeout: int = 600):
     "The notebook with fresh outputs, run from its own folder exactly as nbdev-test runs it; raises on a failing cell."
-    from execnb.shell import CaptureShell
-    from fastcore.xtras import working_directory
-    from nbdev.config import get_config
-    from nbdev.test import _skip_cell
-    skip_flags = get_config(ROOT).tst_flags.split() if skip_flags is None else skip_flags
-    nb = load_unexecuted(src)
-    shell = CaptureShell(src, mpl_format="png")
-    prev = os.environ.get("IN_TEST")
-    os.environ["IN_TEST"] = "1"    # what notebooks see under nbdev-test (e.g. nbdev-export is a no-op)
-    try:
-        with working_directory(src.parent):
-            shell.run_all(nb, exc_stop=True, preproc=_skip_cell(nb, skip_flags), cell_timeout=cell_timeout)
-    except Exception as e:
-        raise RuntimeError(f"{src}: a cell failed while building the docs:\n{shell.prettytb(fname=src) or e}") from None
-    finally:
-        if prev is None: os.environ.pop("IN_TEST", None)
-        else: os.environ["IN_TEST"] = prev
-    return nb
+    return run_notebooks.execute(src, skip_flags, cell_timeout, ROOT)
 
 def load_unexecuted(src: Path):
     "The notebook as nbdev processes it (directives kept), without running it."
@@ -219,7 +204,7 @@ def pandoc_html(markdown: str, title: str, summary: str, before_body: str, pando
     if res.returncode: raise RuntimeError(f"pandoc failed ({res.returncode}): {res.stderr[-2000:]}")
     return res.stdout
 
-def render_page(src: Path, nb, pages: dict, out_dir: Path, root: Path = ROOT, executed: bool = True) -> Path:
+def render_page(src: Path, nb, pages: dict, out_dir: Path, root: Path = ROOT, executed: bool | str = True) -> Path:
     "Write the page of notebook `src` (with outputs in `nb`) to `out_dir`; returns its path."
     current = page_path(src, root)
     body, n_images = notebook_markdown(nb)
@@ -234,20 +219,23 @@ def render_page(src: Path, nb, pages: dict, out_dir: Path, root: Path = ROOT, ex
     dest.write_text(page)
     return dest
 
-def build(notebooks: list[Path], out_dir: Path, run: bool = True, root: Path = ROOT, log=print) -> list[Path]:
-    """Run (unless `run` is False) and render `notebooks` into `out_dir`; returns their pages. Every other notebook
-    gets a page without outputs, so the sidebar and the links between pages always resolve."""
+def build(notebooks: list[Path], out_dir: Path, run: bool = True, root: Path = ROOT, log=print, rerun: bool = False) -> list[Path]:
+    """Render `notebooks` into `out_dir` with their saved outputs when fresh, else after running them (`run`; `rerun`
+    runs even fresh ones); returns their pages. Every other notebook gets a page from what its file holds (its saved
+    outputs, fresh or not), so the sidebar and the links between pages always resolve."""
     sources = {p.resolve(): load_unexecuted(p) for p in all_notebooks(root)}
     pages = {page_path(p, root): (section_of(p, root), title_and_summary(nb)[0]) for p, nb in sources.items()}
     chosen = [Path(p).resolve() for p in notebooks]
     written = []
     for src in chosen:
         t0 = time.time()
-        nb = execute(src) if run else sources.get(src) or load_unexecuted(src)
-        written.append(render_page(src, nb, pages, out_dir, root, executed=run))
-        log(f"{written[-1].relative_to(out_dir)}  ({time.time() - t0:.1f} s)")
+        stored = sources.get(src) or load_unexecuted(src)
+        if run and (rerun or not run_notebooks.is_fresh(src, root)): nb, how = execute(src), True
+        else: nb, how = stored, ("stored" if run_notebooks.stored_fingerprint(stored) else False)
+        written.append(render_page(src, nb, pages, out_dir, root, executed=how))
+        log(f"{written[-1].relative_to(out_dir)}  ({'ran' if how is True else 'saved outputs' if how else 'no outputs'}, {time.time() - t0:.1f} s)")
     for src, nb in sources.items():
-        if src not in chosen: render_page(src, nb, pages, out_dir, root, executed=False)
+        if src not in chosen: render_page(src, nb, pages, out_dir, root, executed="stored" if run_notebooks.stored_fingerprint(nb) else False)
     return written
 
 # ---------------------------------------------------------------- checks
@@ -278,6 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("notebooks", nargs="*", help="notebooks to build (default: every notebook in nbs/ and tutorials/)")
     ap.add_argument("--out", default=str(ROOT/"_site"), help="output folder (default: _site/)")
     ap.add_argument("--no-run", action="store_true", help="don't execute: render what the notebooks store")
+    ap.add_argument("--rerun", action="store_true", help="execute the notebooks even when their saved outputs are fresh")
     ap.add_argument("--check", metavar="SITE", help="only check an already built site")
     a = ap.parse_args(argv)
     if a.check:
@@ -285,7 +274,7 @@ def main(argv=None) -> int:
     else:
         out = Path(a.out)
         nbs = [Path(p) for p in a.notebooks] or all_notebooks()
-        written = build(nbs, out, run=not a.no_run)
+        written = build(nbs, out, run=not a.no_run, rerun=a.rerun)
         problems = check_site(out, written)
         print(f"built {len(written)} page(s) in {out}")
     for p in problems: print(p, file=sys.stderr)
