@@ -2,16 +2,22 @@
 the way the whole site is, and every page of the site must show its plots embedded, with no broken local links. With
 Chromium installed (CI installs it), every page is opened in headless Chromium (tools/check_docs_browser.py):
 pictures decoded, links resolved, no error output, maths rendered, and the key pages' screenshots not blank."""
-import re, shutil
+import os, re, shutil
 import pytest, yaml
 from conftest import ROOT, tool
 
 build_docs, browser = tool("build_docs"), tool("check_docs_browser")
+REQUIRED = bool(os.environ.get("CASCADE_NB_REQUIRE_DOCS_TOOLS"))   # set by .ci/run: in CI these tests never skip
+
+def _missing(what: str, install: str):
+    msg = f"{what} not installed ({install})"
+    if REQUIRED: pytest.fail(msg + ": CI requires it (CASCADE_NB_REQUIRE_DOCS_TOOLS)")
+    pytest.skip(msg)
 KEY_PAGES = ["nbs/19_gdf.ipynb", "tutorials/04_inference.ipynb", "nbs/index.ipynb"]   # the GDF explorer, a tutorial, the README
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    if not shutil.which("pandoc"): pytest.skip("pandoc not installed (apt-get install -y pandoc)")
+    if not shutil.which("pandoc"): _missing("pandoc", "apt-get install -y pandoc")
     out = tmp_path_factory.mktemp("site")
     written = build_docs.build([ROOT/p for p in KEY_PAGES], out, log=lambda *_: None)
     return out, written
@@ -46,7 +52,7 @@ def test_sidebar_sections_match_quarto_config():
 
 def test_fresh_saved_outputs_are_used_without_running(tmp_path, monkeypatch):
     "A notebook whose saved outputs are fresh is rendered from them; a stale one is run for its page."
-    if not shutil.which("pandoc"): pytest.skip("pandoc not installed (apt-get install -y pandoc)")
+    if not shutil.which("pandoc"): _missing("pandoc", "apt-get install -y pandoc")
     ran = []
     monkeypatch.setattr(build_docs, "execute", lambda src, *a, **k: ran.append(src) or build_docs.load_unexecuted(src))
     for fresh in (True, False):
@@ -56,23 +62,23 @@ def test_fresh_saved_outputs_are_used_without_running(tmp_path, monkeypatch):
         assert ran == ([] if fresh else [(ROOT/"nbs/explanations/three_stages.ipynb").resolve()])
         assert 'cascade-nb-executed" content="true"' in page.read_text() or fresh
 
-needs_chromium = pytest.mark.skipif(browser.find_chromium() is None, reason="chromium not installed (apt-get install -y chromium): browser check skipped")
+@pytest.fixture
+def chromium():
+    return browser.find_chromium() or _missing("chromium", "apt-get install -y chromium: browser check skipped")
 
-@needs_chromium
-def test_every_page_in_headless_chromium(site, tmp_path):
+def test_every_page_in_headless_chromium(site, tmp_path, chromium):
     "Every page of the site as a browser shows it; the key pages also get a screenshot that must not be blank."
     out, _ = site
     problems = []
     for page in sorted(out.rglob("*.html")):
         rel = page.relative_to(out).as_posix()
         shots = tmp_path if rel in ("19_gdf.html", "tutorials/04_inference.html", "index.html") else None
-        p, info = browser.check_page(out, rel, shots, browser.find_chromium())
+        p, info = browser.check_page(out, rel, shots, chromium)
         problems += p
         if rel == "19_gdf.html": assert info["embedded"] >= 3 and info["maths"] >= 1 and info["rawtex"] == 0, info
     assert problems == [], "\n".join(problems)
 
-@needs_chromium
-def test_browser_check_sees_problems(tmp_path):
+def test_browser_check_sees_problems(tmp_path, chromium):
     "The browser check reports a picture that does not decode, a missing output picture, a broken link, an error output and raw TeX."
     (tmp_path/"ok.html").write_text("<html><body>ok</body></html>")
     (tmp_path/"bad.html").write_text(
@@ -81,7 +87,7 @@ def test_browser_check_sees_problems(tmp_path):
         '<a href="ok.html">fine</a> <a href="missing.html">gone</a>'
         '<p>Energy $E = \\frac{1}{2} m v^2$ left as TeX</p><math><mi>x</mi></math>'
         '<pre class="output error">Traceback (most recent call last):\nValueError</pre></main></body></html>')
-    problems, info = browser.check_page(tmp_path, "bad.html", None, browser.find_chromium())
+    problems, info = browser.check_page(tmp_path, "bad.html", None, chromium)
     text = "\n".join(problems)
     assert "1 embedded picture(s) failed to decode" in text and "0 output pictures rendered, 2 expected" in text
     assert "broken link to" in text and "missing.html" in text and "ok.html" not in text
