@@ -93,7 +93,10 @@ def toy(tmp_path_factory):
         _cell("markdown", "# Toy\n> a notebook"),
         _cell("code", "import os, warnings, torch, matplotlib.pyplot as plt\nfrom pathlib import Path\nprint(torch.rand(2))"),
         _cell("code", "warnings.warn('something old')\n"
-                      "import sys; print('stderr line', file=sys.stderr)"),
+                      "import sys; print('stderr line', file=sys.stderr)\n"
+                      "print('Loading weights: 100%|##########| 37/37 [00:00<00:00, 574.13it/s]', file=sys.stderr)\n"
+                      "from ipywidgets import interact\n"
+                      "interact(lambda n=3: print('widget says', n), n=(1, 5));"),
         _cell("code", "print(Path('.').resolve(), os.environ['IN_TEST'])\nprint('update 5/60: loss 0.2 | lr 1e-3 | 12.8 img/s')"),
         _cell("code", "for i in range(100): print(i)"),
         _cell("code", "plt.figure(figsize=(4, 3)); plt.imshow(torch.rand(64, 64)); plt.plot([0, 63], [0, 63])"),
@@ -118,7 +121,8 @@ def test_tool_saves_clean_outputs(toy):
     outs = {c["id"]: c.get("outputs", []) for c in d["cells"] if c["cell_type"] == "code"}
     code = [c for c in d["cells"] if c["cell_type"] == "code"]
     assert "tensor([" in _text(outs[code[0]["id"]][0])
-    assert [o.get("name") for o in outs[code[1]["id"]]] == ["stderr"] and _text(outs[code[1]["id"]][0]) == "stderr line\n"
+    got = [(o.get("name") or o["output_type"], _text(o)) for o in outs[code[1]["id"]]]
+    assert sorted(got) == [("stderr", "stderr line\n"), ("stdout", "widget says 3\n")], got   # no warning, tqdm bar, widget repr
     shown = _text(outs[code[2]["id"]][0])
     assert shown == "<repo>/nbs 1\nupdate 5/60: loss 0.2 | lr 1e-3\n", shown                 # ran in its folder, as nbdev-test
     long = _text(outs[code[3]["id"]][0]).splitlines()

@@ -16,10 +16,11 @@ made fit for git:
 * text: ANSI colours removed, `\\r`-redrawn progress lines reduced to their last state, long outputs shortened in the
   middle; the repository's absolute path, the home folder, the user name and temporary folders replaced, and
   timings that differ on every run (`12.8 img/s`, `0.45 s`, progress bars' clocks) replaced by `…`;
-* stderr: Python warnings raised by the environment (library deprecations and the like) dropped;
+* stderr: Python warnings raised by the environment (library deprecations and the like) and libraries' tqdm
+  progress bars dropped;
 * pictures: PNGs at most MAX_IMAGE_WIDTH pixels wide, palette-encoded when that loses nothing, or when the picture
   is still over MAX_PNG_BYTES (noise, photos); a PIL image's JPEG twin dropped;
-* widgets: their views dropped (no widget state is saved), their text kept;
+* widgets: dropped (no widget state is saved; what the widget's function displayed, e.g. its plot, is kept);
 * metadata: nbdev's cleaning applied (`nbdev-clean` leaves the file unchanged), plus the fingerprint below.
 
 Staleness: the notebook's metadata records `cascade_nb.source_fingerprint`, a hash of its code cells' sources and of
@@ -53,6 +54,8 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # `path:123: SomeWarning: message` and the source line Python prints under it
 WARNING = re.compile(r"^[^\n]*?:\d+: \w*Warning: [^\n]*\n(?:[ \t]+[^\n]*\n)*", re.M)
 WIDGET = "application/vnd.jupyter.widget-view+json"
+# tqdm's bars that libraries (transformers, huggingface_hub) draw on stderr: environment noise with a clock
+TQDM = re.compile(r"^[^\n]*\|[^|\n]*\| *\d+/\d+ \[[^\]\n]*\][^\n]*(\n|$)", re.M)
 # Timings that differ on every run: the trainer's throughput, and durations a cell prints (`0.45 s`, `12.3 ms`).
 TIMINGS = [(re.compile(r"\s*\|\s*[\d.]+ img/s"), ""),
            (re.compile(r"""(["']images_per_s["']:\s*)[-+\d.e]+"""), r"\1…"),
@@ -179,12 +182,12 @@ def clean_outputs(outputs: list, subs, log=lambda *_: None) -> list:
             text = clean_text(_text(o.get("text", "")), subs)
             if o.get("name") == "stderr":
                 for w in WARNING.findall(text): log(f"  dropped a warning: {w.splitlines()[0][:160]}")
-                text = WARNING.sub("", text)
+                text = TQDM.sub("", WARNING.sub("", text))
             if not text.strip(): continue
             o["text"] = _lines(shorten(text))
         elif kind in ("display_data", "execute_result"):
             data = o.get("data", {})
-            if WIDGET in data: data.pop(WIDGET); o.get("metadata", {}).pop(WIDGET, None)
+            if WIDGET in data: continue                         # a widget: no state is saved, its text repr is noise
             if "image/png" in data: data.pop("image/jpeg", None)              # PIL images offer both: one is enough
             for mime in list(data):
                 if mime == "image/png": data[mime] = shrink_png(_text(data[mime]).replace("\n", "")) + "\n"
