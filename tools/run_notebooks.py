@@ -42,13 +42,12 @@ MAX_TEXT_LINES = 40                        # longer text outputs keep their firs
 MAX_LINE_CHARS = 400
 MAX_IMAGE_WIDTH = 1000                     # pixels; matplotlib figures are drawn at FIGURE_DPI
 FIGURE_DPI = 80
+# Run before the first cell; leaves no names behind (a notebook must import what it uses, as under nbdev-test).
 SETUP = f"""
-import os, random, warnings
-import numpy as _np, torch as _torch
-random.seed(0); _np.random.seed(0); _torch.manual_seed(0); _torch.set_num_threads(1)
-import matplotlib as _mpl
+import random as _random, numpy as _np, torch as _torch, matplotlib as _mpl
+_random.seed(0); _np.random.seed(0); _torch.manual_seed(0); _torch.set_num_threads(1)
 _mpl.rcParams['figure.dpi'] = {FIGURE_DPI}
-del _np, _torch, _mpl
+del _random, _np, _torch, _mpl
 """
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # `path:123: SomeWarning: message` and the source line Python prints under it
