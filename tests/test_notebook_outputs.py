@@ -45,7 +45,7 @@ def test_outputs_fit_for_git(nb):
 def test_drawing_cells_carry_pictures(nb):
     "Every cell that ran and draws (matplotlib, show_images, PIL) saved a picture a reader on GitHub sees."
     d = _nb(nb)
-    if run_nbs.stored_fingerprint(d) is None: pytest.fail(f"{nb.relative_to(ROOT)} has no saved outputs: run `{run_nbs.REFRESH} {nb.relative_to(ROOT)}`")
+    if run_nbs.stored_fingerprint(d) is None: pytest.skip("no saved outputs yet: test_outputs_are_fresh fails for it and names the command")
     missing = [f"cell {i} ({c.get('id')})" for i, c in enumerate(d["cells"])
                if c["cell_type"] == "code" and not _skipped(c) and "#| export" not in _src(c)
                and not re.search(r"^#\|\s*(hide|output:\s*false)", _src(c), re.M)
