@@ -184,3 +184,15 @@ def test_fingerprint_survives_nbdev_clean_of_the_repository():
         for c in d["cells"]: c.pop("id", None); c["metadata"] = {"collapsed": True}
         clean_nb(d)
         assert run_nbs.fingerprint(d) == before, p
+
+def test_tool_leaves_a_failing_notebook_alone(toy):
+    "A notebook whose run fails keeps its file as it was; the command names it and exits 1."
+    root, _, _ = toy
+    bad = root / "nbs" / "bad.ipynb"
+    bad.write_text(json.dumps({"cells": [_cell("code", "print('fine')"), _cell("code", "1/0")], "metadata": {},
+                               "nbformat": 4, "nbformat_minor": 5}))
+    before = bad.read_bytes()
+    res = subprocess.run([sys.executable, ROOT / "tools" / "run_notebooks.py", str(bad), "--root", str(root)],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert res.returncode == 1 and "FAILED nbs/bad.ipynb" in res.stdout and "ZeroDivisionError" in res.stdout, res.stdout
+    assert bad.read_bytes() == before
