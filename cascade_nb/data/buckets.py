@@ -35,25 +35,30 @@ def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[
 # %% ../../nbs/31_data.buckets.ipynb #8ed2cd00
 SMART_CROP_P, SMART_CROP_Q = 0.3, 0.2   # the reference's SmartCrop(size, randomize_p=0.3, randomize_q=0.2)
 
+def _fft_len(n: int) -> int:
+    "The smallest multiple of 8 ≥ n (FFT-friendly sizes)."
+    return -(-n // 8) * 8
+
 def saliency_map(img: Image.Image, side: int = 64) -> np.ndarray:
-    "Spectral-residual saliency (Hou & Zhang, CVPR 2007) of `img` as an (h, w) map in [0, 1], `side` pixels on its shorter side."
-    s = side / min(img.height, img.width)
-    small = img.convert("RGB").resize((max(1, round(img.width * s)), max(1, round(img.height * s))), Image.Resampling.BOX)
-    g = np.asarray(small.convert("L"), dtype=np.float64)                  # (h, w) grey thumbnail
+    "Spectral-residual saliency (Hou & Zhang, CVPR 2007) of `img` as an (h, w) map in [0, 1], about `side` pixels on its shorter side."
+    if img.mode not in ("RGB", "L"): img = img.convert("RGB")
+    small = img.reduce(max(1, min(img.size) // side)) if min(img.size) >= 2 * side else img   # integer box reduction: cheap
+    g = np.asarray(small.convert("L"), dtype=np.float32)                   # (h, w) grey thumbnail
     h, w = g.shape
-    if np.ptp(g) == 0: return np.zeros((h, w), np.float32)               # a flat image: nothing stands out
-    ph, pw = min(h // 4, h - 1), min(w // 4, w - 1)
-    f = np.fft.fft2(np.pad(g, ((ph, ph), (pw, pw)), mode="reflect"))    # reflect: no wrap-around edges
-    log_amp = np.log(np.abs(f) + 1e-6)
-    p = np.pad(log_amp, 1, mode="wrap")                                  # the spectrum is periodic
+    if np.ptp(g) == 0: return np.zeros((h, w), np.float32)                 # a flat image: nothing stands out
+    H, W = _fft_len(h + h // 2), _fft_len(w + w // 2)                      # reflect-pad: no wrap-around edges
+    ph, pw = (H - h) // 2, (W - w) // 2
+    g = np.pad(g, ((ph, H - h - ph), (pw, W - w - pw)), mode="reflect")
+    f = np.fft.fft2(g)
+    p = np.pad(np.log(np.abs(f) + 1e-6), 1, mode="wrap")                   # the spectrum is periodic
     local = sum(p[i:i + f.shape[0], j:j + f.shape[1]] for i in range(3) for j in range(3)) / 9
-    spectrum = np.exp(log_amp - local + 1j * np.angle(f))
-    spectrum[0, 0] = 0                                                   # no DC: saliency ignores mean brightness
+    spectrum = f * np.exp(-local)          # = exp(log|F| − local + i·phase): the residual with the phase kept
+    spectrum[0, 0] = 0                     # no DC: saliency ignores mean brightness
     sal = np.abs(np.fft.ifft2(spectrum)) ** 2
-    fy, fx = np.fft.fftfreq(sal.shape[0])[:, None], np.fft.fftfreq(sal.shape[1])[None]
-    sigma = side / 24                                                    # Gaussian blur, applied in frequency space
-    sal = np.fft.ifft2(np.fft.fft2(sal) * np.exp(-2 * (np.pi * sigma) ** 2 * (fy ** 2 + fx ** 2))).real[ph:ph + h, pw:pw + w]
-    sal = np.maximum(sal, 0)
+    sigma = min(h, w) / 24                 # Gaussian blur, applied in frequency space
+    fy, fx = np.fft.fftfreq(sal.shape[0])[:, None], np.fft.rfftfreq(sal.shape[1])[None]
+    sal = np.fft.irfft2(np.fft.rfft2(sal) * np.exp(-2 * (np.pi * sigma) ** 2 * (fy ** 2 + fx ** 2)), s=sal.shape)
+    sal = np.maximum(sal[ph:ph + h, pw:pw + w], 0)
     return (sal / max(sal.max(), 1e-12)).astype(np.float32)
 
 def saliency_center(img: Image.Image, threshold: float = 0.5) -> tuple[float, float]:
