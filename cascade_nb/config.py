@@ -196,6 +196,7 @@ class GDFConfig:
 class DataConfig:
     "Where images and captions come from and how they are batched."
     webdataset_path: Union[str, list[str]] = REQUIRED  # folder, tar(s), brace pattern, list, pipe:/s3:// URL
+    allow_pipe_sources: bool = False     # run pipe:CMD sources (shell commands); off so a YAML cannot run code
     image_size: int = 768                 # side of the square training image (bucket area = image_size**2)
     multi_aspect_ratio: Optional[list[Fraction]] = None  # e.g. [1/1, 1/2, 3/4]; reciprocals are added
     batch_size: int = 32                  # GLOBAL batch: split over processes and accumulation steps
@@ -203,7 +204,7 @@ class DataConfig:
     captions_getter: Optional[CaptionsGetter] = None       # [member, getter]; None = ['txt', 'identity']
     caption_dropout: float = 0.05         # probability of training a sample with an empty caption (for CFG)
     image_embed_prob: float = 0.1         # probability of feeding the CLIP image embedding (reference: 10%)
-    crop: Literal["random", "center"] = "random"
+    crop: Literal["auto", "smart", "random", "center"] = "auto"  # auto: saliency-centred (smart) if square, random in aspect buckets
     bucketeer_random_ratio: float = 0.05  # probability of a random aspect bucket instead of the closest
     resampled: bool = True                # infinite stream with shard resampling (reference) vs finite epochs
     shuffle_buffer: int = 1000            # sample shuffle buffer

@@ -155,6 +155,9 @@ class FullTraining:
                 empty = conditions([""], self.tokenizer, self.text_model, self.c_clip_img)
                 for k in conds: conds[k][drop] = empty[k].to(conds[k].dtype)
             conds["clip_img"] = x0.new_zeros(len(x0), 1, self.c_clip_img)
+            if training and d.image_embed_prob and "clip_img" in batch["text"]:   # cached CLIP image embeddings, as `conditions` samples them
+                keep = (torch.rand(len(x0), generator=rng) < d.image_embed_prob).to(device)
+                conds["clip_img"][keep] = batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1)[keep]
             return x0, conds
         conds = conditions(batch["captions"], self.tokenizer, self.text_model, self.c_clip_img,
                            self.image_model if training else None, images, d.caption_dropout if training else 0.,
@@ -339,6 +342,7 @@ def train(cfg: Config) -> dict:
     from accelerate.utils import set_seed
     from fastprogress.fastprogress import progress_bar
     from cascade_nb.data.pipeline import dataloader_from_config
+    from cascade_nb.data.sources import format_skips
     ck, t = cfg.checkpoint, cfg.train
     if t.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:   # fail before building anything
         raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
@@ -491,7 +495,7 @@ def train(cfg: Config) -> dict:
             acc.log(m, step=state.update)
             if is_main:
                 with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, **m}) + "\n")
-                bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
+                bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
                 if not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0:
             vl = validation_loss(acc.unwrap_model(net), gdf, [mode.encode(b, device, training=False) for b in val_batches])

@@ -54,7 +54,8 @@ def test_cli_pack_inspect(tmp_path):
 
 def test_cli_cache_then_train_refuses_other_config(tmp_path):
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(yaml.safe_dump(dict(model_version="tiny", clip_text_model_name="tiny", image_size=64, webdataset_path=str(EMOJI))))
+    cfg.write_text(yaml.safe_dump(dict(model_version="tiny", clip_text_model_name="tiny", clip_image_model_name=None,
+                                       image_size=64, webdataset_path=str(EMOJI))))
     cli("cache", EMOJI / "shard-000005.tar", tmp_path / "cache", "--config", cfg, "--batch-size", "4")
     fp = cache_fingerprint(**config_cache_parts(load_config(cfg, training=False)))
     b = next(iter(build_dataset(tmp_path / "cache", 4, cache_fingerprint=fp)))
@@ -62,3 +63,43 @@ def test_cli_cache_then_train_refuses_other_config(tmp_path):
     other = load_config(cfg, overrides=["image_size=128"], training=False)
     with pytest.raises(CacheMismatchError):
         build_dataset(tmp_path / "cache", 4, cache_fingerprint=cache_fingerprint(**config_cache_parts(other)))
+
+CACHED = dict(experiment_id="cached", model_version="tiny", clip_text_model_name="tiny", clip_image_model_name="tiny",
+              effnet_checkpoint_path="tiny", previewer_checkpoint_path="tiny", latent_space="cached", image_embed_prob=0.5,
+              image_size=64, batch_size=4, num_workers=0, updates=3, log_every=1, save_every=100, resampled=True,
+              shuffle_buffer=1)   # in order: the corrupt first sample is read in the first batch
+
+def corrupt_one(shard: Path):
+    "Cut the first sample's safetensors member to 5 bytes (its header length can no longer be read: struct.error)."
+    import io, tarfile
+    with tarfile.open(shard) as tar: members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    first = next(m.name for m, _ in members if m.name.endswith(".safetensors"))
+    with tarfile.open(shard, "w") as tar:
+        for m, data in members:
+            if m.name == first: data = data[:5]
+            m.size = len(data); tar.addfile(m, io.BytesIO(data))
+
+def test_cached_latents_keep_clip_image_embeddings_and_skip_corrupt_samples(tmp_path):
+    "Issue 13 item 7 and issue 17: the cache holds clip_img, the trainer feeds it at image_embed_prob; a corrupt sample is skipped."
+    cfg_path = tmp_path / "cached.yaml"
+    cfg_path.write_text(yaml.safe_dump({**CACHED, "webdataset_path": str(tmp_path / "cache"), "checkpoint_path": str(tmp_path / "ckpt"),
+                                        "output_path": str(tmp_path / "out")}))
+    cli("cache", EMOJI / "shard-000000.tar", tmp_path / "cache", "--config", cfg_path, "--batch-size", "8")
+    cfg = load_config(cfg_path)
+    fp = cache_fingerprint(**config_cache_parts(cfg))
+    assert config_cache_parts(cfg)["image_model"] == "tiny"   # the fingerprint covers the image embedder
+    batch = next(iter(build_dataset(tmp_path / "cache", 8, cache_fingerprint=fp, shuffle_buffer=0)))
+    assert batch["text"]["clip_img"].shape == (8, 1, 64)
+    from cascade_nb.train import build_generator, build_text_encoder, build_latent_space, build_training_mode
+    tok, text_model = build_text_encoder(cfg)
+    mode = build_training_mode(cfg, build_generator(cfg), tok, text_model, None, build_latent_space(cfg))
+    _, conds = mode.encode(batch, torch.device("cpu"), training=True, rng=torch.Generator().manual_seed(0))
+    kept = conds["clip_img"].abs().sum((1, 2)) > 0
+    assert 0 < int(kept.sum()) < 8   # image_embed_prob 0.5 of the batch, the rest zeros (as with images)
+    torch.testing.assert_close(conds["clip_img"][kept], batch["text"]["clip_img"][kept])
+    assert not mode.encode(batch, torch.device("cpu"), training=False)[1]["clip_img"].any()
+    shard = next((tmp_path / "cache").glob("*.tar")); corrupt_one(shard)
+    res = subprocess.run([sys.executable, "-m", "cascade_nb.train", str(cfg_path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "update 3/3: loss" in res.stdout and "skipped 1: bad_cache 1" in res.stdout, res.stdout

@@ -1,5 +1,5 @@
 "Every source form reads the same samples; the bucket table matches the reference."
-import subprocess
+import subprocess, warnings
 from fractions import Fraction
 from pathlib import Path
 import pytest
@@ -30,7 +30,7 @@ def test_every_tar_source_form(form, all_emoji_keys, tmp_path):
     source = {"folder_of_tars": EMOJI, "brace": brace, "brace_file": "file:" + brace, "list": tars,
               "list_file": [f"file:{t}" for t in tars], "yml": tmp_path / "list.yml",
               "pipe": [f"pipe:cat {t}" for t in tars]}[form]
-    assert keys(source) == all_emoji_keys
+    assert keys(source, allow_pipe=form == "pipe") == all_emoji_keys
 
 def test_loose_folder_and_seed_tarball(tmp_path):
     ds = tmp_path / "dataset"; ds.mkdir()
@@ -67,15 +67,20 @@ def test_batches_never_mix_buckets():
     for b in build_dataset(PHOTOS, 2, image_size=128, multi_aspect_ratio=["1/1", "2/3", "9/16"], drop_last=False):
         assert b["images"].shape[-2:] == b["bucket"] and len(b["captions"]) == b["images"].shape[0]
 
-def test_http_shards_via_webdataset_gopen(all_emoji_keys):
-    "http(s) URLs go to webdataset's gopen (curl) untouched; served here by a local HTTP server."
-    import functools, http.server, shutil, socketserver, threading
-    if shutil.which("curl") is None: pytest.skip("curl not installed")
+def test_http_shards_via_fsspec(all_emoji_keys):
+    "http(s) URLs are read through fsspec's HTTP client (no shell, no curl); served here by a local HTTP server."
+    import functools, http.server, socketserver, threading
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *a): pass
     srv = socketserver.TCPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(EMOJI)))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         n = len(list(EMOJI.glob("shard-*.tar"))) - 1
-        assert keys(f"http://127.0.0.1:{srv.server_address[1]}/shard-{{000000..{n:06d}}}.tar") == all_emoji_keys
+        url = f"http://127.0.0.1:{srv.server_address[1]}/shard-{{000000..{n:06d}}}.tar"
+        assert keys(url) == all_emoji_keys
+        missing = build_dataset(f"http://127.0.0.1:{srv.server_address[1]}/nope.tar", 4, image_size=64)
+        with warnings.catch_warnings(record=True) as w, pytest.raises(RuntimeError, match="nothing is left to train on"):
+            warnings.simplefilter("always")
+            list(missing)
+        assert missing.counter.total == {"unreadable_shard": 1} and any("nope.tar" in str(x.message) for x in w)
     finally: srv.shutdown(); srv.server_close()

@@ -10,8 +10,8 @@ import argparse, json, sys
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['format_report', 'cmd_pack', 'cmd_inspect', 'ClipTextEncoder', 'encoders_from_config', 'cmd_cache', 'make_parser',
-           'main']
+__all__ = ['format_report', 'cmd_pack', 'cmd_inspect', 'ClipTextEncoder', 'image_embedder_from_config', 'encoders_from_config',
+           'cmd_cache', 'make_parser', 'main']
 
 # %% ../../nbs/34_data.cli.ipynb #a1d2f500
 def _ratios(cfg, args):
@@ -37,9 +37,15 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 def cmd_pack(args) -> int:
-    from cascade_nb.data.sources import pack_folder
-    paths = pack_folder(args.folder, args.out_dir, args.shard_size)
-    print(f"wrote {len(paths)} shard(s) to {args.out_dir}: {paths[0].name} .. {paths[-1].name}")
+    import warnings
+    from cascade_nb.data.sources import pack_folder, SkipCounter
+    counter, old = SkipCounter(), sorted(Path(args.out_dir).glob("*.tar")) if Path(args.out_dir).is_dir() else []
+    with warnings.catch_warnings():   # the counts are printed below, once
+        warnings.simplefilter("ignore")
+        paths = pack_folder(args.folder, args.out_dir, args.shard_size, overwrite=args.overwrite, counter=counter)
+    print(f"wrote {len(paths)} shard(s) to {args.out_dir}: {paths[0].name} .. {paths[-1].name}"
+          + (f" (replaced {len(old)} old shard(s))" if old else ""))
+    print("skipped: " + (", ".join(f"{k} {v}" for k, v in sorted(counter.total.items())) or "none"))
     return 0
 
 def cmd_inspect(args) -> int:
@@ -47,7 +53,8 @@ def cmd_inspect(args) -> int:
     cfg = _load_cfg(args.config)
     image_size = args.image_size or (cfg.data.image_size if cfg is not None else 768)
     kw = dict(captions_getter=cfg.data.captions_getter, dataset_filters=cfg.data.dataset_filters) if cfg is not None else {}
-    rep = inspect_source(args.source, image_size, _ratios(cfg, args), limit=args.limit, **kw)
+    allow_pipe = args.allow_pipe_sources or (cfg is not None and cfg.data.allow_pipe_sources)
+    rep = inspect_source(args.source, image_size, _ratios(cfg, args), limit=args.limit, allow_pipe=allow_pipe, **kw)
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
     if not rep["samples"]:
         print(f"error: {args.source} has no usable sample", file=sys.stderr)
@@ -62,14 +69,25 @@ class ClipTextEncoder:
         from cascade_nb.models.clip import encode_text
         return encode_text(self.tokenizer, self.model, captions)
 
+def image_embedder_from_config(cfg, device=None):
+    "images01 → `clip_img` (B, 1, C) with the config's CLIP image model, or None when the config feeds no image embeddings."
+    from functools import partial
+    from cascade_nb.models import clip
+    name = cfg.model.clip_image_model_name
+    if not name or cfg.data.image_embed_prob == 0: return None
+    if name == "tiny": model = clip.tiny_clip_vision_model(proj=cfg.model.model_overrides.get("c_clip_img", 64)).to(device)
+    else: model = clip.load_clip_image_model(name, device=device)
+    return partial(clip.encode_image, model)
+
 def encoders_from_config(cfg, device=None):
     "(image encoder with `.encode`, text encoder callable) named by a config's model section."
     import torch
     from cascade_nb.models.effnet import load_effnet_encoder, EfficientNetEncoder
     from cascade_nb.models import clip
     m = cfg.model
-    if m.effnet_checkpoint_path: image_enc = load_effnet_encoder(m.effnet_checkpoint_path, device=device)
-    elif m.model_version == "tiny":
+    if m.effnet_checkpoint_path and m.effnet_checkpoint_path != "tiny":
+        image_enc = load_effnet_encoder(m.effnet_checkpoint_path, device=device)
+    elif m.model_version == "tiny" or m.effnet_checkpoint_path == "tiny":   # the trainer's seeded tiny encoder
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             image_enc = EfficientNetEncoder.from_preset("tiny").eval().requires_grad_(False).to(device)
@@ -89,7 +107,8 @@ def cmd_cache(args) -> int:
     info = cache_dataset(args.source, args.out_dir, image_enc, text_enc, fingerprint=cache_fingerprint(**parts),
                          image_size=cfg.data.image_size, multi_aspect_ratio=cfg.data.multi_aspect_ratio,
                          batch_size=args.batch_size, shard_size=args.shard_size, captions_getter=cfg.data.captions_getter,
-                         dataset_filters=cfg.data.dataset_filters, device=args.device, encoder_info=parts)
+                         dataset_filters=cfg.data.dataset_filters, device=args.device, encoder_info=parts,
+                         image_embedder=image_embedder_from_config(cfg, args.device))
     print(f"cached {info['samples']} samples in {len(info['shards'])} shard(s) under {args.out_dir} "
           f"(fingerprint {info['fingerprint']}, skipped {info['skipped'] or 'none'})")
     return 0 if info["samples"] else 1
@@ -100,6 +119,7 @@ def make_parser() -> argparse.ArgumentParser:
     pk = sub.add_parser("pack", help="folder (or tar --sort=name tarball) -> webdataset shards")
     pk.add_argument("folder"); pk.add_argument("out_dir")
     pk.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
+    pk.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty OUT_DIR")
     pk.set_defaults(fn=cmd_pack)
     ins = sub.add_parser("inspect", help="count samples, skips, caption lengths, sizes and buckets")
     ins.add_argument("source", nargs="+", help="folder, tar(s), brace pattern or URL")
@@ -108,6 +128,7 @@ def make_parser() -> argparse.ArgumentParser:
     ins.add_argument("--multi-aspect-ratio", nargs="+", default=None, help="e.g. 1/1 1/2 3/4 (reciprocals are added)")
     ins.add_argument("--limit", type=int, default=None, help="stop after this many usable samples")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.add_argument("--allow-pipe-sources", action="store_true", help="run pipe:CMD sources (shell commands)")
     ins.set_defaults(fn=cmd_inspect)
     ca = sub.add_parser("cache", help="encode images to latents and captions to text embeddings, as shards")
     ca.add_argument("source"); ca.add_argument("out_dir")
@@ -121,7 +142,10 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     if args.command == "inspect" and len(args.source) == 1: args.source = args.source[0]
-    return args.fn(args)
+    try: return args.fn(args)
+    except (ValueError, OSError) as e:   # ConfigError, a missing path, a non-empty output folder: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 # %% ../../nbs/34_data.cli.ipynb #ffc92c09
 if __name__ == "__main__" and not hasattr(sys, "ps1") and "ipykernel" not in sys.modules:

@@ -15,8 +15,9 @@ from PIL import Image
 from .sources import SkipCounter, _worker_seed
 
 # %% auto #0
-__all__ = ['bucket_sizes', 'closest_bucket', 'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket',
-           'BucketResize', 'collate_samples', 'BucketBatcher']
+__all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'bucket_sizes', 'saliency_map', 'saliency_center', 'closest_bucket',
+           'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket', 'BucketResize',
+           'collate_samples', 'BucketBatcher']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
 def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[int, int], ...]:
@@ -31,14 +32,56 @@ def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[
     if any(min(s) < factor for s in sizes): raise ValueError(f"image_size {image_size} is too small for ratios {sorted(rs)}: a side rounds to 0")
     return tuple(sorted(sizes, key=lambda hw: hw[1] / hw[0]))
 
+# %% ../../nbs/31_data.buckets.ipynb #8ed2cd00
+SMART_CROP_P, SMART_CROP_Q = 0.3, 0.2   # the reference's SmartCrop(size, randomize_p=0.3, randomize_q=0.2)
+
+def _fft_len(n: int) -> int:
+    "The smallest multiple of 8 ≥ n (FFT-friendly sizes)."
+    return -(-n // 8) * 8
+
+def saliency_map(img: Image.Image, side: int = 64) -> np.ndarray:
+    "Spectral-residual saliency (Hou & Zhang, CVPR 2007) of `img` as an (h, w) map in [0, 1], about `side` pixels on its shorter side."
+    if img.mode not in ("RGB", "L"): img = img.convert("RGB")
+    small = img.reduce(max(1, min(img.size) // side)) if min(img.size) >= 2 * side else img   # integer box reduction: cheap
+    g = np.asarray(small.convert("L"), dtype=np.float32)                   # (h, w) grey thumbnail
+    h, w = g.shape
+    if np.ptp(g) == 0: return np.zeros((h, w), np.float32)                 # a flat image: nothing stands out
+    H, W = _fft_len(h + h // 2), _fft_len(w + w // 2)                      # reflect-pad: no wrap-around edges
+    ph, pw = (H - h) // 2, (W - w) // 2
+    g = np.pad(g, ((ph, H - h - ph), (pw, W - w - pw)), mode="reflect")
+    f = np.fft.fft2(g)
+    p = np.pad(np.log(np.abs(f) + 1e-6), 1, mode="wrap")                   # the spectrum is periodic
+    local = sum(p[i:i + f.shape[0], j:j + f.shape[1]] for i in range(3) for j in range(3)) / 9
+    spectrum = f * np.exp(-local)          # = exp(log|F| − local + i·phase): the residual with the phase kept
+    spectrum[0, 0] = 0                     # no DC: saliency ignores mean brightness
+    sal = np.abs(np.fft.ifft2(spectrum)) ** 2
+    sigma = min(h, w) / 24                 # Gaussian blur, applied in frequency space
+    fy, fx = np.fft.fftfreq(sal.shape[0])[:, None], np.fft.rfftfreq(sal.shape[1])[None]
+    sal = np.fft.irfft2(np.fft.rfft2(sal) * np.exp(-2 * (np.pi * sigma) ** 2 * (fy ** 2 + fx ** 2)), s=sal.shape)
+    sal = np.maximum(sal[ph:ph + h, pw:pw + w], 0)
+    return (sal / max(sal.max(), 1e-12)).astype(np.float32)
+
+def saliency_center(img: Image.Image, threshold: float = 0.5) -> tuple[float, float]:
+    "(y, x) in [0, 1] (pixel index / (n - 1), as the reference) of the saliency-weighted centroid of the region ≥ `threshold`·max."
+    sal = saliency_map(img)
+    wgt = sal * (sal >= threshold)
+    ys, xs = np.linspace(0, 1, sal.shape[0]), np.linspace(0, 1, sal.shape[1])
+    total = wgt.sum()
+    if total <= 0: return 0.5, 0.5   # nothing salient (a flat image): the centre
+    return float(wgt.sum(1) @ ys / total), float(wgt.sum(0) @ xs / total)
+
 # %% ../../nbs/31_data.buckets.ipynb #82c279ca
 def closest_bucket(h: int, w: int, buckets) -> tuple[int, int]:
     "The (H, W) bucket whose aspect ratio is closest to h×w's, in log space."
     lr = math.log(w / h)
     return min(buckets, key=lambda b: abs(math.log(b[1] / b[0]) - lr))
 
-def crop_box(h: int, w: int, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
-    "The (top, left, height, width) box of an h×w image, in source pixels, that scales to cover `size` (H, W): centred or random."
+CROPS = ("smart", "random", "center")
+
+def crop_box(h: int, w: int, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None,
+             center: tuple[float, float] | None = None):
+    """The (top, left, height, width) box of an h×w image, in source pixels, that scales to cover `size` (H, W):
+    centred, uniformly random, or ("smart") around `center` = (y, x) in [0, 1], moved as the reference's SmartCrop does."""
     H, W = size
     scale = max(H / h, W / w)
     bh, bw = min(H / scale, h), min(W / scale, w)   # min: float round-off
@@ -46,12 +89,24 @@ def crop_box(h: int, w: int, size: tuple[int, int], crop: str = "center", rng: r
     elif crop == "random":
         rng = rng or random
         top, left = rng.uniform(0, h - bh), rng.uniform(0, w - bw)
-    else: raise ValueError(f"crop must be 'center' or 'random', got {crop!r}")
+    elif crop == "smart":
+        rng, (cy, cx) = rng or random, center if center is not None else (0.5, 0.5)
+        if rng.random() < SMART_CROP_P:
+            cy, cx = cy + rng.uniform(-SMART_CROP_Q, SMART_CROP_Q), cx + rng.uniform(-SMART_CROP_Q, SMART_CROP_Q)
+        top, left = min(max(cy * h - bh / 2, 0.0), h - bh), min(max(cx * w - bw / 2, 0.0), w - bw)
+    else: raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
     return max(0.0, top), max(0.0, left), bh, bw
+
+def _center_for(img: Image.Image, size, crop: str):
+    "The saliency centre when a smart crop has something to choose (the image is not already the bucket's shape)."
+    if crop != "smart": return None
+    scale = max(size[0] / img.height, size[1] / img.width)
+    if size[0] / scale > img.height - 0.5 and size[1] / scale > img.width - 0.5: return None
+    return saliency_center(img)
 
 def resize_crop(img: Image.Image, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
     "Scale `img` to cover `size` (H, W) and crop it, as a PIL image (for previews); returns it and the crop's (top, left)."
-    top, left, bh, bw = crop_box(img.height, img.width, size, crop, rng)
+    top, left, bh, bw = crop_box(img.height, img.width, size, crop, rng, _center_for(img, size, crop))
     if (img.height, img.width) == tuple(size): return img, (0, 0)   # already the bucket's size: nothing to resample
     out = img.resize(size[::-1], Image.Resampling.BILINEAR, box=(left, top, left + bw, top + bh))   # antialiased when shrinking
     return out, (round(top), round(left))
@@ -62,7 +117,7 @@ def resize_crop_chw(img: Image.Image, size: tuple[int, int], crop: str = "center
     (3, H, W) uint8 array (collation is then a plain copy). Returns the array and the crop's (top, left)."""
     a = torch.from_numpy(np.array(img))   # (h, w, 3) uint8, writable
     h, w = a.shape[:2]
-    top, left, bh, bw = crop_box(h, w, size, crop, rng)
+    top, left, bh, bw = crop_box(h, w, size, crop, rng, _center_for(img, size, crop))
     t, l = round(top), round(left)
     x = a[t:t + min(round(bh), h - t), l:l + min(round(bw), w - l)].permute(2, 0, 1)
     if tuple(x.shape[1:]) != tuple(size):
@@ -85,7 +140,7 @@ def pick_bucket(h: int, w: int, buckets, p_random_ratio: float = 0.0, rng: rando
 class BucketResize:
     "Pipeline stage: decoded sample (PIL `image`, maybe its `bucket`) → bucket-sized (3, H, W) uint8 `image` array."
     def __init__(self, buckets, crop: str = "random", p_random_ratio: float = 0.0, seed: int = 0):
-        if crop not in ("random", "center"): raise ValueError(f"crop must be 'random' or 'center', got {crop!r}")
+        if crop not in CROPS: raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
         self.buckets, self.crop, self.p_random_ratio, self.seed, self.epoch = tuple(buckets), crop, p_random_ratio, seed, 0
 
     def __call__(self, samples):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save, load as st_load
 from ..core import atomic_write_json
-from .sources import SkipCounter, write_shards, is_remote, local_path
+from .sources import SkipCounter, write_shards, is_remote, local_path, _check_out_dir
 from .pipeline import SampleDecoder, build_dataset
 
 # %% auto #0
@@ -29,8 +29,9 @@ def config_cache_parts(cfg) -> dict:
     m, d = cfg.model, cfg.data
     eff = m.effnet_checkpoint_path
     eff_id = f"{Path(eff).name}:{Path(eff).stat().st_size}" if eff and Path(eff).is_file() else eff
+    image_model = m.clip_image_model_name if m.clip_image_model_name and d.image_embed_prob > 0 else None
     return dict(effnet=eff_id, text_model=m.clip_text_model_name, tokenizer=m.tokenizer_path, image_size=d.image_size,
-                multi_aspect_ratio=[str(r) for r in (d.multi_aspect_ratio or [])])
+                multi_aspect_ratio=[str(r) for r in (d.multi_aspect_ratio or [])], image_model=image_model)
 
 # %% ../../nbs/33_data.cache.ipynb #5cb799bc
 CACHE_INFO = "cache_info.json"
@@ -41,10 +42,12 @@ def _sample_bytes(tensors: dict[str, torch.Tensor], fingerprint: str) -> bytes:
 @torch.no_grad()
 def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerprint: str, image_size: int = 768,
                   multi_aspect_ratio=None, batch_size: int = 8, shard_size: int = 1000, captions_getter=None,
-                  dataset_filters=None, device=None, store_dtype: torch.dtype | None = None, encoder_info: dict | None = None) -> dict:
-    "Encode `source` with `image_encoder.encode` (and `text_encoder(captions)`) into cached shards under `out_dir`."
+                  dataset_filters=None, device=None, store_dtype: torch.dtype | None = None, encoder_info: dict | None = None,
+                  image_embedder=None) -> dict:
+    "Encode `source` with `image_encoder.encode` (and `text_encoder(captions)`, `image_embedder(images)`) into cached shards under `out_dir`."
     out_dir = Path(out_dir)
     if (out_dir / CACHE_INFO).exists(): raise FileExistsError(f"{out_dir} already holds a cache ({CACHE_INFO}); use a new folder")
+    _check_out_dir(source, out_dir, overwrite=False)
     device = torch.device(device or "cpu")
     ds = build_dataset(source, batch_size, image_size=image_size, multi_aspect_ratio=multi_aspect_ratio, crop="center",
                        captions_getter=captions_getter, dataset_filters=dataset_filters, shuffle_buffer=0, drop_last=False)
@@ -56,6 +59,7 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
             latents = image_encoder.encode(batch["images"].to(device))
             text = text_encoder(batch["captions"]) if text_encoder is not None else {}
             if isinstance(text, torch.Tensor): text = {"text_embeds": text}
+            if image_embedder is not None: text = {**text, "clip_img": image_embedder(batch["images"].to(device)).view(len(latents), 1, -1)}
             for i, (key, caption, meta) in enumerate(zip(batch["keys"], batch["captions"], batch["meta"])):
                 tensors = {"latents": latents[i], **{name: t[i] for name, t in text.items()}}
                 if store_dtype is not None: tensors = {k: v.to(store_dtype) for k, v in tensors.items()}
@@ -63,7 +67,7 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
                        "json": json.dumps({**meta, "source_key": key, "original_size": batch["original_sizes"][i]})}
                 n += 1
     shards = write_shards(samples(), out_dir, shard_size)
-    info = dict(fingerprint=fingerprint, samples=n, shards=[p.name for p in shards], skipped=skipped,
+    info = dict(fingerprint=fingerprint, samples=n, shards=[p.name for p in shards], skipped=skipped, clip_img=image_embedder is not None,
                 image_size=image_size, multi_aspect_ratio=[str(r) for r in (multi_aspect_ratio or [])],
                 encoder=encoder_info or {"image": type(image_encoder).__name__, "text": type(text_encoder).__name__},
                 source=str(source), seconds=round(time.time() - t0, 1))
@@ -98,14 +102,18 @@ class CachedDecoder(SampleDecoder):
 
     def decode(self, s: dict):
         if "safetensors" not in s: return None, "bad_cache"
-        if self.expected is not None and (got := safetensors_metadata(s["safetensors"]).get("fingerprint")) != self.expected:
+        try: got = safetensors_metadata(s["safetensors"]).get("fingerprint")
+        except (struct.error, ValueError, UnicodeDecodeError, AttributeError): return None, "bad_cache"   # cut or garbled header
+        if self.expected is not None and got != self.expected:
             raise CacheMismatchError(f"cached sample {s['__key__']} in {s.get('__url__')} has fingerprint {got}, expected {self.expected}")
         try: tensors = st_load(s["safetensors"])
         except Exception: return None, "bad_cache"
         if "latents" not in tensors: return None, "bad_cache"
         try: caption = s["txt"].decode("utf-8").strip()
         except (KeyError, UnicodeDecodeError): caption = ""
-        meta = json.loads(s["json"]) if "json" in s else {}
+        try: meta = json.loads(s["json"]) if "json" in s else {}
+        except (ValueError, UnicodeDecodeError): return None, "bad_cache"
+        if not isinstance(meta, dict): return None, "bad_cache"
         latents = tensors.pop("latents")
         return {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
                 "bucket": tuple(latents.shape)}, None

@@ -18,9 +18,9 @@ from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_
 from .buckets import bucket_sizes, closest_bucket, pick_bucket, BucketResize, BucketBatcher
 
 # %% auto #0
-__all__ = ['as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'SampleDecoder', 'Shuffle',
-           'ImageTextDataset', 'build_dataset', 'build_dataloader', 'dataloader_from_config', 'sum_skips',
-           'inspect_source']
+__all__ = ['as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'default_max_pixels', 'SampleDecoder',
+           'Shuffle', 'ImageTextDataset', 'resolve_crop', 'build_dataset', 'build_dataloader', 'dataloader_from_config',
+           'sum_skips', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -46,12 +46,17 @@ def default_min_side(image_size: int) -> int:
     "Images with a shorter side below this are skipped as `too_small` (upscaling them 8× teaches blur)."
     return max(16, image_size // 8)
 
+def default_max_pixels(image_size: int) -> int:
+    "Images that would decode to more pixels than this are skipped as `too_large`: 64× the training area (8× per side), at least 4096²."
+    return max(64 * image_size ** 2, 4096 ** 2)
+
 class SampleDecoder:
     "Pipeline stage: raw samples → `{image (PIL), caption, meta, bucket}`; counts skips; fails on a shard with nothing usable."
     def __init__(self, counter: SkipCounter, captions_getter=None, dataset_filters=None, min_side: int = 16,
-                 n_shards: int = 1, strict: bool = True, buckets=None, p_random_ratio: float = 0.0, seed: int = 0):
+                 n_shards: int = 1, strict: bool = True, buckets=None, p_random_ratio: float = 0.0, seed: int = 0,
+                 max_pixels: int | None = None):
         self.counter, self.getter, self.filters = counter, as_captions_getter(captions_getter), as_dataset_filters(dataset_filters)
-        self.min_side, self.n_shards, self.strict, self.bad_shards = min_side, n_shards, strict, []
+        self.min_side, self.n_shards, self.strict, self.bad_shards, self.max_pixels = min_side, n_shards, strict, [], max_pixels
         self.buckets, self.p_random_ratio, self.seed, self.epoch = buckets, p_random_ratio, seed, 0
         self._rng = random.Random(seed)
 
@@ -79,30 +84,32 @@ class SampleDecoder:
                 out["bucket"] = bucket = pick_bucket(h, w, self.buckets, self.p_random_ratio, self._rng)
                 scale = max(bucket[0] / h, bucket[1] / w)
                 if scale < 0.5 and img.format == "JPEG": img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
+            if self.max_pixels and img.width * img.height > self.max_pixels: return None, "too_large"   # before decoding
             img.load()
             out["image"], out["original_size"] = to_rgb(img), (h, w)
         except Exception: return None, "bad_image"
         return out, None
 
     def _end_of_shard(self, marker, stats):
+        "A shard is done: forget past failures if it gave something, else count it and stop only when no shard can."
         url, usable, skips = marker[SHARD_END], stats["usable"], Counter(marker["skips"]) + stats["skips"]
-        if usable: self._empty_run = 0; return
-        only_filtered = marker["n"] > 0 and set(skips) <= {"filtered"}
-        msg = (f"data: shard {url} yielded no usable sample ({marker['n']} samples read; skipped: {dict(skips) or 'none'}). "
-               + ("Every sample was rejected by dataset_filters." if only_filtered else
-                  "Check that it is a tar of NNNN.jpg|png + NNNN.txt members (tar --sort=name keeps them together), "
-                  "and that it can be opened from this machine."))
+        if usable: self._unusable.clear(); return
+        self._unusable[url] = dict(skips)
+        only_filtered = all(set(s) <= {"filtered"} and s for s in self._unusable.values())
         if not self.strict: self.bad_shards.append((url, dict(skips))); return
-        if not only_filtered: raise RuntimeError(msg)
-        warnings.warn(msg)
-        self._empty_run += 1
-        if self._empty_run >= self.n_shards:
-            raise RuntimeError(f"data: {self._empty_run} shards in a row yielded nothing that passes dataset_filters "
-                               f"{[f.to_yaml() for f in self.filters]}; the source has nothing to train on")
+        warnings.warn(f"data: shard {url} yielded no usable sample ({marker['n']} samples read; skipped: {dict(skips) or 'none'}); "
+                      "skipped, training goes on with the other shards")
+        if len(self._unusable) < self.n_shards: return
+        raise RuntimeError(
+            f"data: all {self.n_shards} shard(s) of the source yielded no usable sample (skipped: "
+            f"{dict(sum(map(Counter, self._unusable.values()), Counter()))}); nothing is left to train on. "
+            + (f"Every sample was rejected by dataset_filters {[f.to_yaml() for f in self.filters]}." if only_filtered else
+               "Check that they are tars of NNNN.jpg|png + NNNN.txt members (tar --sort=name keeps them together), that "
+               "they can be opened from this machine, and run `python -m cascade_nb.data inspect SOURCE`."))
 
     def __call__(self, samples):
         self._rng = random.Random(_worker_seed(self.seed + 1, self.epoch)); self.epoch += 1
-        self._empty_run, open_shards, seen, usable_total = 0, {}, 0, 0
+        self._unusable, open_shards, seen, usable_total = {}, {}, 0, 0
         for s in samples:
             stats = open_shards.setdefault(s["__shard__"], {"usable": 0, "skips": Counter()})
             if SHARD_END in s:
@@ -115,8 +122,9 @@ class SampleDecoder:
                 continue
             stats["usable"] += 1; usable_total += 1
             yield out
-        if self.strict and seen and not usable_total:
-            raise RuntimeError(f"data: {seen} shard(s) read by this worker yielded no usable sample; skipped: {dict(self.counter.total)}")
+        if self.strict and seen and not usable_total:   # this reader's share was all bad; other readers may have data
+            warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: {dict(self.counter.total)}")
+
 
 # %% ../../nbs/32_data.pipeline.ipynb #39552c9e
 class Shuffle:
@@ -153,27 +161,35 @@ class ImageTextDataset(wds.DataPipeline):
             if hasattr(stage, "set_epoch"): stage.set_epoch(epoch)
             elif hasattr(stage, "epoch"): stage.epoch = epoch
 
+def resolve_crop(crop: str, multi_aspect_ratio=None) -> str:
+    "`auto`: the reference's choice, a saliency-centred crop for square configs and a random one inside aspect buckets."
+    if crop == "auto": return "random" if multi_aspect_ratio else "smart"
+    return crop
+
 def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspect_ratio=None, captions_getter=None,
-                  dataset_filters=None, resampled: bool = False, shuffle_buffer: int = 1000, crop: str = "random",
-                  p_random_ratio: float = 0.0, min_side: int | None = None, drop_last: bool = True, seed: int = 0,
-                  epoch_length: int | None = None, folder_chunk: int = 64, cache_fingerprint: str | None = None) -> ImageTextDataset:
+                  dataset_filters=None, resampled: bool = False, shuffle_buffer: int = 1000, crop: str = "auto",
+                  p_random_ratio: float = 0.0, min_side: int | None = None, max_pixels: int | None = None, drop_last: bool = True,
+                  seed: int = 0, epoch_length: int | None = None, folder_chunk: int = 64, cache_fingerprint: str | None = None,
+                  allow_pipe: bool = False) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
-    shards = resolve_shards(source, folder_chunk)
+    shards = resolve_shards(source, folder_chunk, allow_pipe)
+    n_distinct = len({s["url"] for s in shards})
     counter = SkipCounter()
     head = ([ResampledShardList(shards, seed)] if resampled else
             [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node, wds.split_by_worker])
     from cascade_nb.data.cache import find_cache_info, CachedDecoder   # cached shards: latents instead of images
     info = find_cache_info(shards)
     if info is not None or cache_fingerprint is not None:
-        body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=len(shards))]
+        body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=n_distinct)]
         group_key = "bucket"
     else:
         buckets = bucket_sizes(image_size, multi_aspect_ratio)
-        body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size), len(shards),
-                              buckets=buckets, p_random_ratio=p_random_ratio, seed=seed),
-                BucketResize(buckets, crop, p_random_ratio, seed)]
+        body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size), n_distinct,
+                              buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
+                              max_pixels=max_pixels or default_max_pixels(image_size)),
+                BucketResize(buckets, resolve_crop(crop, multi_aspect_ratio), p_random_ratio, seed)]
         group_key = "bucket"
-    ds = ImageTextDataset(*head, ShardReader(counter), Shuffle(shuffle_buffer, seed) if shuffle_buffer > 1 else None,
+    ds = ImageTextDataset(*head, ShardReader(counter, allow_pipe), Shuffle(shuffle_buffer, seed) if shuffle_buffer > 1 else None,
                           *body, BucketBatcher(batch_size, counter, drop_last, group_key))
     ds.shards, ds.counter, ds.resampled = shards, counter, resampled
     if epoch_length: ds = ds.with_epoch(epoch_length)
@@ -204,6 +220,7 @@ def dataloader_from_config(data, batch_size: int, seed: int = 0, **overrides) ->
     kw = dict(image_size=data.image_size, multi_aspect_ratio=data.multi_aspect_ratio, captions_getter=data.captions_getter,
               dataset_filters=data.dataset_filters, resampled=data.resampled, shuffle_buffer=data.shuffle_buffer,
               crop=data.crop, p_random_ratio=data.bucketeer_random_ratio if data.multi_aspect_ratio else 0.0,
+              allow_pipe=getattr(data, "allow_pipe_sources", False),
               num_workers=data.num_workers, pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor, seed=seed)
     return build_dataloader(data.webdataset_path, batch_size, **{**kw, **overrides})
 
@@ -216,14 +233,15 @@ def sum_skips(batches_or_counts, into: Counter | None = None) -> Counter:
 
 # %% ../../nbs/32_data.pipeline.ipynb #bfd11ad5
 def inspect_source(source, image_size: int = 768, multi_aspect_ratio=None, captions_getter=None, dataset_filters=None,
-                   min_side: int | None = None, limit: int | None = None) -> dict:
+                   min_side: int | None = None, limit: int | None = None, allow_pipe: bool = False) -> dict:
     "Read `source` once and summarise it: samples, skips per reason, caption lengths, size histogram, buckets."
-    shards = resolve_shards(source)
+    shards = resolve_shards(source, allow_pipe=allow_pipe)
     counter = SkipCounter()
-    dec = SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size), len(shards), strict=False)
+    dec = SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size), len(shards), strict=False,
+                        max_pixels=default_max_pixels(image_size))
     buckets = bucket_sizes(image_size, multi_aspect_ratio)
     sizes, chars, words, n = Counter(), [], [], 0
-    for s in dec(ShardReader(counter)(shards)):
+    for s in dec(ShardReader(counter, allow_pipe)(shards)):
         sizes[(s["image"].height, s["image"].width)] += 1
         chars.append(len(s["caption"])); words.append(len(s["caption"].split()))
         n += 1

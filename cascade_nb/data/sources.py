@@ -6,32 +6,37 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.sources.html.md"""
 
 # %% ../../nbs/30_data.sources.ipynb #2067da0c
 from __future__ import annotations
-import io, os, re, json, random, tarfile, warnings
+import io, os, re, json, random, shutil, tarfile, warnings
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 import webdataset as wds
 from webdataset.shardlists import expand_urls
 from webdataset.utils import pytorch_worker_info
+from ..config import ConfigError
 
 # %% auto #0
-__all__ = ['SKIP_REASONS', 'IMAGE_EXTS', 'SAMPLE_EXTS', 'SHARD_END', 'SkipCounter', 'split_key', 'is_remote', 'local_path',
-           'folder_keys', 'resolve_shards', 'ShardList', 'ResampledShardList', 'open_url', 'ShardReader',
-           'write_shards', 'pack_folder']
+__all__ = ['SKIP_REASONS', 'IMAGE_EXTS', 'SAMPLE_EXTS', 'REMOTE_CLIENTS', 'REMOTE_OPTIONS', 'SHARD_END', 'SkipCounter',
+           'format_skips', 'split_key', 'folder_split', 'is_remote', 'local_path', 'folder_keys', 'resolve_shards',
+           'check_remote', 'ShardList', 'ResampledShardList', 'open_url', 'ShardReader', 'safe_key', 'write_shards',
+           'pack_folder']
 
 # %% ../../nbs/30_data.sources.ipynb #175a818d
 SKIP_REASONS = {
     "unreadable_shard": "the shard could not be opened (missing file, failed pipe/download)",
+    "empty_shard": "the shard opened but holds no member at all",
     "truncated_tar": "the tar ended early or is corrupt; the rest of the shard is lost",
     "missing_image": "no .jpg/.jpeg/.png/.webp member for the key",
     "bad_image": "the image bytes do not decode (truncated or not an image)",
     "too_small": "the image's shorter side is below `min_side`",
+    "too_large": "the image would decode to more than `max_pixels` pixels (a decompression bomb, or far above image_size)",
     "missing_caption": "no caption member (e.g. .txt) for the key",
     "bad_text": "the caption is not valid UTF-8",
     "empty_caption": "the caption is empty or only whitespace",
     "bad_json": "the .json member is not a valid JSON object",
     "filtered": "rejected by `dataset_filters` (not an error)",
-    "bad_cache": "a cached sample without the expected tensors",
+    "bad_cache": "a cached sample that is corrupt or lacks the expected tensors",
+    "other_file": "a file in a loose folder that is not an image, caption or JSON (README, .DS_Store, ...)",
 }
 
 class SkipCounter:
@@ -47,6 +52,13 @@ class SkipCounter:
         return dict(delta)
     def __repr__(self): return f"SkipCounter({dict(self.total)})"
 
+# %% ../../nbs/30_data.sources.ipynb #49b8d928
+def format_skips(counts: dict) -> str:
+    "Skip totals as one short phrase for console lines (`skipped 3: bad_image 2, unreadable_shard 1`); '' when none."
+    counts = {k: v for k, v in counts.items() if v}
+    if not counts: return ""
+    return f"skipped {sum(counts.values())}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
 # %% ../../nbs/30_data.sources.ipynb #8df878e7
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key = path up to the first dot of the basename
@@ -55,6 +67,11 @@ def split_key(name: str) -> tuple[str, str] | None:
     "Split a member or file name into (key, extension) the webdataset way: `a/0001.seg.png` → (`a/0001`, `seg.png`)."
     m = _KEY_EXT.match(name)
     return (m.group(1), m.group(2).lower()) if m else None
+
+def folder_split(name: str) -> tuple[str, str] | None:
+    "Split a loose file's name at its LAST dot: `2023.05.01.JPG` → (`2023.05.01`, `jpg`); None for `.DS_Store`, `README`."
+    stem, dot, ext = name.rpartition(".")
+    return (stem, ext.lower()) if dot and stem else None
 
 def is_remote(url: str) -> bool:
     "True for URLs webdataset opens itself (`pipe:`, `s3://`, `http://`, ...); False for local paths and `file:`."
@@ -67,37 +84,65 @@ def local_path(url: str) -> Path:
 
 SAMPLE_EXTS = (*IMAGE_EXTS, "txt", "json")
 
-def folder_keys(root: Path) -> tuple[list[str], int]:
-    "Sorted sample keys of a folder of loose files (any key with an image, caption or JSON file) and the image count."
-    found = [ke for p in root.iterdir() if p.is_file() and (ke := split_key(p.name)) and ke[1] in SAMPLE_EXTS]
-    return sorted({k for k, _ in found}), sum(ext in IMAGE_EXTS for _, ext in found)
+def folder_keys(root: Path) -> tuple[list[str], int, list[str]]:
+    "Sorted sample keys of a folder of loose files (any key with an image, caption or JSON file), the image count, other files."
+    found, other = [], []
+    for p in root.iterdir():
+        if not p.is_file(): continue
+        ke = folder_split(p.name)
+        if ke and ke[1] in SAMPLE_EXTS: found.append(ke)
+        else: other.append(p.name)
+    return sorted({k for k, _ in found}), sum(ext in IMAGE_EXTS for _, ext in found), sorted(other)
 
-def _resolve_one(src: str, folder_chunk: int) -> list[dict]:
-    if is_remote(src): return [dict(url=src)]
+def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[dict]:
+    if is_remote(src):
+        check_remote(src, allow_pipe)
+        return [dict(url=src)]
     path = local_path(src)
     if path.suffix in (".yml", ".yaml") and path.is_file():
         import yaml
         listed = yaml.safe_load(path.read_text())
-        return [s for item in listed for s in _resolve_one(str(item), folder_chunk)]
+        return [s for item in listed for s in _resolve_one(str(item), folder_chunk, allow_pipe)]
     if path.is_dir():
         tars = sorted(p for p in path.iterdir() if p.suffix == ".tar")
         if tars: return [dict(url=str(p)) for p in tars]
-        keys, n_images = folder_keys(path)   # a caption without its image is a sample: it is counted as missing_image
+        keys, n_images, other = folder_keys(path)   # a caption without its image is a sample: it is counted as missing_image
         if not n_images: raise FileNotFoundError(f"data source {src!r}: folder has neither .tar shards nor images ({', '.join(IMAGE_EXTS)})")
-        return [dict(url=f"{path}#{i}", root=str(path), keys=keys[i:i + folder_chunk]) for i in range(0, len(keys), folder_chunk)]
+        chunks = [dict(url=f"{path}#{i}", root=str(path), keys=keys[i:i + folder_chunk]) for i in range(0, len(keys), folder_chunk)]
+        if other: chunks[0]["other_files"] = other   # counted (once) by the reader of the first chunk
+        return chunks
     if not path.is_file(): raise FileNotFoundError(f"data source {src!r}: no such file or folder ({path})")
     return [dict(url=str(path))]
 
-def resolve_shards(source, folder_chunk: int = 64) -> list[dict]:
+def resolve_shards(source, folder_chunk: int = 64, allow_pipe: bool = False) -> list[dict]:
     "Expand a data source (path, brace pattern, URL, folder, `.yml`, or a list of these) into shard dicts."
     if isinstance(source, (str, os.PathLike)): source = [source]
     shards = []
     for item in source:
         item = os.fspath(item)
         for url in (expand_urls(item) if "{" in item or "::" in item else [item]):
-            shards += _resolve_one(url, folder_chunk)
+            shards += _resolve_one(url, folder_chunk, allow_pipe)
     if not shards: raise ValueError(f"data source {source!r} resolves to no shards")
     return shards
+
+# %% ../../nbs/30_data.sources.ipynb #c8d56ba8
+REMOTE_CLIENTS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}   # fsspec protocol → package
+
+def check_remote(url: str, allow_pipe: bool = False):
+    "Refuse a remote URL that must not (`pipe:` without permission) or cannot (unknown scheme, client missing) be read."
+    scheme = urlparse(url).scheme
+    if scheme == "pipe":
+        if allow_pipe: return
+        raise ConfigError(f"data source {url[:80]!r} is a shell command (pipe:), refused: set data.allow_pipe_sources: true "
+                          "in the config (or --allow-pipe-sources on the data CLI) to run it; prefer s3://, gs:// or https:// URLs")
+    if scheme not in REMOTE_CLIENTS:
+        raise ConfigError(f"data source {url!r}: unsupported URL scheme {scheme!r}; expected a local path, file:, "
+                          f"{', '.join(s + '://' for s in REMOTE_CLIENTS)} or pipe:")
+    import fsspec
+    try: fsspec.get_filesystem_class(scheme)
+    except ImportError as e:
+        extra = '"cascade_nb[remote]"' if scheme != "gs" and scheme != "gcs" else "gcsfs"
+        raise ConfigError(f"data source {url!r} needs the {REMOTE_CLIENTS[scheme]} package: pip install {extra}") from e
 
 # %% ../../nbs/30_data.sources.ipynb #533eca2b
 def _worker_seed(seed: int, epoch: int) -> int:
@@ -126,18 +171,22 @@ class ResampledShardList:
         while True: yield rng.choice(self.shards)
 
 # %% ../../nbs/30_data.sources.ipynb #c25ec608
-def open_url(url: str):
-    "Open a shard for streaming reads: local paths and `file:` directly, `s3://` via `aws s3 cp`, else `wds.gopen`."
+REMOTE_OPTIONS = {"http": dict(block_size=0), "https": dict(block_size=0)}   # block_size 0: stream, no range requests
+
+def open_url(url: str, allow_pipe: bool = False):
+    "Open a shard for streaming reads: local paths and `file:` directly, s3/gs/http(s) through fsspec, an allowed `pipe:` via `wds.gopen`."
     if not is_remote(url): return open(local_path(url), "rb")
-    if urlparse(url).scheme == "s3" and "s3" not in wds.gopen.gopen_schemes:
-        url = f"pipe:aws s3 cp {url} -"
-    return wds.gopen(url, "rb")
+    check_remote(url, allow_pipe)
+    scheme = urlparse(url).scheme
+    if scheme == "pipe": return wds.gopen(url, "rb")
+    import fsspec
+    return fsspec.open(url, "rb", **REMOTE_OPTIONS.get(scheme, {})).open()
 
 SHARD_END = "__shard_end__"
 
 class ShardReader:
     "Pipeline stage: shard dicts → raw samples (dicts of bytes), then an end-of-shard marker per shard."
-    def __init__(self, counter: SkipCounter): self.counter = counter
+    def __init__(self, counter: SkipCounter, allow_pipe: bool = False): self.counter, self.allow_pipe = counter, allow_pipe
 
     def __call__(self, shards):
         for visit, shard in enumerate(shards):   # `visit` tells apart two reads of one shard (resampled streams)
@@ -146,14 +195,19 @@ class ShardReader:
                 n += 1
                 sample["__shard__"] = visit
                 yield sample
+            if n == 0 and self.counter.total == before: self.counter.add("empty_shard")   # opened fine, held nothing
             yield {SHARD_END: shard["url"], "__shard__": visit, "n": n, "skips": dict(self.counter.total - before)}
 
     def _folder(self, shard):
         root = Path(shard["root"])
+        if shard.get("other_files"):
+            self.counter.add("other_file", len(shard["other_files"]))
+            warnings.warn(f"data: {root} holds {len(shard['other_files'])} file(s) that are not samples, ignored: "
+                          f"{', '.join(shard['other_files'][:5])}{' ...' if len(shard['other_files']) > 5 else ''}")
         wanted = set(shard["keys"])
         by_key: dict[str, dict] = {}
         for p in root.iterdir():
-            ke = split_key(p.name)
+            ke = folder_split(p.name)
             if ke and ke[0] in wanted: by_key.setdefault(ke[0], {})[ke[1]] = p
         for key in shard["keys"]:
             sample = {"__key__": key, "__url__": shard["url"]}
@@ -163,7 +217,8 @@ class ShardReader:
             yield sample
 
     def _tar(self, url):
-        try: stream = open_url(url)
+        try: stream = open_url(url, self.allow_pipe)
+        except ConfigError: raise   # refused by policy or a missing client: not a bad shard
         except Exception as e:
             self.counter.add("unreadable_shard")
             warnings.warn(f"data: cannot open shard {url}: {e!r}")
@@ -206,19 +261,27 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
     return ti
 
+def safe_key(key: str, used: set) -> str:
+    "A member key the first-dot rule reads back whole: the basename with `.` and other odd characters as `_`, unique in `used`."
+    base = re.sub(r"[^\w\-]", "_", Path(key).name).lstrip("_") or "sample"   # no leading '_': '__*' names are metadata
+    k, i = base, 1
+    while k in used: i += 1; k = f"{base}_{i}"
+    used.add(k)
+    return k
+
 def write_shards(samples, out_dir, shard_size: int = 1000, pattern: str = "shard-%06d.tar") -> list[Path]:
     "Write an iterable of raw samples (`{'__key__', ext: bytes}`) as tar shards of `shard_size` samples each."
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if shard_size < 1: raise ValueError(f"shard_size must be >= 1, got {shard_size}")
-    paths, tar, n = [], None, 0
+    paths, tar, n, used = [], None, 0, set()
     try:
         for sample in samples:
             if n % shard_size == 0:
                 if tar is not None: tar.close()
                 paths.append(out_dir / (pattern % len(paths)))
                 tar = tarfile.open(paths[-1], "w", format=tarfile.GNU_FORMAT)
-            key = Path(sample["__key__"]).name
+            key = safe_key(sample["__key__"], used)
             for ext in sorted(k for k in sample if not k.startswith("__")):
                 data = sample[ext]
                 if isinstance(data, str): data = data.encode("utf-8")
@@ -228,11 +291,33 @@ def write_shards(samples, out_dir, shard_size: int = 1000, pattern: str = "shard
         if tar is not None: tar.close()
     return paths
 
-def pack_folder(source, out_dir, shard_size: int = 1000, pattern: str = "shard-%06d.tar") -> list[Path]:
+def _check_out_dir(source, out_dir: Path, overwrite: bool) -> list[Path]:
+    "What packing into `out_dir` would replace; refuses a file, the source folder itself, or a non-empty folder."
+    if out_dir.exists() and not out_dir.is_dir(): raise NotADirectoryError(f"pack: output {out_dir} is a file, not a folder")
+    src = None if is_remote(str(source)) else local_path(str(source)).resolve()
+    if src is not None and out_dir.resolve() in (src, src.parent if src.is_file() else src):
+        raise ValueError(f"pack: output folder {out_dir} is the source's own folder; choose a new one")
+    present = sorted(out_dir.iterdir()) if out_dir.is_dir() else []
+    if present and not overwrite:
+        raise FileExistsError(f"pack: output folder {out_dir} is not empty ({len(present)} entries, e.g. {present[0].name}); "
+                              "training reads every .tar in a folder, so old shards would mix in. Use a new folder, or "
+                              "--overwrite (overwrite=True) to replace its shards")
+    return [p for p in present if p.suffix == ".tar" or p.name == "cache_info.json"]
+
+def pack_folder(source, out_dir, shard_size: int = 1000, pattern: str = "shard-%06d.tar", overwrite: bool = False,
+                counter: SkipCounter | None = None) -> list[Path]:
     "Pack a folder of `NNNN.{jpg,png}` + `NNNN.txt` (+ `.json`), or a hand-made tar, into webdataset shards."
-    counter = SkipCounter()
-    raw = (s for s in ShardReader(counter)(resolve_shards(source)) if SHARD_END not in s)
-    paths = write_shards(raw, out_dir, shard_size, pattern)
+    out_dir, counter = Path(out_dir), counter if counter is not None else SkipCounter()
+    replaced = _check_out_dir(source, out_dir, overwrite)
+    shards = resolve_shards(source)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / f".packing-{os.getpid()}"   # complete shards first; the old ones go only after
+    try:
+        raw = (s for s in ShardReader(counter)(shards) if SHARD_END not in s)
+        written = write_shards(raw, staging, shard_size, pattern)
+        if not written: raise ValueError(f"pack_folder: {source} holds no samples (skipped: {dict(counter.total) or 'none'})")
+        for p in replaced: p.unlink()
+        paths = [p.replace(out_dir / p.name) for p in written]
+    finally: shutil.rmtree(staging, ignore_errors=True)
     if counter.total: warnings.warn(f"pack_folder: skipped while reading {source}: {dict(counter.total)}")
-    if not paths: raise ValueError(f"pack_folder: {source} holds no samples")
     return paths
