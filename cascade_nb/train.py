@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded
 from .config import Config, load_config, save_config, ConfigError
-from .gdf.presets import gdf_from_config
+from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
 from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
                                  save_sample_grid)
@@ -348,7 +348,6 @@ def train(cfg: Config) -> dict:
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
     device, is_main = acc.device, acc.is_main_process
-    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(acc.mixed_precision, torch.float32)
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     info = run_dir.info()   # None for a new run
     if is_main:
@@ -356,12 +355,12 @@ def train(cfg: Config) -> dict:
         save_config(cfg, out_dir/"config.yaml")
     stop = StopFlag().install()
 
-    # --- models: identical init on every process; frozen parts in the compute dtype
+    # --- models: identical init on every process; frozen encoders in `frozen_dtype` (fp32 as the reference unless set)
     set_seed(t.seed)
-    generator = build_generator(cfg)
-    tokenizer, text_model = build_text_encoder(cfg, device, compute_dtype)
-    mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, compute_dtype),
-                               build_latent_space(cfg, device, compute_dtype), compute_dtype)
+    generator, frozen_dtype = build_generator(cfg), resolve_dtype(cfg.model.frozen_dtype)
+    tokenizer, text_model = build_text_encoder(cfg, device, frozen_dtype)
+    mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, frozen_dtype),
+                               build_latent_space(cfg, device, frozen_dtype), frozen_dtype)
     net, gdf = mode.net, gdf_from_config(cfg.gdf)
     ema = None
     if t.ema_start_iters is not None and mode.supports_ema:
@@ -464,8 +463,9 @@ def train(cfg: Config) -> dict:
             with acc.accumulate(net):
                 with acc.autocast():
                     eps = mode.epsilon(x0, rng.generator) if hasattr(mode, "epsilon") else None   # Stage B: pyramid noise
-                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng.generator, shift=cfg.gdf.shift, epsilon=eps)
-                gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()))  # adaptive parts; same on every process
+                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng.generator, shift=training_shift(cfg), epsilon=eps)
+                gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()),   # adaptive parts; same on every process
+                                   shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
                 if grad_norm is not None and not check_finite(grad_norm, state, t.max_nan_steps):
