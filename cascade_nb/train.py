@@ -178,7 +178,7 @@ def _unwrap_state_dict(accelerator, model) -> dict:
 class StageBTraining(FullTraining):
     """Stage B fine-tuning: Stage A latents, conditions {effnet, clip} (pooled text), pyramid noise.
     As in the reference, the EfficientNet condition is computed from the image downscaled by U(0.5, 1) and dropped
-    for 10% of the samples; unlike the reference, the pyramid noise uses the latent's real width."""
+    for 10% of the samples; the pyramid noise uses the latent's real width (explanations/differences_from_reference)."""
     def __init__(self, cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model, self.space = cfg, generator, tokenizer, text_model, space
         self.compute_dtype, self.image_model = compute_dtype, None
@@ -239,7 +239,7 @@ def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
     rng = torch.Generator(device).manual_seed(seed)
     *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=_SAMPLERS[cfg.gdf.sample_sampler](),
-                          timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=cfg.gdf.shift, device=device,
+                          timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=training_shift(cfg), device=device,
                           generator=rng)
     return last.x0
 

@@ -11,19 +11,21 @@ import json, sys, torch
 from cascade_nb.gdf.core import GDF
 from cascade_nb.config import load_config
 from cascade_nb.train import train
-seen = {"diffuse": set(), "update": set()}
-_diffuse, _update = GDF.diffuse, GDF.update_buckets
+seen = {"diffuse": set(), "update": set(), "sample": set()}
+_diffuse, _update, _sample = GDF.diffuse, GDF.update_buckets, GDF.sample
 def diffuse(self, x0, *a, shift=1., loss_shift=1., **kw):
     if torch.is_grad_enabled(): seen["diffuse"].add((shift, loss_shift))  # training steps (previews run under no_grad)
     return _diffuse(self, x0, *a, shift=shift, loss_shift=loss_shift, **kw)
 def update(self, logsnr, loss, beta=0.99, shift=1., loss_shift=1.):
     seen["update"].add((shift, loss_shift)); return _update(self, logsnr, loss, beta, shift=shift, loss_shift=loss_shift)
-GDF.diffuse, GDF.update_buckets = diffuse, update
+def sample(self, *a, shift=1., **kw):
+    seen["sample"].add(shift); return _sample(self, *a, shift=shift, **kw)
+GDF.diffuse, GDF.update_buckets, GDF.sample = diffuse, update, sample
 out = train(load_config(sys.argv[1], sys.argv[2:]))
 mode = out["mode"]
 dtypes = {"text_model": next(mode.text_model.parameters()).dtype, "space": next(mode.space.parameters()).dtype}
 if hasattr(mode, "effnet"): dtypes["effnet"] = next(mode.effnet.parameters()).dtype
-print("PROBE " + json.dumps({"diffuse": sorted(seen["diffuse"]), "update": sorted(seen["update"]),
+print("PROBE " + json.dumps({"diffuse": sorted(seen["diffuse"]), "update": sorted(seen["update"]), "sample": sorted(seen["sample"]),
                              "dtypes": {k: str(v) for k, v in dtypes.items()}}))
 """
 
@@ -41,9 +43,9 @@ def probe(tmp_path, *overrides):
 
 @pytest.mark.parametrize("option, want", [((), [1.0, 1.0]), (("stage_b_shift=config",), [4.0, 4.0])])
 def test_stage_b_trains_at_the_reference_shift_unless_asked(tmp_path, option, want):
-    "finetune_b_3b.yaml says shift: 4; train_b.py diffuses at shift=1, loss_shift=1 and so do we by default."
+    "finetune_b_3b.yaml says shift: 4; train_b.py diffuses (and previews) at shift=1, loss_shift=1, and so do we by default."
     got = probe(tmp_path, "mixed_precision=no", *option)
-    assert got["diffuse"] == [want] and got["update"] == [want], got
+    assert got["diffuse"] == [want] and got["update"] == [want] and got["sample"] == want[:1], got
 
 @pytest.mark.parametrize("option, want", [((), "torch.float32"), (("frozen_dtype=bfloat16",), "torch.bfloat16")])
 def test_frozen_encoders_stay_fp32_under_bf16_autocast(tmp_path, option, want):
