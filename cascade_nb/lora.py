@@ -473,8 +473,9 @@ class LoraNet(nn.Module):
         self.generator, self.text_model = generator, text_model
 
     def forward(self, x, r, input_ids=None, attention_mask=None, **conds):
-        if input_ids is not None:
-            out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        if input_ids is not None:   # the text encoder runs in its own dtype (frozen_dtype), outside autocast, as the reference
+            with torch.autocast(x.device.type, enabled=False):
+                out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
             conds = dict(conds, clip_text=out.hidden_states[-1], clip_text_pooled=out.text_embeds.unsqueeze(1))
         return self.generator(x, r, **conds)
 
