@@ -52,3 +52,11 @@ def test_frozen_encoders_stay_fp32_under_bf16_autocast(tmp_path, option, want):
     "The reference keeps EfficientNet / Stage A / CLIP in fp32 outside autocast; bf16 is a memory option."
     got = probe(tmp_path, "mixed_precision=bf16", *option)
     assert set(got["dtypes"]) == {"text_model", "space", "effnet"} and set(got["dtypes"].values()) == {want}, got
+
+def test_memory_planner_counts_frozen_dtype():
+    "fp32 frozen encoders by default (also under bf16 autocast); frozen_dtype=bfloat16 halves them and is a suggestion."
+    from cascade_nb.memory import plan_memory, official_config, suggest
+    key = "frozen encoders (clip_text, clip_image, effnet, previewer)"
+    fp32, bf16 = plan_memory(official_config()).rows[key], plan_memory(official_config(frozen_dtype="bfloat16")).rows[key]
+    assert fp32 == 2 * bf16 and fp32 / 1e9 > 4   # ~1.0B frozen parameters
+    assert any(s.overrides.get("frozen_dtype") == "bfloat16" for s in suggest(official_config(), 24))
