@@ -382,9 +382,9 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
     m, t = cfg.model, cfg.train
     if t.mixed_precision == "no": yield "bf16 autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
     if t.mode != "full" and m.dtype != "bfloat16": yield "frozen generator in bf16 (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
-    if m.frozen_dtype != "bfloat16": yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
     if not m.gradient_checkpointing: yield "gradient checkpointing", {"gradient_checkpointing": True}, world_size, fsdp
     if t.optimizer != "adamw8bit": yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
+    if m.frozen_dtype != "bfloat16": yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
     if t.ema_start_iters is not None and t.mode == "full" and not t.ema_on_cpu: yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
     if t.mode == "full" and m.dtype != "bfloat16": yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     for n in (2, 4, 8):
