@@ -175,6 +175,7 @@ class ModelConfig:
     clip_text_model_name: str = "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"  # hub id or local dir, or 'tiny'
     clip_image_model_name: Optional[str] = "openai/clip-vit-large-patch14"   # hub id or local dir, 'tiny' or None
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = the text model's own
+    frozen_dtype: Literal["float32", "bfloat16"] = "float32"  # frozen encoders (CLIP, EfficientNet, Stage A); bfloat16 saves memory (explanations/differences_from_reference)
     latent_space: Literal["effnet", "pixels", "cached"] = "effnet"  # what the generator sees: effnet latents, raw pixels (demo), cached latents
     gradient_checkpointing: bool = False  # recompute each block in backward (less memory, ~30% slower)
     compile: bool = False                 # torch.compile the generator
@@ -184,7 +185,8 @@ class GDFConfig:
     "The diffusion recipe (see the GDF notebooks)."
     adaptive_loss_weight: Optional[bool] = None  # official key: AdaptiveLossWeight instead of P2
     loss_weight: Optional[Literal[LOSS_WEIGHTS]] = None  # explicit choice; None = 'adaptive' if adaptive_loss_weight else 'p2'
-    shift: float = 1.0                    # logSNR shift (resolution shift); official key, used by Stage B
+    shift: float = 1.0                    # logSNR shift (resolution shift); official key
+    stage_b_shift: Literal["reference", "config"] = "reference"  # Stage B trains at shift 1 as train_b.py, or at `shift` (explanations/differences_from_reference)
     offset_noise: Optional[float] = 0.0   # per-channel offset noise strength (ControlNet configs use 0.1)
     edm_objective: bool = False           # official key (finetune_c_3b_v.yaml): train with the v-objective
     timestep_sampling: Literal["default", "logit_normal"] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
@@ -263,6 +265,7 @@ class LoraConfig:
     rank: Optional[int] = None
     lora_alpha: Optional[float] = None    # None: scale 1/rank as the reference (alpha = 1)
     lora_dropout: float = 0.0
+    lora_init: Literal["reference", "peft"] = "reference"  # up ~ N(0,1), down = 0 (train_c_lora.py), or peft's Kaiming down, up = 0 (explanations/differences_from_reference)
     train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
     lora_checkpoint_path: Optional[str] = None
 

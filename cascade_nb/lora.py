@@ -15,10 +15,11 @@ from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic, count_params, human_count
 
 # %% auto #0
-__all__ = ['match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers', 'lora_state_dict',
-           'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora', 'unmerge_lora', 'TokenDeltas',
-           'add_train_tokens', 'token_state_dict', 'load_tokens', 'to_kohya', 'from_kohya', 'save_peft_adapter',
-           'load_peft_adapter', 'load_lora_file', 'LoraNet', 'LoraTraining']
+__all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers',
+           'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora', 'unmerge_lora',
+           'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'to_kohya', 'from_kohya',
+           'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
+           'from_reference', 'load_lora_file', 'LoraNet', 'LoraTraining']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -40,15 +41,28 @@ def lora_targets(model: nn.Module, filters) -> list[str]:
     return out
 
 # %% ../nbs/60_lora.ipynb #947e37ab
+def _init_reference(down: torch.Tensor, up: torch.Tensor):
+    "The reference (`modules/lora.py`): D = 0, U ~ N(0, 1)."
+    nn.init.zeros_(down); nn.init.normal_(up, mean=0., std=1.)
+
+def _init_peft(down: torch.Tensor, up: torch.Tensor):
+    "Hu et al. 2021 / peft: D Kaiming-uniform (a = sqrt 5, std 1/sqrt(3 n_in)), U = 0."
+    nn.init.kaiming_uniform_(down.view(down.shape[0], -1), a=math.sqrt(5)); nn.init.zeros_(up)
+
+LORA_INITS = {"reference": _init_reference, "peft": _init_peft}
+"`lora_init` name → function(down, up) initialising a fresh adapter in place; both start at a zero update."
+
+# %% ../nbs/60_lora.ipynb #67dea3f8
 class LoRA(nn.Module):
     "Parametrization W → W + (alpha/rank)·up@down for a Linear/Conv weight or a fused projection (Hu et al. 2021)."
-    def __init__(self, shape, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0):
+    def __init__(self, shape, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0, init: str = "reference"):
         super().__init__()
-        n_out, n_in = shape[0], math.prod(shape[1:])
+        if init not in LORA_INITS: raise ValueError(f"lora_init {init!r}: expected one of {sorted(LORA_INITS)}")
+        n_out = shape[0]
         self.shape, self.rank, self.alpha, self.dropout = tuple(shape), rank, float(alpha), dropout
-        self.lora_down = nn.Parameter(torch.empty(rank, *shape[1:]))     # (r, in[, k, k])
-        self.lora_up = nn.Parameter(torch.zeros(n_out, rank, *[1] * (len(shape) - 2)))  # (out, r[, 1, 1])
-        nn.init.kaiming_uniform_(self.lora_down.view(rank, n_in), a=math.sqrt(5))
+        self.lora_down = nn.Parameter(torch.empty(rank, *shape[1:]))                      # (r, in[, k, k])
+        self.lora_up = nn.Parameter(torch.empty(n_out, rank, *[1] * (len(shape) - 2)))  # (out, r[, 1, 1])
+        with torch.no_grad(): LORA_INITS[init](self.lora_down, self.lora_up)
         self.enabled = True
 
     @property
@@ -70,7 +84,7 @@ def _owner(model: nn.Module, path: str):
     return model.get_submodule(mod), name
 
 def apply_lora(model: nn.Module, filters=None, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0,
-               targets=None, freeze: bool = True) -> list[str]:
+               targets=None, freeze: bool = True, init: str = "reference") -> list[str]:
     "Add a `LoRA` to each target (from `filters`, or explicit parameter paths); freeze the base; return the targets."
     targets = list(targets) if targets is not None else lora_targets(model, filters)
     if not targets: raise ValueError(f"apply_lora: module_filters {filters!r} match no Linear, Conv2d or attention "
@@ -80,7 +94,7 @@ def apply_lora(model: nn.Module, filters=None, rank: int = 4, alpha: float = 1.0
         owner, name = _owner(model, path)
         if parametrize.is_parametrized(owner, name): raise ValueError(f"apply_lora: {path} already has a LoRA")
         W = getattr(owner, name)
-        parametrize.register_parametrization(owner, name, LoRA(W.shape, rank, alpha, dropout).to(W.device))
+        parametrize.register_parametrization(owner, name, LoRA(W.shape, rank, alpha, dropout, init).to(W.device))
     return targets
 
 def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -352,15 +366,101 @@ def load_peft_adapter(adapter_dir, model: nn.Module) -> dict[str, torch.Tensor]:
         kohya_like[f"lora_unet_{mod.replace('.', '_')}.alpha"] = torch.tensor(alpha * math.sqrt(r) if cfg.get('use_rslora') else alpha)
     return from_kohya(kohya_like, model)
 
+# %% ../nbs/60_lora.ipynb #e06ef898
+def _post_order(model: nn.Module) -> list[str]:
+    "Module names, each after its children: where `modules()` meets a parametrization added to that module."
+    out = []
+    def visit(name, mod):
+        for n, child in mod._modules.items():
+            if child is not None and n != "parametrizations": visit(f"{name}.{n}" if name else n, child)
+        out.append(name)
+    visit("", model)
+    return out
+
+def reference_lora_targets(model: nn.Module, filters) -> list[str]:
+    "Parameter paths the reference's `apply_lora(model, filters)` adapts, in its `weights.N` order."
+    def param(m):
+        for name in ("weight", "in_proj_weight"):
+            p = m._parameters.get(name) if name in m._parameters else None
+            if p is None and parametrize.is_parametrized(m, name): p = m.parametrizations[name].original
+            if isinstance(p, nn.Parameter) and p.ndim >= 2: return name
+    mods = dict(model.named_modules())
+    return [f"{n}.{param(mods[n])}" for n in _post_order(model)
+            if n and any(f in n for f in filters) and param(mods[n]) is not None]
+
+# %% ../nbs/60_lora.ipynb #a49f42e3
+_REF_KEY = re.compile(r"^weights\.(\d+)\.lora_(down|up)$")
+
+def is_reference_lora(sd: dict) -> bool:
+    "True for a state dict in the reference's `weights.N.lora_*` / `embeddings.*` layout."
+    return any(_REF_KEY.match(k) for k in sd)
+
+def to_reference(lora: dict, model: nn.Module, text_model=None) -> dict[str, torch.Tensor]:
+    "cascade_nb's layout → the reference's `lora.safetensors` for `model` (token deltas relative to `text_model`'s rows)."
+    entries, mods, out = lora_entries(lora), dict(model.named_modules()), {}
+    order = [p for p in reference_lora_targets(model, [p.rpartition('.')[0] for p in entries]) if p in entries]
+    if set(order) != set(entries): raise ValueError(f"to_reference: {sorted(set(entries) - set(order))} cannot be adapted by the reference")
+    for i, p in enumerate(order):
+        down, up, alpha = entries[p]
+        taps = down.reshape(down.shape[0], down.shape[1], -1)                         # (r, in, k·k)
+        if not torch.equal(taps, taps[..., :1].expand_as(taps)):
+            raise ValueError(f"to_reference: {p} has a spatially varying kernel update; the reference's is constant over the taps")
+        out[f"weights.{i}.lora_down"] = taps[..., 0].float().contiguous()
+        out[f"weights.{i}.lora_up"] = (up.flatten(1).float() * alpha).contiguous()  # the reference's scale is 1/rank
+    ids, rows = lora.get("tokens.ids", torch.zeros(0, dtype=torch.long)), lora.get("tokens.embeddings")
+    if len(ids) and text_model is None: raise ValueError("to_reference: the LoRA has trained tokens; pass the text model "
+                                                         "prepared with add_train_tokens (the rows the reference starts from)")
+    base = text_model.get_input_embeddings().weight[ids].float().cpu() if len(ids) else torch.zeros(0, 1280)
+    out["embeddings.embeddings"] = (rows.float() - base if len(ids) else base).contiguous()
+    out["embeddings.indices"] = ids.long().contiguous()
+    return out
+
+def from_reference(sd: dict, model: nn.Module, module_filters) -> dict[str, torch.Tensor]:
+    "The adapters of a reference `lora.safetensors` in cascade_nb's layout, for `model` adapted with `module_filters`."
+    targets = reference_lora_targets(model, module_filters)
+    n = 1 + max((int(m[1]) for k in sd if (m := _REF_KEY.match(k))), default=-1)
+    if n != len(targets): raise ValueError(f"from_reference: the file has {n} LoRA layers, module_filters {list(module_filters)!r} "
+                                           f"select {len(targets)} in {type(model).__name__}: train and load with the same filters")
+    out = {}
+    for i, p in enumerate(targets):
+        owner, name = _owner(model, p)
+        down, up, W = sd[f"weights.{i}.lora_down"], sd[f"weights.{i}.lora_up"], getattr(owner, name)
+        if down.shape[1] != W.shape[1] or up.shape[0] != W.shape[0]:
+            raise ValueError(f"from_reference: weights.{i} has shapes {tuple(down.shape)}/{tuple(up.shape)}, {p} is {tuple(W.shape)}")
+        out[f"{p}.lora_down"] = down.float().reshape(*down.shape, *[1] * (W.ndim - 2)).expand(*down.shape, *W.shape[2:]).contiguous()
+        out[f"{p}.lora_up"] = up.float().reshape(*up.shape, *[1] * (W.ndim - 2)).contiguous()
+        out[f"{p}.alpha"] = torch.tensor(1.)
+    return out
+
+@torch.no_grad()
+def _reference_tokens(sd: dict, tokenizer, text_model, train_tokens) -> dict[str, torch.Tensor]:
+    "The tokens of a reference file in our `tokens.*` layout: rebuild the rows it starts from (`train_tokens`), add its deltas."
+    ids, deltas = sd.get("embeddings.indices"), sd.get("embeddings.embeddings")
+    if ids is None or not len(ids) or tokenizer is None or text_model is None: return {}
+    if not train_tokens: raise ValueError("the LoRA file (reference layout) trains tokens: pass the train_tokens it was trained with")
+    add_train_tokens(tokenizer, text_model, train_tokens)
+    emb = text_model.get_input_embeddings()
+    if sorted(ids.tolist()) != emb.ids.tolist():
+        raise ValueError(f"the LoRA file's token ids {sorted(ids.tolist())} differ from train_tokens' {emb.ids.tolist()}")
+    emb.delta[emb.slot[ids.to(emb.slot.device)]] = deltas.to(emb.delta)
+    out = token_state_dict(tokenizer, text_model)
+    text_model.set_input_embeddings(emb.base)
+    return out
+
 # %% ../nbs/60_lora.ipynb #19995864
-def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, scale: float = 1.0) -> dict:
-    "Merge a LoRA (cascade_nb file, kohya/ComfyUI file or peft adapter folder) into `generator` and add its tokens; returns it in our layout."
+def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, scale: float = 1.0,
+                   module_filters=None, train_tokens=None) -> dict:
+    """Merge a LoRA (cascade_nb, reference, kohya/ComfyUI file or peft adapter folder) into `generator` and add its tokens;
+    returns it in our layout. A reference file needs the `module_filters` (and `train_tokens`) it was trained with."""
     from safetensors.torch import load_file
     path = Path(path)
     if path.is_dir(): lora = load_peft_adapter(path, generator)
     else:
         lora = load_file(str(path))
         if any(k.startswith("lora_unet_") for k in lora): lora = from_kohya(lora, generator)
+        elif is_reference_lora(lora):
+            lora = {**from_reference(lora, generator, module_filters or ()),
+                    **_reference_tokens(lora, tokenizer, text_model, train_tokens)}
     merge_lora(generator, {k: v for k, v in lora.items() if not k.startswith("tokens.")}, scale)
     if tokenizer is not None and text_model is not None: load_tokens(tokenizer, text_model, lora)
     return lora
@@ -373,8 +473,9 @@ class LoraNet(nn.Module):
         self.generator, self.text_model = generator, text_model
 
     def forward(self, x, r, input_ids=None, attention_mask=None, **conds):
-        if input_ids is not None:
-            out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        if input_ids is not None:   # the text encoder runs in its own dtype (frozen_dtype), outside autocast, as the reference
+            with torch.autocast(x.device.type, enabled=False):
+                out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
             conds = dict(conds, clip_text=out.hidden_states[-1], clip_text_pooled=out.text_embeds.unsqueeze(1))
         return self.generator(x, r, **conds)
 
@@ -391,22 +492,28 @@ class LoraTraining:
         if cfg.train.ema_start_iters is not None: warnings.warn("LoRA training keeps no EMA (ema_* keys are ignored)")
         generator.requires_grad_(False)
         alpha = 1.0 if lc.lora_alpha is None else lc.lora_alpha
-        self.targets = apply_lora(generator, lc.module_filters, lc.rank, alpha, lc.lora_dropout) if lc.module_filters else []
+        self.targets = apply_lora(generator, lc.module_filters, lc.rank, alpha, lc.lora_dropout,
+                                  init=lc.lora_init) if lc.module_filters else []
         for l in lora_layers(generator).values(): l.float()            # fp32 adapters even on bf16 weights
         self.tokens = add_train_tokens(tokenizer, text_model, lc.train_tokens) if lc.train_tokens else {}
         if lc.lora_checkpoint_path: self._load(lc.lora_checkpoint_path, generator)
         self.net = LoraNet(generator, text_model if self.tokens else None)
 
     def _load(self, path, generator):
-        "Continue from a released LoRA file (same targets and tokens)."
+        "Continue from a released LoRA file (same targets and tokens), in cascade_nb's layout or the reference's."
         from safetensors.torch import load_file
         sd = load_file(str(path))
-        load_lora(generator, {k: v for k, v in sd.items() if not k.startswith("tokens.")})
+        ref = is_reference_lora(sd)
+        load_lora(generator, from_reference(sd, generator, self.cfg.lora.module_filters or ()) if ref
+                  else {k: v for k, v in sd.items() if not k.startswith("tokens.")})
+        ids, rows = (sd.get("embeddings.indices"), sd.get("embeddings.embeddings")) if ref else (sd.get("tokens.ids"), sd.get("tokens.embeddings"))
+        if ids is None or not len(ids): return
         emb = self.text_model.get_input_embeddings()
-        if "tokens.ids" in sd and isinstance(emb, TokenDeltas):
-            if not torch.equal(sd["tokens.ids"].to(emb.ids.device), emb.ids):
-                raise ValueError(f"{path}: its tokens {sd['tokens.ids'].tolist()} differ from train_tokens' {emb.ids.tolist()}")
-            with torch.no_grad(): emb.delta.copy_(sd["tokens.embeddings"].to(emb.delta) - emb.base.weight[emb.ids].float())
+        if not isinstance(emb, TokenDeltas): raise ValueError(f"{path} trains tokens {ids.tolist()}: set the train_tokens it was trained with")
+        if sorted(ids.tolist()) != emb.ids.tolist():
+            raise ValueError(f"{path}: its tokens {sorted(ids.tolist())} differ from train_tokens' {emb.ids.tolist()}")
+        slots, ids = emb.slot[ids.to(emb.slot.device)], ids.to(emb.slot.device)
+        with torch.no_grad(): emb.delta[slots] = rows.to(emb.delta) - (0. if ref else emb.base.weight[ids].float())
 
     def _token_conds(self, captions, device):
         t = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=77, return_tensors="pt")

@@ -305,7 +305,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     amp = (t.mixed_precision or "bf16") == "bf16"
     wb = resolve_dtype(m.dtype, allow_fp16=True).itemsize
     prec = Precision(wb, amp)
-    frozen_b = 2 if amp else 4                                  # frozen encoders live in the compute dtype
+    frozen_b = resolve_dtype(m.frozen_dtype).itemsize           # frozen encoders: fp32 unless frozen_dtype=bfloat16
     batch = per_process_batch(d.batch_size, world_size, t.grad_accum_steps)
     side = d.image_size // 32 if m.latent_space != "pixels" else d.image_size
     ck = m.gradient_checkpointing
@@ -380,10 +380,11 @@ class Suggestion(NamedTuple):
 def _options(cfg: Config, world_size: int, fsdp: bool):
     "The memory options in order of cost: (label, config overrides, world_size, fsdp)."
     m, t = cfg.model, cfg.train
-    if t.mixed_precision == "no": yield "bf16 frozen weights and autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
+    if t.mixed_precision == "no": yield "bf16 autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
     if t.mode != "full" and m.dtype != "bfloat16": yield "frozen generator in bf16 (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     if not m.gradient_checkpointing: yield "gradient checkpointing", {"gradient_checkpointing": True}, world_size, fsdp
     if t.optimizer != "adamw8bit": yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
+    if m.frozen_dtype != "bfloat16": yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
     if t.ema_start_iters is not None and t.mode == "full" and not t.ema_on_cpu: yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
     if t.mode == "full" and m.dtype != "bfloat16": yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     for n in (2, 4, 8):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded
 from .config import Config, load_config, save_config, ConfigError
-from .gdf.presets import gdf_from_config
+from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
 from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
                                  save_sample_grid)
@@ -181,7 +181,7 @@ def _unwrap_state_dict(accelerator, model) -> dict:
 class StageBTraining(FullTraining):
     """Stage B fine-tuning: Stage A latents, conditions {effnet, clip} (pooled text), pyramid noise.
     As in the reference, the EfficientNet condition is computed from the image downscaled by U(0.5, 1) and dropped
-    for 10% of the samples; unlike the reference, the pyramid noise uses the latent's real width."""
+    for 10% of the samples; the pyramid noise uses the latent's real width (explanations/differences_from_reference)."""
     def __init__(self, cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model, self.space = cfg, generator, tokenizer, text_model, space
         self.compute_dtype, self.image_model = compute_dtype, None
@@ -242,7 +242,7 @@ def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
     rng = torch.Generator(device).manual_seed(seed)
     *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=_SAMPLERS[cfg.gdf.sample_sampler](),
-                          timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=cfg.gdf.shift, device=device,
+                          timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=training_shift(cfg), device=device,
                           generator=rng)
     return last.x0
 
@@ -352,7 +352,6 @@ def train(cfg: Config) -> dict:
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
     device, is_main = acc.device, acc.is_main_process
-    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(acc.mixed_precision, torch.float32)
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     info = run_dir.info()   # None for a new run
     if is_main:
@@ -360,12 +359,12 @@ def train(cfg: Config) -> dict:
         save_config(cfg, out_dir/"config.yaml")
     stop = StopFlag().install()
 
-    # --- models: identical init on every process; frozen parts in the compute dtype
+    # --- models: identical init on every process; frozen encoders in `frozen_dtype` (fp32 as the reference unless set)
     set_seed(t.seed)
-    generator = build_generator(cfg)
-    tokenizer, text_model = build_text_encoder(cfg, device, compute_dtype)
-    mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, compute_dtype),
-                               build_latent_space(cfg, device, compute_dtype), compute_dtype)
+    generator, frozen_dtype = build_generator(cfg), resolve_dtype(cfg.model.frozen_dtype)
+    tokenizer, text_model = build_text_encoder(cfg, device, frozen_dtype)
+    mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, frozen_dtype),
+                               build_latent_space(cfg, device, frozen_dtype), frozen_dtype)
     net, gdf = mode.net, gdf_from_config(cfg.gdf)
     ema = None
     if t.ema_start_iters is not None and mode.supports_ema:
@@ -468,8 +467,9 @@ def train(cfg: Config) -> dict:
             with acc.accumulate(net):
                 with acc.autocast():
                     eps = mode.epsilon(x0, rng.generator) if hasattr(mode, "epsilon") else None   # Stage B: pyramid noise
-                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng.generator, shift=cfg.gdf.shift, epsilon=eps)
-                gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()))  # adaptive parts; same on every process
+                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng.generator, shift=training_shift(cfg), epsilon=eps)
+                gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()),   # adaptive parts; same on every process
+                                   shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
                 if grad_norm is not None and not check_finite(grad_norm, state, t.max_nan_steps):

@@ -10,7 +10,7 @@ def _models(filters=(".attn",), rank=4, seed=0):
     base = StageC.from_preset("tiny")
     with torch.no_grad(): base.clf[1].weight.normal_(std=0.1)        # official init zeroes the output
     adapted = StageC.from_preset("tiny"); adapted.load_state_dict(base.state_dict())
-    apply_lora(adapted, list(filters), rank=rank, alpha=2.0)
+    apply_lora(adapted, list(filters), rank=rank, alpha=2.0, init="peft")   # U = 0, set below
     with torch.no_grad():
         for l in lora_layers(adapted).values(): l.lora_up.normal_(std=0.05)
     return base.eval(), adapted.eval()

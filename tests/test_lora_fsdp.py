@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent('''
         gen = StageC.from_preset("tiny")
         with torch.no_grad(): gen.clf[1].weight.normal_(std=0.1)
         if kind == "lora":
-            apply_lora(gen, [".attn"], rank=4)
+            apply_lora(gen, [".attn"], rank=4, init="peft")   # U = 0, set below
             with torch.no_grad():
                 for l in lora_layers(gen).values(): l.lora_up.normal_(std=0.02)
             return LoraNet(gen)

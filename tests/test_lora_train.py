@@ -53,7 +53,8 @@ def test_official_lora_config_trains_at_tiny_size(tmp_path):
     assert len(ups) == 12 and all(sd[k].shape[1] == 4 for k in ups)         # 6 AttnBlocks × (in_proj, out_proj), rank 4
     assert sd["tokens.ids"].tolist() == [49408]
     assert json.loads(bytes(sd["tokens.names"].tolist()).decode()) == ["[fernando]"]
-    assert all(sd[k].abs().sum() > 0 for k in ups)                           # the adapters moved (lora_up starts at 0)
+    downs = [k for k in sd if k.endswith(".lora_down")]
+    assert all(sd[k].abs().sum() > 0 for k in downs)                         # the adapters moved (lora_init: reference, D = 0)
     assert (tmp_path / "out" / EXP / "000002.png").exists()
 
 RUN = ["updates=6", "save_every=2"]

@@ -138,7 +138,7 @@ STAGE_B = [n for n in OFFICIAL_CONFIGS if n.startswith("finetune_b")]
 
 @pytest.mark.parametrize("name", STAGE_B)
 def test_official_stage_b_config_trains_at_tiny_size(name, tmp_path):
-    "finetune_b_*.yaml: Stage B with its `shift` (used, unlike the reference), adaptive loss, Stage A latents, pyramid noise."
+    "finetune_b_*.yaml: Stage B (trained at shift 1 like the reference, see stage_b_shift), adaptive loss, Stage A latents, pyramid noise."
     (tmp_path / name).write_text(OFFICIAL_CONFIGS[name])
     run_cli("-m", "cascade_nb.train", tmp_path / name, "model_version=tiny", "stage=b", "stage_a_checkpoint_path=tiny",
             "effnet_checkpoint_path=tiny", "clip_text_model_name=tiny", "clip_image_model_name=null", "generator_checkpoint_path=null",

@@ -22,7 +22,7 @@ from .loss_weights import (BaseLossWeight, ConstantLossWeight, SNRLossWeight, P2
 from .samplers import BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, renoise, seeded_randn
 from .core import GDF, Diffused, SampleStep, cfg_batch, cfg_scale, guide
 from .presets import (LOSS_WEIGHTS, TARGETS, SAMPLING_DEFAULTS, make_loss_weight, make_gdf,
-    stage_c_gdf, stage_b_gdf, gdf_from_config)
+    stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift)
 
 # %% ../../nbs/19_gdf.ipynb #4a9374ec
 __all__ = [
@@ -44,5 +44,5 @@ __all__ = [
     "BaseSampler", "DDIMSampler", "DDPMSampler", "LCMSampler", "renoise", "seeded_randn",
     "GDF", "Diffused", "SampleStep", "cfg_batch", "cfg_scale", "guide",
     "LOSS_WEIGHTS", "TARGETS", "SAMPLING_DEFAULTS", "make_loss_weight", "make_gdf", "stage_c_gdf", "stage_b_gdf",
-    "gdf_from_config",
+    "gdf_from_config", "training_shift",
 ]

@@ -75,9 +75,9 @@ class GDF:
     def _stateful(self) -> dict:
         return {k: getattr(self, k) for k in ("schedule", "loss_weight") if hasattr(getattr(self, k), "update_buckets")}
 
-    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99):
-        "Feed the per-sample unweighted `loss` to every adaptive part (AdaptiveLossWeight, AdaptiveTrainSchedule); else no-op."
-        for part in self._stateful().values(): part.update_buckets(logsnr, loss, beta)
+    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99, shift: float = 1., loss_shift: float = 1.):
+        "Feed the per-sample unweighted `loss` to every adaptive part, at the `shift`/`loss_shift` `diffuse` used; else no-op."
+        for k, part in self._stateful().items(): part.update_buckets(logsnr, loss, beta, shift=loss_shift if k == "loss_weight" else shift)
 
     def state_dict(self) -> dict:
         "Tensors of the adaptive parts, e.g. {'loss_weight': {...}}; empty for a stateless recipe."

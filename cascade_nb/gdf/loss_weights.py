@@ -20,9 +20,13 @@ class BaseLossWeight:
     "Per-sample loss weight as a function of logSNR; un-shifts by `shift` and clamps to `clamp_range`."
     def weight(self, logsnr: torch.Tensor) -> torch.Tensor: raise NotImplementedError
 
+    @staticmethod
+    def unshift(logsnr: torch.Tensor, shift: float = 1.) -> torch.Tensor:
+        "The logSNR the weight is read at: `logsnr` + 2 ln(shift), the unshifted schedule's level (GDF's `loss_shift`)."
+        return logsnr + 2 * math.log(shift) if shift != 1 else logsnr
+
     def __call__(self, logsnr: torch.Tensor, shift: float = 1., clamp_range=None) -> torch.Tensor:
-        if shift != 1: logsnr = logsnr + 2 * math.log(shift)
-        return self.weight(logsnr).clamp(*((-1e9, 1e9) if clamp_range is None else clamp_range))
+        return self.weight(self.unshift(logsnr, shift)).clamp(*((-1e9, 1e9) if clamp_range is None else clamp_range))
 
 class ConstantLossWeight(BaseLossWeight):
     "The same weight `v` everywhere."
@@ -99,10 +103,10 @@ class AdaptiveLossWeight(BaseLossWeight):
         self.bucket_losses = self.bucket_losses.to(logsnr.device)
         return (1 / self.bucket_losses[self.bucket_index(logsnr)]).clamp(*self.weight_range).to(logsnr.dtype)
 
-    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99):
-        "EMA the per-sample unweighted `loss` into the buckets of `logsnr`: one step per touched bucket, batch-averaged."
+    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99, shift: float = 1.):
+        "EMA the per-sample unweighted `loss` into the buckets the weight of `logsnr` is read from (same `shift`)."
         self.bucket_losses = self.bucket_losses.to(logsnr.device)
-        bucket_ema_(self.bucket_losses, self.bucket_index(logsnr), loss, beta)
+        bucket_ema_(self.bucket_losses, self.bucket_index(self.unshift(logsnr, shift)), loss, beta)
 
     def state_dict(self) -> dict:
         return {"bucket_ranges": self.bucket_ranges.detach().cpu().clone(), "bucket_losses": self.bucket_losses.detach().cpu().clone()}

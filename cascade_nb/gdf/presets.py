@@ -18,7 +18,7 @@ from .core import GDF
 
 # %% auto #0
 __all__ = ['LOSS_WEIGHTS', 'TARGETS', 'SAMPLING_DEFAULTS', 'make_loss_weight', 'make_gdf', 'stage_c_gdf', 'stage_b_gdf',
-           'gdf_from_config']
+           'gdf_from_config', 'training_shift']
 
 # %% ../../nbs/17_gdf.presets.ipynb #a83bafb5
 LOSS_WEIGHTS = {"p2": P2LossWeight, "adaptive": AdaptiveLossWeight, "min_snr": MinSNRLossWeight,
@@ -58,6 +58,12 @@ def gdf_from_config(gdf_cfg) -> GDF:
     loss_weight = gdf_cfg.loss_weight or ("adaptive" if gdf_cfg.adaptive_loss_weight else "p2")
     return make_gdf(loss_weight, "v" if gdf_cfg.edm_objective else "epsilon",
                     getattr(gdf_cfg, "timestep_sampling", "default"), gdf_cfg.offset_noise or 0.)
+
+# %% ../../nbs/17_gdf.presets.ipynb #f2df1077
+def training_shift(cfg) -> float:
+    "The logSNR shift `train(cfg)` diffuses with: Stage B at 1 as the reference (`stage_b_shift: reference`), else `shift`."
+    if cfg.model.stage == "b" and cfg.gdf.stage_b_shift == "reference": return 1.
+    return float(cfg.gdf.shift)
 
 # %% ../../nbs/17_gdf.presets.ipynb #fe9a113e
 SAMPLING_DEFAULTS = {"stage_c": dict(timesteps=20, cfg=4.0, shift=2.0, cfg_rho=0.7),

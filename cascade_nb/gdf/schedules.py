@@ -199,9 +199,10 @@ class AdaptiveTrainSchedule(BaseSchedule):
         edges = self.edges.to(logsnr.device, logsnr.dtype)
         return (torch.bucketize(logsnr.contiguous(), edges, right=True) - 1).clamp(0, len(self.bucket_probs) - 1)
 
-    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99):
-        "EMA the per-sample (unweighted) `loss` into the buckets of `logsnr`, one update per touched bucket."
-        bucket_ema_(self.bucket_probs, self.bucket_index(logsnr), loss, beta)
+    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99, shift: float = 1.):
+        "EMA the per-sample (unweighted) `loss` into the buckets `logsnr` was drawn from (un-shifted by `shift`)."
+        s = shift * self.shift
+        bucket_ema_(self.bucket_probs, self.bucket_index(logsnr + 2 * math.log(s) if s != 1 else logsnr), loss, beta)
 
     def state_dict(self) -> dict: return {"edges": self.edges.clone(), "bucket_probs": self.bucket_probs.detach().cpu().clone()}
 
