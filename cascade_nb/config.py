@@ -19,7 +19,8 @@ __all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 
            'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'register_caption_getter',
            'CaptionsGetter', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig',
            'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'coerce', 'Config', 'config_from_dict',
-           'load_config', 'dump_config', 'save_config', 'cli_parser', 'parse_cli', 'error_line', 'cli_errors']
+           'load_config', 'dump_config', 'save_config', 'cli_parser', 'parse_cli', 'error_line', 'cli_errors',
+           'at_least', 'output_dir', 'readable_weights']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -540,9 +541,15 @@ def save_config(cfg: Config, path):
     atomic_write_text(path, dump_config(cfg))
 
 # %% ../nbs/01_config.ipynb #551fe829
+class _Parser(argparse.ArgumentParser):
+    "argparse, with a usage error as one line (`prog: error: ... (see --help)`) instead of the usage block and the error."
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
 def cli_parser(prog: str, description: str, config: str | None = None) -> argparse.ArgumentParser:
     "An ArgumentParser for a cascade_nb command; with `config` (its help text), the positional CONFIG.yaml and `key=value` overrides."
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if config:
         p.add_argument("config", help=config)
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=3e-4 batch_size=8")
@@ -571,3 +578,31 @@ def cli_errors(*errors: type[BaseException]):
     except (ConfigError, *errors) as e:
         print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {error_line(e)}", file=sys.stderr)
         sys.exit(2)
+
+def at_least(lo: int):
+    "An argparse `type`: an integer >= `lo` (e.g. `--n 0` is refused when the option is parsed)."
+    def parse(text: str) -> int:
+        try: v = int(text)
+        except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo: raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+def output_dir(path, option: str = "--out") -> Path:
+    "Create `path` as an output folder and check it can be written, before any slow work; `OSError`s name the option."
+    path = Path(path)
+    if path.exists() and not path.is_dir(): raise NotADirectoryError(20, f"{option} must be a folder, but it is a file", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK): raise PermissionError(13, f"{option} is not writable", str(path))
+    return path
+
+def readable_weights(path) -> Path:
+    "Check that `path` is a readable safetensors file (header and tensor table) without loading it; `ValueError` otherwise."
+    from safetensors import safe_open
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(2, "no such weights file" if not path.exists() else "not a file", str(path))
+    try:
+        with safe_open(str(path), "pt") as f: f.keys()
+    except Exception as e: raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    return path
