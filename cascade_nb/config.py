@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/config.html.md"""
 
 # %% ../nbs/01_config.ipynb #4427b049
 from __future__ import annotations
-import ast, difflib, operator, os, typing
+import argparse, ast, contextlib, difflib, math, operator, os, sys, typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -15,10 +15,12 @@ import yaml
 
 # %% auto #0
 __all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'SECTIONS', 'KEY_SECTION',
-           'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json',
-           'register_caption_getter', 'CaptionsGetter', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
-           'CheckpointConfig', 'LogConfig', 'LoraConfig', 'ControlNetConfig', 'coerce', 'Config', 'config_from_dict',
-           'load_config', 'dump_config', 'save_config']
+           'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES', 'ConfigError', 'SafeFilter',
+           'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'register_caption_getter',
+           'CaptionsGetter', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig',
+           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'coerce', 'Config', 'config_from_dict',
+           'load_config', 'dump_config', 'save_config', 'cli_parser', 'parse_cli', 'error_line', 'cli_errors',
+           'at_least', 'output_dir', 'readable_weights']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -288,6 +290,49 @@ for _sec, _cls in SECTIONS.items():
         assert _f.name not in KEY_SECTION and _f.name not in SECTIONS, f"duplicate config key {_f.name}"
         KEY_SECTION[_f.name] = _sec
 
+# %% ../nbs/01_config.ipynb #8b800fc2
+@dataclass(frozen=True)
+class Range:
+    "The valid values of a numeric key: finite, within `lo`..`hi`, each end open or closed."
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    label: str = ""   # e.g. 'a probability'
+    def __contains__(self, v) -> bool:
+        return (math.isfinite(v) and (v > self.lo if self.lo_open else v >= self.lo)
+                and (v < self.hi if self.hi_open else v <= self.hi))
+    def __str__(self) -> str:
+        if math.isinf(self.hi): s = f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        else: s = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        return f"{self.label} {s}".strip()
+
+POSITIVE, AT_LEAST_0, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
+PROBABILITY, DECAY = Range(0, 1, label="a probability"), Range(0, 1, hi_open=True)
+
+RANGES: dict[str, Range] = dict(
+    shift=POSITIVE, offset_noise=AT_LEAST_0, sample_cfg=AT_LEAST_0, sample_steps=AT_LEAST_1,       # gdf
+    image_size=Range(8), batch_size=AT_LEAST_1, caption_dropout=PROBABILITY, image_embed_prob=PROBABILITY,  # data
+    bucketeer_random_ratio=PROBABILITY, shuffle_buffer=AT_LEAST_0, num_workers=AT_LEAST_0, prefetch_factor=AT_LEAST_1,
+    val_batches=AT_LEAST_1,
+    lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1, weight_decay=AT_LEAST_0,  # train
+    adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE, seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0,
+    ema_iters=AT_LEAST_1, ema_beta=DECAY, max_nan_steps=AT_LEAST_1,
+    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1,                           # checkpoint
+    log_every=AT_LEAST_1,                                                                           # log
+    rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,                                        # lora
+    controlnet_blocks=AT_LEAST_0)                                                                   # controlnet
+"The valid range of every numeric config key (list/tuple keys: of each element)."
+
+def check_range(key: str, value):
+    "Raise `ConfigError` naming key, value and expected range when `value` (or an element of it) is outside `RANGES[key]`."
+    r = RANGES.get(key)
+    if r is None or value is None: return
+    for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+        if v not in r:
+            name = key if i is None else f"{key}[{i}]"
+            raise ConfigError(f"key '{name}': {v!r} is out of range; expected {r}")
+
 # %% ../nbs/01_config.ipynb #724f67a2
 def _type_name(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -431,7 +476,9 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     for k, (v, src) in values.items():
         if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
         tp = typing.get_type_hints(SECTIONS[KEY_SECTION[k]])[k]
-        try: sections[KEY_SECTION[k]][k] = coerce(v, tp, k)
+        try:
+            sections[KEY_SECTION[k]][k] = coerce(v, tp, k)
+            check_range(k, sections[KEY_SECTION[k]][k])
         except ConfigError as e: raise ConfigError(f"{src}: {e}") from None
     cfg = Config(**{s: SECTIONS[s](**kw) for s, kw in sections.items()}, source=source)
     _check(cfg, where, training)
@@ -443,8 +490,11 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
     if path is not None:
         path = Path(path)
         if not path.exists(): raise ConfigError(f"config file {str(path)!r} does not exist")
-        try: raw = yaml.safe_load(path.read_text()) or {}
+        if path.is_dir(): raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file")
+        try: raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e: raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        except UnicodeDecodeError as e: raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); expected a YAML file") from None
+        except OSError as e: raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
         if not isinstance(raw, dict): raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(raw).__name__}")
     return config_from_dict(raw, overrides, training=training, source=str(path) if path is not None else None)
 
@@ -473,13 +523,6 @@ def _check(cfg: Config, where: str, training: bool):
     if t.mode == "controlnet":
         need(cfg.controlnet.controlnet_filter, "a ControlNet run needs 'controlnet_filter' (e.g. CannyFilter)")
         if cfg.controlnet.controlnet_blocks is None: raise ConfigError(f"{where}: a ControlNet run needs 'controlnet_blocks'")
-    for key, sec, lo in [("lr", t, 0), ("batch_size", d, 1), ("updates", t, 1), ("grad_accum_steps", t, 1),
-                         ("image_size", d, 8), ("save_every", cfg.checkpoint, 1), ("backup_every", cfg.checkpoint, 1)]:
-        v = getattr(sec, key)
-        need(v > lo if key == "lr" else v >= lo, f"key '{key}': {v!r} must be {'>' if key == 'lr' else '>='} {lo}")
-    for key in ("caption_dropout", "image_embed_prob", "bucketeer_random_ratio"):
-        need(0 <= getattr(d, key) <= 1, f"key '{key}': {getattr(d, key)!r} must be a probability in [0, 1]")
-    if t.ema_beta is not None: need(0 <= t.ema_beta < 1, f"key 'ema_beta': {t.ema_beta!r} must be in [0, 1)")
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
     if d.captions_getter is None: d.captions_getter = CaptionsGetter()
@@ -500,3 +543,70 @@ def save_config(cfg: Config, path):
     "Write `dump_config(cfg)` to `path` atomically."
     from cascade_nb.core import atomic_write_text
     atomic_write_text(path, dump_config(cfg))
+
+# %% ../nbs/01_config.ipynb #551fe829
+class _Parser(argparse.ArgumentParser):
+    "argparse, with a usage error as one line (`prog: error: ... (see --help)`) instead of the usage block and the error."
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+def cli_parser(prog: str, description: str, config: str | None = None) -> argparse.ArgumentParser:
+    "An ArgumentParser for a cascade_nb command; with `config` (its help text), the positional CONFIG.yaml and `key=value` overrides."
+    p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if config:
+        p.add_argument("config", help=config)
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=3e-4 batch_size=8")
+    return p
+
+def parse_cli(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    "Parse `argv` with options, positionals and `key=value` overrides in any order (a subcommand's arguments too)."
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    subs = next((a for a in p._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if subs is None: return p.parse_intermixed_args(argv)
+    i = next((i for i, a in enumerate(argv) if a in subs.choices), None)
+    if i is None: return p.parse_args(argv)   # no subcommand: argparse's own usage message (or --help)
+    ns = subs.choices[argv[i]].parse_intermixed_args(argv[i + 1:])
+    setattr(ns, subs.dest, argv[i])
+    return ns
+
+def error_line(e: BaseException) -> str:
+    "An exception as one line: `path: reason` for file errors, the message otherwise."
+    if isinstance(e, OSError) and e.strerror: return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return " ".join(str(e).split()) or type(e).__name__
+
+@contextlib.contextmanager
+def cli_errors(*errors: type[BaseException]):
+    "Turn `ConfigError` (and the exception types `errors`) into one line on stderr and exit status 2, no traceback."
+    try: yield
+    except (ConfigError, *errors) as e:
+        print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {error_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+def at_least(lo: int):
+    "An argparse `type`: an integer >= `lo` (e.g. `--n 0` is refused when the option is parsed)."
+    def parse(text: str) -> int:
+        try: v = int(text)
+        except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo: raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+def output_dir(path, option: str = "--out") -> Path:
+    "Create `path` as an output folder and check it can be written, before any slow work; `OSError`s name the option."
+    path = Path(path)
+    if path.exists() and not path.is_dir(): raise NotADirectoryError(20, f"{option} must be a folder, but it is a file", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK): raise PermissionError(13, f"{option} is not writable", str(path))
+    return path
+
+def readable_weights(path) -> Path:
+    "Check that `path` is a readable safetensors file (header and tensor table) without loading it; `ValueError` otherwise."
+    from safetensors import safe_open
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(2, "no such weights file" if not path.exists() else "not a file", str(path))
+    try:
+        with safe_open(str(path), "pt") as f: f.keys()
+    except Exception as e: raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    return path

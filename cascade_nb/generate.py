@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse, re, sys
 from pathlib import Path
 from .core import atomic_write
+from .config import cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line
 from .pipeline import CascadePipeline, to_pil
 
 # %% auto #0
-__all__ = ['slug', 'make_parser', 'main']
+__all__ = ['STAGE_FILES', 'slug', 'make_parser', 'check_models_dir', 'main']
 
 # %% ../nbs/51_generate.ipynb #11e2e17f
 def slug(text: str, max_len: int = 40) -> str:
@@ -20,19 +21,18 @@ def slug(text: str, max_len: int = 40) -> str:
     return re.sub(r'[^a-z0-9]+', '-', text.lower()).strip('-')[:max_len].strip('-') or 'image'
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cascade_nb.generate",
-                                description="Text-to-image with Stable Cascade from a directory of checkpoints.")
+    p = cli_parser("python -m cascade_nb.generate", "Text-to-image with Stable Cascade from a directory of checkpoints.")
     p.add_argument("prompts", nargs="+", help="one or more prompts (\"\" with --image for a pure variation)")
     p.add_argument("--models", required=True, help="directory with stage_c*, stage_b*, stage_a, previewer, effnet_encoder "
                    ".safetensors (or diffusers prior/, decoder/, vqgan/) and optionally text_encoder/, tokenizer/, image_encoder/")
     p.add_argument("--out", default="outputs", help="output directory (default: outputs)")
     p.add_argument("--negative-prompt", default="", help="text of the unconditional branch (default: empty)")
-    p.add_argument("--height", type=int, default=1024); p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--n", type=int, default=1, help="images per prompt")
+    p.add_argument("--height", type=at_least(64), default=1024); p.add_argument("--width", type=at_least(64), default=1024)
+    p.add_argument("--n", type=at_least(1), default=1, help="images per prompt")
     p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
-    p.add_argument("--steps-c", type=int, default=20); p.add_argument("--cfg-c", type=float, default=4.0)
+    p.add_argument("--steps-c", type=at_least(1), default=20); p.add_argument("--cfg-c", type=float, default=4.0)
     p.add_argument("--shift-c", type=float, default=2.0)
-    p.add_argument("--steps-b", type=int, default=10); p.add_argument("--cfg-b", type=float, default=1.1)
+    p.add_argument("--steps-b", type=at_least(1), default=10); p.add_argument("--cfg-b", type=float, default=1.1)
     p.add_argument("--stage-c", choices=("3.6B", "1B"), default=None, help="Stage C preset (default: inferred)")
     p.add_argument("--stage-b", choices=("3B", "700M"), default=None, help="Stage B preset (default: inferred)")
     p.add_argument("--text-encoder", default=None, help="CLIP text encoder dir or hub id (default: models/text_encoder or bigG)")
@@ -49,10 +49,31 @@ def make_parser() -> argparse.ArgumentParser:
 def _save_png(image, path: Path):
     with atomic_write(path) as f: image.save(f, format="PNG")
 
+STAGE_FILES = {"stage_c": "prior", "stage_b": "decoder", "stage_a": "vqgan"}
+"The stages a models folder must hold: official `{stem}*.safetensors` or the diffusers subfolder."
+
+def check_models_dir(models) -> Path:
+    "Check a models folder before anything is loaded (or downloaded): every stage present, every official file readable."
+    d = Path(models)
+    if not d.is_dir(): raise FileNotFoundError(2, "--models is not a directory", str(d))
+    for stem, sub in STAGE_FILES.items():
+        files = sorted(d.glob(f"{stem}*.safetensors"))
+        if not files and not (d/sub/"config.json").is_file():
+            raise FileNotFoundError(2, f"no {stem}*.safetensors and no diffusers {sub}/ in --models (nothing is downloaded "
+                                       "for the stages; see the README for the files)", str(d))
+        for f in files: readable_weights(f)
+    for f in ("previewer.safetensors", "effnet_encoder.safetensors"):
+        if (d/f).exists(): readable_weights(d/f)
+    return d
+
 def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+    args = parse_cli(make_parser(), argv)
     from PIL import Image
     try:
+        out_dir = output_dir(args.out)          # a file, or not writable: said now, not after the sampling
+        for f in (args.image, args.init_image):
+            if f is not None and not Path(f).is_file(): raise FileNotFoundError(2, "no such image file", f)
+        check_models_dir(args.models)
         pipe = CascadePipeline.from_dir(args.models, stage_c=args.stage_c, stage_b=args.stage_b,
                                         text_encoder=args.text_encoder, image_encoder=args.image_encoder,
                                         device=args.device, dtype=args.dtype, offload=args.offload)
@@ -61,10 +82,10 @@ def main(argv=None) -> int:
                        steps_c=args.steps_c, cfg_c=args.cfg_c, shift_c=args.shift_c, steps_b=args.steps_b,
                        cfg_b=args.cfg_b, seed=args.seed, images_per_prompt=args.n, image=load(args.image),
                        init_image=load(args.init_image), t_start=args.t_start, previews=not args.no_previews)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:   # missing/corrupt files, bad option values: one line, no traceback
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
-    out_dir, prompts = Path(args.out), [p for p in args.prompts for _ in range(args.n)]
+    prompts = [p for p in args.prompts for _ in range(args.n)]
     previews = to_pil(out.previews) if out.previews is not None else [None] * len(prompts)
     for i, (image, preview, prompt) in enumerate(zip(out.pil(), previews, prompts)):
         path = out_dir / f"{out.seed}_{i:02d}_{slug(prompt)}.png"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 import torch
 from torch import nn
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, cli_parser, parse_cli, cli_errors, at_least
 from .core import human_count, resolve_dtype
 
 # %% auto #0
@@ -450,20 +450,16 @@ def main(argv=None):
 
     python -m cascade_nb.memory CONFIG.yaml [key=value ...] [--budget 24] [--world-size N] [--fsdp] [--cpu-offload]
     """
-    p = argparse.ArgumentParser(prog="cascade_nb.memory", description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="training YAML (official StableCascade keys or cascade_nb's)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. batch_size=8 gradient_checkpointing=true")
+    p = cli_parser("cascade_nb.memory", main.__doc__, config="training YAML (official StableCascade keys or cascade_nb's)")
     p.add_argument("--budget", type=float, default=None, help="GB per GPU to fit; prints the cheapest changes that fit")
-    p.add_argument("--world-size", type=int, default=1, help="number of GPUs (processes)")
+    p.add_argument("--world-size", type=at_least(1), default=1, help="number of GPUs (processes)")
     p.add_argument("--fsdp", action="store_true", help="FSDP sharding of weights, gradients and optimizer state")
     p.add_argument("--cpu-offload", action="store_true", help="with --fsdp: weights, gradients and optimizer state on CPU")
-    args = p.parse_args(argv)
-    try:
+    args = parse_cli(p, argv)
+    with cli_errors():
+        if args.budget is not None and not args.budget > 0: raise ConfigError(f"--budget {args.budget:g}: expected GB > 0")
         cfg = load_config(args.config, args.overrides, training=False)
         plan = plan_memory(cfg, args.world_size, args.fsdp, args.cpu_offload)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(plan.table(peak_line=args.budget is None))
     if args.budget is not None:   # the suggestions, then the peak line last, as without a budget
         steps = suggest(cfg, args.budget, args.world_size, args.fsdp)

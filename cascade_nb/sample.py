@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse, json, re, sys
 from pathlib import Path
 import torch
-from .config import config_from_dict, ConfigError
+from .config import config_from_dict, ConfigError, cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
 from .train import (build_text_encoder, build_latent_space, build_training_mode,
@@ -27,11 +27,13 @@ def load_run(checkpoint_dir, ema: bool = True, device="cpu"):
     info_path = run/"info.json"
     if not info_path.exists():
         raise FileNotFoundError(f"{run} is not a cascade_nb run directory (no info.json); pass {{checkpoint_path}}/{{experiment_id}}")
-    cfg = config_from_dict(json.loads(info_path.read_text())["config"], ["generator_checkpoint_path=null"], source=str(info_path))
+    try: saved = json.loads(info_path.read_text())["config"]
+    except (ValueError, KeyError) as e: raise ValueError(f"{info_path} is not a readable run record ({e})") from None
+    cfg = config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(info_path))
     weights = next((run/f for f in (["generator_ema.safetensors"] if ema else []) + ["generator.safetensors"] if (run/f).exists()), None)
     if weights is None: raise FileNotFoundError(f"{run} has no generator_ema.safetensors or generator.safetensors yet")
     generator = build_generator(cfg)
-    generator.load_state_dict(load_file(str(weights)), strict=True)
+    generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
     generator = generator.to(device).eval().requires_grad_(False)
     tok, text_model = build_text_encoder(cfg, device)
     mode = build_training_mode(cfg, generator, tok, text_model, None, build_latent_space(cfg, device))
@@ -59,22 +61,21 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
 def _slug(s: str) -> str: return re.sub(r"[^a-z0-9]+", "_", s.lower()).strip("_")[:40] or "empty"
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cascade_nb.sample", description="Sample images from a cascade_nb training run.")
+    p = cli_parser("python -m cascade_nb.sample", "Sample images from a cascade_nb training run.")
     p.add_argument("--checkpoint", required=True, help="run directory {checkpoint_path}/{experiment_id}")
     p.add_argument("--prompt", action="append", required=True, help="caption (repeat for several)")
-    p.add_argument("--n", type=int, default=4, help="images per prompt")
-    p.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sample_steps)")
+    p.add_argument("--n", type=at_least(1), default=4, help="images per prompt")
+    p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: the run's sample_cfg)")
     p.add_argument("--sampler", choices=sorted(_SAMPLERS), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="samples")
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
-    a = p.parse_args(argv)
-    try: mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema)
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr); sys.exit(2)
+    a = parse_cli(p, argv)
+    with cli_errors(OSError, ValueError):   # missing or corrupt run files, --out a file: one line, exit 2
+        out = output_dir(a.out)
+        mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema)
     images = sample_run(mode, gdf, cfg, a.prompt, a.n, a.steps, a.cfg, a.sampler, a.seed)
-    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     from cascade_nb.core import to_uint8
     from PIL import Image
     paths = []

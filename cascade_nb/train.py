@@ -16,17 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded
-from .config import Config, load_config, save_config, ConfigError
+from .config import Config, load_config, save_config, ConfigError, cli_parser, parse_cli, cli_errors, error_line
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
-from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
+from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError,
                                  save_sample_grid)
 
 # %% auto #0
 __all__ = ['build_generator', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace',
            'StageASpace', 'load_frozen', 'build_latent_space', 'FullTraining', 'StageBTraining', 'build_training_mode',
            'diffusion_loss', 'sample_latents', 'sample_rows', 'validation_loss', 'RNGState', 'per_process_batch',
-           'StopFlag', 'batch_stream', 'train', 'plot_metrics', 'main']
+           'StopFlag', 'die_with_parent', 'batch_stream', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #a59c23d0
 def build_generator(cfg: Config) -> nn.Module:
@@ -292,14 +292,27 @@ def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
     return b
 
 class StopFlag:
-    "Set by SIGTERM / SIGINT (e.g. SLURM pre-emption): the loop saves a checkpoint and exits cleanly."
+    """Set by SIGTERM / SIGINT (SLURM pre-emption, `docker stop`, Ctrl-C): the loop saves at the next update boundary and
+    exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever does not want to wait for that save."""
     def __init__(self): self.signal = None
     def install(self):
         for s in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError): signal.signal(s, self._handle)   # not in the main thread: skip
         return self
-    def _handle(self, signum, frame): self.signal = signal.Signals(signum).name
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == "SIGINT": raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
     def __bool__(self): return self.signal is not None
+
+# %% ../nbs/41_train.ipynb #a0a70f78
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    "Ask Linux to send `sig` to this process when its parent dies (`prctl(PR_SET_PDEATHSIG)`); False where unsupported."
+    if not sys.platform.startswith("linux"): return False
+    import ctypes, os
+    parent = os.getppid()
+    ok = ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0   # 1 = PR_SET_PDEATHSIG
+    if ok and os.getppid() != parent: os.kill(os.getpid(), sig)   # the parent died before the request: act now
+    return ok
 
 # %% ../nbs/41_train.ipynb #1644821e
 def batch_stream(loader, skip: int = 0):
@@ -332,6 +345,23 @@ def _peak_memory_gb(device) -> float:
     if device.type == "cuda": return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9   # Linux: KiB
 
+# %% ../nbs/41_train.ipynb #9d9f40dd
+def _on_main(acc, check):
+    "Run `check()` on the main process; raise its `RunDirError` on every process, so that none is left waiting."
+    from accelerate.utils import broadcast_object_list
+    problem = [None]
+    if acc.is_main_process:
+        try: check()
+        except RunDirError as e: problem = [str(e)]
+    if acc.num_processes > 1: broadcast_object_list(problem)
+    if problem[0]: raise RunDirError(problem[0])
+
+def _checkpoint_bytes(net: nn.Module, ema=None) -> int:
+    "About what one more checkpoint takes on disk: the weights twice (state + export), AdamW's two fp32 moments, the EMA."
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    return 2 * size(net) + 8 * trainable + 2 * size(ema)
+
 # %% ../nbs/41_train.ipynb #4b466ff3
 def train(cfg: Config) -> dict:
     """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
@@ -343,6 +373,7 @@ def train(cfg: Config) -> dict:
     from fastprogress.fastprogress import progress_bar
     from cascade_nb.data.pipeline import dataloader_from_config
     from cascade_nb.data.sources import format_skips
+    stop = StopFlag().install()   # first: a signal during setup still ends in a save at the first update boundary
     ck, t = cfg.checkpoint, cfg.train
     if t.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:   # fail before building anything
         raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
@@ -354,10 +385,9 @@ def train(cfg: Config) -> dict:
     device, is_main = acc.device, acc.is_main_process
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     info = run_dir.info()   # None for a new run
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True); run_dir.path.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir/"config.yaml")
-    stop = StopFlag().install()
+    _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), saved_config=str(out_dir/"config.yaml")),  # before overwriting
+                           run_dir.check_writable(out_dir), run_dir.lock()))
+    if is_main: save_config(cfg, out_dir/"config.yaml")
 
     # --- models: identical init on every process; frozen encoders in `frozen_dtype` (fp32 as the reference unless set)
     set_seed(t.seed)
@@ -387,6 +417,7 @@ def train(cfg: Config) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule(t.warmup_updates, t.updates, t.lr_schedule))
 
     # --- prepare: DDP / FSDP wrapping and device placement, by the launch config
+    _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
     net, opt, sched = acc.prepare(net, opt, sched)
     params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
     state, rng = TrainState(), RNGState(t.seed * 1000 + acc.process_index, device)
@@ -400,22 +431,29 @@ def train(cfg: Config) -> dict:
         cache_check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
     loader = dataloader_from_config(cfg.data, micro_batch, seed=t.seed, pin_memory=cfg.data.pin_memory and device.type == "cuda",
                                     **cache_check)
-    stream = batch_stream(loader, skip=(info or {}).get("batches_drawn", 0))
     val_batches = None
     if cfg.data.val_webdataset_path and ck.val_every:
         val_batches = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch)))]
 
     # --- resume: weights, optimizer, scheduler, RNG states, counters, EMA, adaptive loss buckets
     if info is not None:
-        acc.load_state(str(run_dir.latest_state()))
+        run_dir.resume(lambda d: acc.load_state(str(d)))   # the previous state, with a warning, if the latest is unreadable
         if info.get("num_processes") != acc.num_processes:
             warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
                           "training continues, but not on exactly the same batches")
         acc.print(f"resumed {run_dir.path} at update {state.update}")
+    stream = batch_stream(loader, skip=state.batches_drawn)   # fast-forwarded to the (restored) data position
     if is_main and acc.trackers: acc.init_trackers(ck.experiment_id, config=_hparams(cfg))
 
     def save():
         "Checkpoint (all processes; atomic commit), then the released weights and backups (main process)."
+        try: _save()
+        except OSError as e:   # disk full, quota, I/O error: the committed checkpoint is untouched
+            if is_main: run_dir.abandon(run_dir.path/f"state-{state.update:08d}")
+            raise RunDirError(f"saving update {state.update} to {run_dir.path} failed ({error_line(e)}); the last committed "
+                              f"checkpoint (update {(run_dir.info() or {}).get('update', 'none')}) is kept") from None
+
+    def _save():
         acc.wait_for_everyone()
         staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
         acc.wait_for_everyone()
@@ -520,6 +558,7 @@ def train(cfg: Config) -> dict:
     net = acc.unwrap_model(net)
     acc.free_memory()   # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
     acc.end_training()
+    if is_main: run_dir.unlock()
     return {"update": state.update, "run_dir": str(run_dir.path), "output_dir": str(out_dir),
             "net": net, "ema": ema, "mode": mode, "state": state}
 
@@ -551,17 +590,15 @@ def main(argv=None):
     sbatch configs/slurm/train_multinode.sbatch CONFIG.yaml                      # N nodes (SLURM), FSDP2
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml cascade_nb/train.py CONFIG.yaml   # 2 CPU processes
     python -m cascade_nb.train CONFIG.yaml [key=value ...]                      # one process, no launcher
+    python -m cascade_nb.launch [accelerate launch options] cascade_nb/train.py CONFIG.yaml   # exits 0 on SIGTERM/SIGINT too
 
     Relaunching the same command resumes from {checkpoint_path}/{experiment_id}/.
     """
-    p = argparse.ArgumentParser(prog="cascade_nb.train", description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="training YAML (official StableCascade keys or cascade_nb's)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lr=3e-4 updates=500")
-    args = p.parse_args(argv)
-    try: train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
-    except ConfigError as e:   # raised before any training step: a clear line, no traceback
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    args = parse_cli(cli_parser("cascade_nb.train", main.__doc__, config="training YAML (official StableCascade keys or cascade_nb's)"), argv)
+    import os
+    if "ACCELERATE_MIXED_PRECISION" in os.environ: die_with_parent()   # started by `accelerate launch`: never outlive it
+    with cli_errors(RunDirError):   # config and run-directory problems: one line, exit 2
+        train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
     gc.collect()   # FSDP-sharded modules must die before interpreter shutdown: gloo aborts if they outlive it
 
 if __name__ == "__main__" and "__file__" in globals(): main()   # not when this notebook runs

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/training.html.md"""
 
 # %% ../nbs/40_training.ipynb #8296e4f2
 from __future__ import annotations
-import json, math, os, shutil
+import json, math, os, shutil, socket, time, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
@@ -14,8 +14,8 @@ from torch import nn
 from .core import atomic_write_json, to_pil_grid
 
 # %% auto #0
-__all__ = ['LRSchedule', 'ema_update_', 'ema_beta_at', 'TrainState', 'NonFiniteLossError', 'check_finite', 'RunDir',
-           'save_sample_grid']
+__all__ = ['RESUME_KEYS', 'LRSchedule', 'ema_update_', 'ema_beta_at', 'TrainState', 'NonFiniteLossError', 'check_finite',
+           'RunDirError', 'RunDir', 'save_sample_grid']
 
 # %% ../nbs/40_training.ipynb #adc89fbf
 class LRSchedule:
@@ -83,28 +83,120 @@ def check_finite(loss: torch.Tensor, state: TrainState, max_streak: int) -> bool
     return False
 
 # %% ../nbs/40_training.ipynb #70697275
+class RunDirError(RuntimeError):
+    "A run directory that cannot be used (locked, not writable, another model config, unreadable): one clear line."
+
+RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "clip_text_model_name", "clip_image_model_name",
+               "mode", "module_filters", "rank", "train_tokens", "controlnet_blocks", "controlnet_filter",
+               "controlnet_bottleneck_mode", "optimizer")
+"Config keys a run cannot change on resume: they decide the shapes (or kind) of the checkpointed state."
+
+def _start_time(pid: int) -> str | None:
+    "The start time of process `pid` (Linux: /proc/PID/stat field 22), None if no such process; tells reused pids apart."
+    try: return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError: return None
+    except OSError: pass
+    try: os.kill(pid, 0); return "alive"   # no /proc: only "exists" is known
+    except ProcessLookupError: return None
+    except PermissionError: return "alive"
+
 class RunDir:
-    "The checkpoint directory of one run: numbered state dirs committed through an atomically written info.json."
+    """The checkpoint directory of one run: numbered state dirs committed through an atomically written info.json,
+    the previous state kept as a fallback, and a lock file so that two runs never write the same directory."""
     def __init__(self, path):
         self.path = Path(path)
     @property
     def info_path(self) -> Path: return self.path/"info.json"
+    @property
+    def lock_path(self) -> Path: return self.path/"run.lock"
 
     def info(self) -> dict | None:
         "The committed info.json, or None for a new run."
         if not self.info_path.exists(): return None
         try: return json.loads(self.info_path.read_text())
         except json.JSONDecodeError as e:
-            raise RuntimeError(f"{self.info_path} is corrupt ({e}); it is only ever replaced atomically, so something "
-                               "else wrote it. Restore it or remove the run directory to start over.") from None
+            raise RunDirError(f"{self.info_path} is corrupt ({e}); it is only ever replaced atomically, so something "
+                              "else wrote it. Restore it or remove the run directory to start over.") from None
 
     def latest_state(self) -> Path | None:
         "The state directory info.json points at (None for a new run); checks it exists."
         info = self.info()
         if info is None: return None
         state = self.path/info["state_dir"]
-        if not state.is_dir(): raise RuntimeError(f"{self.info_path} names {state}, which does not exist")
+        if not state.is_dir(): raise RunDirError(f"{self.info_path} names {state}, which does not exist")
         return state
+
+    def resume(self, load) -> Path | None:
+        "Call `load(state_dir)` on the latest state; if that fails, warn and load the previous one instead (None: new run)."
+        info = self.info()
+        if info is None: return None
+        names = [info["state_dir"], *([info["previous_state_dir"]] if info.get("previous_state_dir") else [])]
+        for i, name in enumerate(names):
+            d = self.path/name
+            try:
+                if not d.is_dir(): raise FileNotFoundError(2, "No such file or directory", str(d))
+                load(d)
+                return d
+            except Exception as e:
+                why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:300]
+                if i + 1 == len(names): raise RunDirError(f"cannot resume from {d}: {why}") from e
+                warnings.warn(f"the latest checkpoint {d} is unreadable ({why}); resuming from the previous one, {self.path/names[i + 1]}")
+
+    def check_resume(self, config: dict, keys=RESUME_KEYS, saved_config: str = "the saved config"):
+        "Refuse (before anything is overwritten) to resume with other values of `keys` than the committed run's."
+        info = self.info()
+        if info is None or "config" not in info: return
+        diff = [f"{k} {info['config'].get(k)!r} -> {config.get(k)!r}" for k in keys if info["config"].get(k) != config.get(k)]
+        if diff: raise RunDirError(f"{self.path} holds a run with another model config ({'; '.join(diff)}): it cannot resume "
+                                   f"with these. Use a new experiment_id, or set them back (see {saved_config}); nothing was changed.")
+
+    def check_writable(self, *dirs):
+        "Create the run directory (and `dirs`) and prove each can be written now, not at the first save hours later."
+        for d in (self.path, *dirs):
+            d = Path(d)
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                probe = d/f".write-test-{os.getpid()}"
+                with open(probe, "wb") as f: f.write(b"0" * 4096); f.flush(); os.fsync(f.fileno())
+                probe.unlink()
+            except OSError as e: raise RunDirError(f"cannot write to {d}: {e.strerror}; choose another checkpoint_path/output_path") from None
+
+    def check_space(self, need_bytes: int):
+        "Refuse to start when the disk holding the run has less free space than one more checkpoint needs."
+        free = shutil.disk_usage(self.path).free
+        if free < need_bytes:
+            raise RunDirError(f"{self.path}: {free / 1e9:.2f} GB free, but a checkpoint needs about {need_bytes / 1e9:.2f} GB; "
+                              "free some space or choose another checkpoint_path")
+
+    def lock(self):
+        "Take the run's lock (pid, host, start time); refuse while another live run holds it, take over a stale one."
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()), "since": time.time()}
+        self.path.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                with os.fdopen(fd, "w") as f: json.dump(me, f)
+                return self
+            except FileExistsError: pass
+            try: other = json.loads(self.lock_path.read_text())
+            except (OSError, ValueError): other = {}
+            same_host = other.get("host") == me["host"]
+            if same_host and other.get("pid") == me["pid"]: self.lock_path.unlink(missing_ok=True); continue   # ours (e.g. a notebook re-run)
+            if same_host and other.get("pid") and _start_time(other["pid"]) not in (other.get("start"), "alive"):
+                warnings.warn(f"{self.lock_path}: removing the stale lock of process {other['pid']}, which no longer runs")
+                self.lock_path.unlink(missing_ok=True); continue
+            if not other: time.sleep(0.2); continue   # being written right now
+            where = f"process {other.get('pid')} on {other.get('host')}"
+            raise RunDirError(f"{self.path} is in use by another run ({where}, since {time.strftime('%Y-%m-%d %H:%M', time.localtime(other.get('since', 0)))}): "
+                              f"two runs with one experiment_id would overwrite each other. Use another experiment_id, or "
+                              f"delete {self.lock_path} if that run is dead" + ("" if same_host else " (it ran on another machine, so it cannot be checked from here)"))
+        raise RunDirError(f"{self.lock_path}: could not take the lock")
+
+    def unlock(self):
+        "Release the lock if this process holds it."
+        try:
+            if json.loads(self.lock_path.read_text()).get("pid") == os.getpid(): self.lock_path.unlink()
+        except (OSError, ValueError): pass
 
     def staging_dir(self, update: int) -> Path:
         "A fresh directory to save the state of update `update` into (removed first if a crash left it half written)."
@@ -113,11 +205,17 @@ class RunDir:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def abandon(self, state_dir: Path):
+        "Remove a staging directory whose save failed (the committed checkpoints are untouched)."
+        if (self.info() or {}).get("state_dir") != Path(state_dir).name: shutil.rmtree(state_dir, ignore_errors=True)
+
     def commit(self, state_dir: Path, info: dict):
-        "Point info.json at `state_dir` (atomically), then delete every other state directory."
-        atomic_write_json(self.info_path, {**info, "state_dir": Path(state_dir).name})
+        "Point info.json at `state_dir` (atomically), keep the state before it as a fallback, delete every other state dir."
+        previous = (self.info() or {}).get("state_dir")
+        previous = previous if previous != Path(state_dir).name and (self.path/str(previous)).is_dir() else None
+        atomic_write_json(self.info_path, {**info, "state_dir": Path(state_dir).name, "previous_state_dir": previous})
         for d in self.path.glob("state-*"):
-            if d.is_dir() and d.name != Path(state_dir).name: shutil.rmtree(d, ignore_errors=True)
+            if d.is_dir() and d.name not in (Path(state_dir).name, previous): shutil.rmtree(d, ignore_errors=True)
 
 # %% ../nbs/40_training.ipynb #b50ab80a
 def save_sample_grid(rows: dict[str, torch.Tensor], path, value_range=(0., 1.)) -> Path:

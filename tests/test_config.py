@@ -51,7 +51,16 @@ def test_every_official_key_in_one_file(tmp_path):
     ("dataset_filters=[[width, 'lambda w: __import__(\"os\").system(\"id\")']]", "Call is not allowed"),
     ("dataset_filters=[[width, 'lambda w: w.real > 1']]", "Attribute is not allowed"),
     ("dataset_filters=[[width, 'lambda w: y > 1']]", "unknown name 'y'"),
-    ("caption_dropout=1.5", "must be a probability"),
+    ("caption_dropout=1.5", "key 'caption_dropout': 1.5 is out of range; expected a probability in [0, 1]"),
+    ("log_every=0", "key 'log_every': 0 is out of range; expected >= 1"),
+    ("sample_steps=0", "key 'sample_steps': 0 is out of range; expected >= 1"),
+    ("grad_clip=-1", "key 'grad_clip': -1.0 is out of range; expected > 0"),
+    ("lr=inf", "key 'lr': inf is out of range; expected > 0"),
+    ("lr=nan", "key 'lr': nan is out of range; expected > 0"),
+    ("adam_betas=[2, 3]", "key 'adam_betas[0]': 2.0 is out of range; expected in [0, 1)"),
+    ("num_workers=-1", "key 'num_workers': -1 is out of range; expected >= 0"),
+    ("weight_decay=-1", "key 'weight_decay': -1.0 is out of range; expected >= 0"),
+    ("controlnet_blocks=[0, -2]", "key 'controlnet_blocks[1]': -2 is out of range; expected >= 0"),
     ("dtype=float16", "overflows fp16"),
 ])
 def test_errors_name_key_value_and_expectation(override, message, tmp_path):

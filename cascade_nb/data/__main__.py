@@ -8,6 +8,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.cli.html.md"""
 from __future__ import annotations
 import argparse, json, sys
 from pathlib import Path
+from ..config import cli_parser, parse_cli, cli_errors
 
 # %% auto #0
 __all__ = ['format_report', 'cmd_pack', 'cmd_inspect', 'ClipTextEncoder', 'image_embedder_from_config', 'encoders_from_config',
@@ -114,7 +115,7 @@ def cmd_cache(args) -> int:
     return 0 if info["samples"] else 1
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cascade_nb.data", description="Pack, inspect and cache cascade_nb training data.")
+    p = cli_parser(prog="python -m cascade_nb.data", description="Pack, inspect and cache cascade_nb training data.")
     sub = p.add_subparsers(dest="command", required=True)
     pk = sub.add_parser("pack", help="folder (or tar --sort=name tarball) -> webdataset shards")
     pk.add_argument("folder"); pk.add_argument("out_dir")
@@ -140,12 +141,10 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+    args = parse_cli(make_parser(), argv)   # options anywhere, as in every cascade_nb command
     if args.command == "inspect" and len(args.source) == 1: args.source = args.source[0]
-    try: return args.fn(args)
-    except (ValueError, OSError) as e:   # ConfigError, a missing path, a non-empty output folder: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with cli_errors(OSError, ValueError):   # missing/unreadable files and folders, bad values: one line, exit 2
+        return args.fn(args)
 
 # %% ../../nbs/34_data.cli.ipynb #ffc92c09
 if __name__ == "__main__" and not hasattr(sys, "ps1") and "ipykernel" not in sys.modules:

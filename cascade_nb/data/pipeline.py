@@ -207,9 +207,14 @@ def build_dataloader(source, batch_size: int, *, num_workers: int = 2, pin_memor
         warnings.warn(f"data: {len(ds.shards)} shard(s) for {world} rank(s) × {num_workers} worker(s): some readers get no data; "
                       "pack more, smaller shards (python -m cascade_nb.data pack ... --shard-size N)")
     kw = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-              multiprocessing_context=multiprocessing_context) if num_workers > 0 else {}
+              multiprocessing_context=multiprocessing_context, worker_init_fn=_ignore_stop_signals) if num_workers > 0 else {}
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                                        collate_fn=_as_is, **kw)
+
+def _ignore_stop_signals(worker_id: int):
+    "Workers ignore SIGTERM/SIGINT: a group-wide signal must reach the trainer, which saves, not kill the workers first."
+    import signal
+    for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, signal.SIG_IGN)   # they still end with the DataLoader
 
 def _as_is(batch):
     "The DataLoader's collate_fn: batches leave the dataset already collated."

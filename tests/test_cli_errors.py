@@ -1,0 +1,81 @@
+"""Every command as a user types it: options and key=value overrides in any order, and each bad input (config
+values out of range, a config path that is a folder or not text, missing or corrupt weights, `--n 0`, `--out` a
+file, an empty models folder) ends in ONE line on stderr and exit status 2, without a traceback or a download."""
+import json, shutil
+from pathlib import Path
+import pytest
+from conftest import ROOT, run_cli
+
+DEMO = ROOT / "configs" / "demo.yaml"
+
+def one_line_error(res, *needles):
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, (res.returncode, res.stderr[-3000:])
+    for n in needles: assert n in lines[0], lines[0]
+    return lines[0]
+
+def test_memory_takes_options_and_overrides_in_any_order():
+    res = run_cli("-m", "cascade_nb.memory", DEMO, "--budget", "80", "batch_size=8", "--world-size", "2", "image_size=64")
+    assert "budget 80 GB per GPU" in res.stdout and "peak per GPU" in res.stdout
+
+@pytest.mark.parametrize("override, message", [
+    ("log_every=0", "key 'log_every': 0 is out of range; expected >= 1"),
+    ("lr=inf", "key 'lr': inf is out of range; expected > 0"),
+    ("adam_betas=[2, 3]", "key 'adam_betas[0]': 2.0 is out of range; expected in [0, 1)"),
+])
+def test_train_refuses_out_of_range_values_in_one_line(override, message):
+    one_line_error(run_cli("-m", "cascade_nb.train", DEMO, override, check=False), "override:", message)
+
+def test_config_path_that_is_a_folder_or_not_text(tmp_path):
+    one_line_error(run_cli("-m", "cascade_nb.memory", tmp_path, check=False), "is a directory; expected a YAML file")
+    binary = tmp_path / "model.safetensors"; binary.write_bytes(b"\x80\x81\xff\x00" * 10)
+    one_line_error(run_cli("-m", "cascade_nb.train", binary, check=False), "not UTF-8 text")
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from cascade_nb.pipeline import write_tiny_checkpoints
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("ckpt") / "models")
+
+GEN = ("--height", "128", "--width", "96", "--steps-c", "2", "--steps-b", "2", "--device", "cpu")
+
+def test_generate_file_errors(models, tmp_path):
+    empty = tmp_path / "empty"; empty.mkdir()
+    # used to fall through to downloading the CLIP tokenizer/text encoder from the hub
+    one_line_error(run_cli("-m", "cascade_nb.generate", "x", "--models", empty, *GEN, check=False, env={"HF_HUB_OFFLINE": "1"}),
+                   "no stage_c*.safetensors and no diffusers prior/")
+    broken = tmp_path / "broken"; shutil.copytree(models, broken)
+    next(broken.glob("stage_b*.safetensors")).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    one_line_error(run_cli("-m", "cascade_nb.generate", "x", "--models", broken, *GEN, check=False), "not a readable safetensors file")
+    one_line_error(run_cli("-m", "cascade_nb.generate", "x", "--models", models, "--n", "0", *GEN, check=False), "--n: 0 must be >= 1")
+    afile = tmp_path / "afile"; afile.write_text("x")
+    one_line_error(run_cli("-m", "cascade_nb.generate", "x", "--models", models, "--out", afile, *GEN, check=False),
+                   "--out must be a folder, but it is a file")
+    res = run_cli("-m", "cascade_nb.generate", "--models", models, "a red bus", "--seed", "1", *GEN, "a cat", "--out", tmp_path / "o")
+    assert "wrote 2 image(s)" in res.stdout   # prompts before and after options
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+    "A run directory whose info.json is real and whose weights are not."
+    from cascade_nb.config import load_config
+    run = tmp_path_factory.mktemp("run") / "demo"; run.mkdir()
+    cfg = load_config(DEMO, [f"webdataset_path={ROOT / 'data_samples' / 'emoji'}"])
+    (run / "info.json").write_text(json.dumps({"config": cfg.to_yaml_dict(), "update": 2, "state_dir": "state-00000002"}))
+    (run / "generator.safetensors").write_bytes(b"garbage")
+    return run
+
+def test_sample_file_errors(fake_run, tmp_path):
+    one_line_error(run_cli("-m", "cascade_nb.sample", "--checkpoint", tmp_path / "nope", "--prompt", "x", check=False), "no info.json")
+    one_line_error(run_cli("-m", "cascade_nb.sample", "--checkpoint", fake_run, "--prompt", "x", "--out", tmp_path / "s", check=False),
+                   "generator.safetensors: not a readable safetensors file")
+    one_line_error(run_cli("-m", "cascade_nb.sample", "--checkpoint", fake_run, "--prompt", "x", "--n", "0", check=False), "--n: 0 must be >= 1")
+    afile = tmp_path / "afile"; afile.write_text("x")
+    one_line_error(run_cli("-m", "cascade_nb.sample", "--checkpoint", fake_run, "--prompt", "x", "--out", afile, check=False),
+                   "--out must be a folder")
+
+def test_data_cli_file_errors_and_option_order(tmp_path):
+    one_line_error(run_cli("-m", "cascade_nb.data", "inspect", tmp_path / "nope", check=False), "no such file or folder")
+    one_line_error(run_cli("-m", "cascade_nb.data", "inspect", "--limit", "0x", tmp_path, check=False), "--limit")
+    one_line_error(run_cli("-m", "cascade_nb.data", "cache", tmp_path, tmp_path / "out", "--config", tmp_path / "missing.yaml", check=False),
+                   "does not exist")
+    res = run_cli("-m", "cascade_nb.data", "inspect", "--limit", "3", ROOT / "data_samples" / "emoji", "--image-size", "32")
+    assert "usable samples: 3" in res.stdout

@@ -1,0 +1,72 @@
+"""The run directory through `python -m cascade_nb.train`: problems found at start instead of at the first save
+(unwritable location, a second run with the same experiment_id, a resume with another model config), a failed save
+that keeps the previous checkpoint and says so in one line, and a fallback to the previous state when the latest
+is unreadable."""
+import json, os, signal, socket, subprocess, sys, time
+from pathlib import Path
+from conftest import ROOT, run_cli
+from test_train import demo_args, info, DRIVER
+from test_signals import start, wait_until_training, finish
+
+def one_line_error(res, *needles):
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and "Traceback" not in res.stderr and lines, (res.returncode, res.stderr[-3000:])
+    for n in needles: assert n in lines[-1], lines[-1]
+
+def test_unwritable_checkpoint_path_is_refused_at_start(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "ro", "updates=2"), f"checkpoint_path={tmp_path}/afile/ck", check=False)
+    one_line_error(res, "cannot write to", "afile/ck")
+
+def test_resume_refuses_another_model_config_and_falls_back_to_previous_state(tmp_path):
+    run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "res", "updates=4", "save_every=2"))
+    run = tmp_path / "ckpt" / "res"
+    i = info(tmp_path, "res")
+    assert (i["state_dir"], i["previous_state_dir"]) == ("state-00000004", "state-00000002")   # the previous state is kept
+    saved = (tmp_path / "out" / "res" / "config.yaml").read_bytes()
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "res", "updates=6"),
+                  "model_overrides={c_in: 3, c_out: 3, patch_size: 4}", check=False)
+    one_line_error(res, "another model config", "model_overrides")
+    assert (tmp_path / "out" / "res" / "config.yaml").read_bytes() == saved and info(tmp_path, "res") == i   # nothing overwritten
+    for f in (run / "state-00000004").glob("*.safetensors"): f.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "res", "updates=6", "save_every=2"))
+    assert "state-00000004 is unreadable" in res.stderr and "resuming from the previous one" in res.stderr, res.stderr[-2000:]
+    assert "at update 2" in res.stdout and info(tmp_path, "res")["update"] == 6
+
+FAILING_SAVE = """
+import errno, sys
+import cascade_nb.train as T
+calls = [0]
+real = T.save_safetensors_atomic
+def full_disk(sd, path, *a, **k):
+    calls[0] += 1
+    if calls[0] > 2: raise OSError(errno.ENOSPC, "No space left on device", str(path))   # the second save
+    return real(sd, path, *a, **k)
+T.save_safetensors_atomic = full_disk
+T.main(sys.argv[1:])
+"""
+
+def test_failed_save_keeps_previous_checkpoint_and_says_so(tmp_path):
+    driver = tmp_path / "failing_save.py"; driver.write_text(FAILING_SAVE)
+    res = run_cli(driver, *demo_args(tmp_path, "full", "updates=6", "save_every=2"), check=False)
+    one_line_error(res, "saving update 4", "No space left on device", "checkpoint (update 2) is kept")
+    i = info(tmp_path, "full")
+    assert i["update"] == 2 and not (tmp_path / "ckpt" / "full" / "state-00000004").exists()
+    run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "full", "updates=4", "save_every=2"))   # resumes from it (stale lock taken over)
+    assert info(tmp_path, "full")["update"] == 4
+
+def test_second_run_with_same_experiment_id_is_refused(tmp_path):
+    first = start([sys.executable, "-m", "cascade_nb.train", *demo_args(tmp_path, "twice", "updates=400", "save_every=300")])
+    tracked = wait_until_training(first, tmp_path, "twice")
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "twice", "updates=400"), check=False)
+    one_line_error(res, "is in use by another run", f"process {first.pid} on {socket.gethostname()}", "run.lock")
+    first.send_signal(signal.SIGTERM)
+    out, rc = finish(first, tracked)
+    assert rc == 0 and not (tmp_path / "ckpt" / "twice" / "run.lock").exists(), out[-2000:]
+
+def test_stale_lock_is_taken_over(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()
+    run = tmp_path / "ckpt" / "stale"; run.mkdir(parents=True)
+    (run / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start": "1", "since": 0}))
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "stale", "updates=1"))
+    assert "removing the stale lock" in res.stderr and info(tmp_path, "stale")["update"] == 1
