@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/config.html.md"""
 
 # %% ../nbs/01_config.ipynb #4427b049
 from __future__ import annotations
-import ast, difflib, operator, os, typing
+import ast, difflib, importlib, operator, os, sys, typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -15,10 +15,11 @@ import yaml
 
 # %% auto #0
 __all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'SECTIONS', 'KEY_SECTION',
-           'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json',
-           'register_caption_getter', 'CaptionsGetter', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
-           'CheckpointConfig', 'LogConfig', 'LoraConfig', 'ControlNetConfig', 'coerce', 'Config', 'config_from_dict',
-           'load_config', 'dump_config', 'save_config']
+           'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter',
+           'caption_identity', 'caption_from_json', 'register_caption_getter', 'CaptionsGetter', 'ModelConfig',
+           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig', 'LoraConfig', 'ControlNetConfig',
+           'coerce', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config',
+           'save_config']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -235,7 +236,8 @@ class TrainConfig:
     ema_on_cpu: bool = False               # keep the EMA weights in CPU memory
     use_fsdp: Optional[bool] = None        # official key; sharding is chosen by the accelerate launch config
     max_nan_steps: int = 10                # stop after this many non-finite losses in a row
-    mode: Optional[Literal["full", "lora", "controlnet"]] = None  # None: inferred from the lora/controlnet keys
+    mode: Optional[str] = None             # a registered training mode: full, lora, controlnet or your own; None: inferred
+    imports: Optional[list[str]] = None    # modules to import first, e.g. one that defines a @training_mode
 
 @dataclass
 class CheckpointConfig:
@@ -444,6 +446,42 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
         if not isinstance(raw, dict): raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(raw).__name__}")
     return config_from_dict(raw, overrides, training=training, source=str(path) if path is not None else None)
 
+# %% ../nbs/01_config.ipynb #b41ceb2e
+TRAINING_MODES: dict[str, type] = {}
+"Training modes by name (`mode:` in a config), filled by `cascade_nb.modes.training_mode`."
+MODE_MODULES = ("cascade_nb.modes", "cascade_nb.lora", "cascade_nb.controlnet")
+"The modules that register the built-in modes (imported when a config is validated, like a config's `imports:`)."
+
+def import_modules(names, where: str = "config", search: str | os.PathLike | None = None):
+    "Import modules by dotted name (also from the folder `search`, e.g. the config's) so that they register their modes."
+    for name in names:
+        if not (isinstance(name, str) and all(p.isidentifier() for p in name.split("."))):
+            raise ConfigError(f"{where}: key 'imports': {name!r} is not a module name (e.g. my_modes or mypkg.modes)")
+        if name in sys.modules: continue
+        extra = [str(search)] if search is not None and str(search) not in sys.path else []
+        sys.path[:0] = extra
+        try: importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not name.startswith(e.name): raise   # a module it imports is missing: the real error
+            raise ConfigError(f"{where}: key 'imports': no module named {name!r} (searched sys.path"
+                              + (f" and {search}" if search is not None else "") + ")") from None
+        finally:
+            for s in extra: sys.path.remove(s)
+
+def resolve_mode(cfg: Config, where: str = "config") -> type:
+    "The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks."
+    import_modules([*MODE_MODULES, *(cfg.train.imports or ())], where, Path(cfg.source).parent if cfg.source else None)
+    t = cfg.train
+    if t.mode is None: t.mode = next((n for n, c in TRAINING_MODES.items() if c.selected_by(cfg)), "full")
+    if t.mode not in TRAINING_MODES:
+        close = difflib.get_close_matches(t.mode, TRAINING_MODES, n=3, cutoff=0.5)
+        raise ConfigError(f"{where}: key 'mode': unknown training mode {t.mode!r}"
+                          + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+                          + f" (registered: {', '.join(TRAINING_MODES)}; a mode defined elsewhere needs its module in 'imports')")
+    try: TRAINING_MODES[t.mode].check_config(cfg)
+    except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
+    return TRAINING_MODES[t.mode]
+
 # %% ../nbs/01_config.ipynb #8dddb117
 def _check(cfg: Config, where: str, training: bool):
     def need(cond, msg):
@@ -460,15 +498,7 @@ def _check(cfg: Config, where: str, training: bool):
     if m.stage is None: m.stage = "b" if m.model_version in ("3B", "700M") else "c"
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
     need(m.model_version in presets, f"key 'model_version': {m.model_version!r} is not a Stage {m.stage.upper()} preset; expected one of {presets}")
-    if t.mode is None:
-        t.mode = ("lora" if cfg.lora.module_filters or cfg.lora.train_tokens else
-                  "controlnet" if cfg.controlnet.controlnet_blocks is not None or cfg.controlnet.controlnet_filter else "full")
-    if t.mode == "lora":
-        need(cfg.lora.module_filters or cfg.lora.train_tokens, "a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
-        if cfg.lora.rank is None: cfg.lora.rank = 4
-    if t.mode == "controlnet":
-        need(cfg.controlnet.controlnet_filter, "a ControlNet run needs 'controlnet_filter' (e.g. CannyFilter)")
-        if cfg.controlnet.controlnet_blocks is None: raise ConfigError(f"{where}: a ControlNet run needs 'controlnet_blocks'")
+    resolve_mode(cfg, where)
     for key, sec, lo in [("lr", t, 0), ("batch_size", d, 1), ("updates", t, 1), ("grad_accum_steps", t, 1),
                          ("image_size", d, 8), ("save_every", cfg.checkpoint, 1), ("backup_every", cfg.checkpoint, 1)]:
         v = getattr(sec, key)

@@ -12,11 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
 from .models.effnet import efficientnet_v2_features
+from .config import ConfigError
+from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
 # %% auto #0
-__all__ = ['FILTERS', 'CNetResBlock', 'ControlNet', 'controlnet_config', 'load_controlnet', 'BaseFilter', 'canny_edges',
-           'CannyFilter', 'random_blob_masks', 'InpaintFilter', 'SRFilter', 'SREffnetFilter', 'IdentityFilter',
-           'make_filter', 'ControlNetNet', 'ControlNetTraining']
+__all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CNetResBlock', 'ControlNet', 'controlnet_config', 'load_controlnet',
+           'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter', 'SRFilter',
+           'SREffnetFilter', 'IdentityFilter', 'make_filter', 'meta_controlnet', 'ControlNetNet', 'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -252,6 +254,17 @@ def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None 
         import inspect
         raise ValueError(f"controlnet_filter_params {params} do not fit {name}{inspect.signature(FILTERS[name])}: {e}") from None
 
+# %% ../nbs/61_controlnet.ipynb #a72d1bf2
+EFFNET_SAVED_PER_PIXEL = 780
+"Elements autograd keeps per input pixel in a training forward of EfficientNetV2-S features (measured on CPU in `cascade_nb.memory`)."
+
+def meta_controlnet(cfg, gen: nn.Module) -> nn.Module:
+    "The config's ControlNet (filter channels in, generator width out) on the meta device."
+    c = cfg.controlnet
+    c_in = make_filter(c.controlnet_filter, c.controlnet_filter_params).num_channels
+    with torch.device("meta"):
+        return ControlNet(c_in, gen.config["c_hidden"][0], c.controlnet_blocks, c.controlnet_bottleneck_mode)
+
 # %% ../nbs/61_controlnet.ipynb #9c8b74bb
 class ControlNetNet(nn.Module):
     "Frozen generator + trainable ControlNet: `net(x, r, cnet_input=..., **conds)`."
@@ -263,11 +276,28 @@ class ControlNetNet(nn.Module):
         cnet = self.controlnet(cnet_input.to(x.dtype)) if cnet_input is not None else None
         return self.generator(x, r, cnet=cnet, **conds)
 
-class ControlNetTraining:
+@training_mode("controlnet")
+class ControlNetTraining(TrainingMode):
     "ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` (official layout) is released."
     supports_ema = False   # an EMA of `net` would copy the frozen generator
+    trains_generator = False
+    @classmethod
+    def selected_by(cls, cfg):   # official ControlNet keys
+        return cfg.controlnet.controlnet_blocks is not None or bool(cfg.controlnet.controlnet_filter)
+    @classmethod
+    def check_config(cls, cfg):
+        if not cfg.controlnet.controlnet_filter: raise ConfigError("a ControlNet run needs 'controlnet_filter' (e.g. CannyFilter)")
+        if cfg.controlnet.controlnet_blocks is None: raise ConfigError("a ControlNet run needs 'controlnet_blocks'")
+    @classmethod
+    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
+        "The fp32 ControlNet trains next to the frozen generator; its EfficientNet bottleneck keeps activations per pixel."
+        rows = {}
+        if (cfg.controlnet.controlnet_bottleneck_mode or "effnet") == "effnet":
+            px = (side * 32) ** 2 if cfg.model.latent_space != "pixels" else side ** 2
+            rows["ControlNet backbone activations"] = batch * px * EFFNET_SAVED_PER_PIXEL * prec.compute
+        return MemoryTerms(sum(p.numel() for p in meta_controlnet(cfg, generator).parameters()), 4, "none", rows)
+
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        from cascade_nb.train import FullTraining
         c = cfg.controlnet
         self.cfg, self.space, self.compute_dtype = cfg, space, compute_dtype
         self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
@@ -308,6 +338,10 @@ class ControlNetTraining:
         "Batch → (x0, conds + the filter's control image `cnet_input`)."
         x0, conds = self.full.encode(batch, device, training, rng)
         return x0, {**conds, "cnet_input": self._control(batch, device, training, rng)}
+
+    def trainable_modules(self, net) -> list:
+        "Only the ControlNet trains; the frozen generator stays in eval mode (no dropout)."
+        return [self.net.controlnet]
 
     def uncond(self, conds: dict) -> dict:
         "CFG over the text only: empty caption, zero image embedding, the same control image."
