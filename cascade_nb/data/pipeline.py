@@ -6,21 +6,22 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.pipeline.html.md"""
 
 # %% ../../nbs/32_data.pipeline.ipynb #056cb261
 from __future__ import annotations
-import io, json, math, random, warnings
+import io, json, math, random, struct, warnings
 from collections import Counter
 from pathlib import Path
 import torch
 import webdataset as wds
+from safetensors.torch import load as st_load
 from PIL import Image, ImageOps
 from ..config import CaptionsGetter, DatasetFilter
 from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_shards, ShardList,
-                                     ResampledShardList, ShardReader, _worker_seed)
+                                     ResampledShardList, ShardReader, _worker_seed, is_remote, local_path)
 from .buckets import bucket_sizes, closest_bucket, pick_bucket, BucketResize, BucketBatcher
 
 # %% auto #0
-__all__ = ['as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'SampleDecoder', 'Shuffle',
-           'ImageTextDataset', 'build_dataset', 'build_dataloader', 'dataloader_from_config', 'sum_skips',
-           'inspect_source']
+__all__ = ['CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'SampleDecoder', 'Shuffle',
+           'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset',
+           'build_dataset', 'build_dataloader', 'dataloader_from_config', 'sum_skips', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -145,6 +146,49 @@ class Shuffle:
         for s in buf: yield from release(s)
         yield from markers.values()
 
+# %% ../../nbs/32_data.pipeline.ipynb #ebc35b76
+CACHE_INFO = "cache_info.json"
+"The file next to cached shards that says what made them (`cascade_nb.data.cache`)."
+
+def find_cache_info(shards: list[dict]) -> dict | None:
+    "The `cache_info.json` next to the first local shard, or None."
+    url = shards[0]["url"]
+    if is_remote(url) or "keys" in shards[0]: return None
+    p = local_path(url).parent / CACHE_INFO
+    return json.loads(p.read_text()) if p.is_file() else None
+
+def safetensors_metadata(data: bytes) -> dict:
+    "The `__metadata__` of a safetensors blob, read from its JSON header."
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]).get("__metadata__", {}) or {}
+
+class CacheMismatchError(RuntimeError):
+    "A cache made by another encoder or with other settings than the run expects."
+
+class CachedDecoder(SampleDecoder):
+    "Pipeline stage: cached raw samples → `{latents, text, caption, meta, bucket}`; refuses another fingerprint."
+    def __init__(self, counter: SkipCounter, expected_fingerprint: str | None = None, info: dict | None = None, n_shards: int = 1):
+        super().__init__(counter, n_shards=n_shards, min_side=0)
+        if expected_fingerprint is not None and info is not None and info["fingerprint"] != expected_fingerprint:
+            raise CacheMismatchError(f"the cache was made with fingerprint {info['fingerprint']} (encoder {info.get('encoder')}, "
+                                     f"image_size {info.get('image_size')}, multi_aspect_ratio {info.get('multi_aspect_ratio')}) "
+                                     f"but this run expects {expected_fingerprint}; rebuild it with `python -m cascade_nb.data cache`")
+        self.expected = expected_fingerprint if expected_fingerprint is not None else (info or {}).get("fingerprint")
+
+    def decode(self, s: dict):
+        if "safetensors" not in s: return None, "bad_cache"
+        if self.expected is not None and (got := safetensors_metadata(s["safetensors"]).get("fingerprint")) != self.expected:
+            raise CacheMismatchError(f"cached sample {s['__key__']} in {s.get('__url__')} has fingerprint {got}, expected {self.expected}")
+        try: tensors = st_load(s["safetensors"])
+        except Exception: return None, "bad_cache"
+        if "latents" not in tensors: return None, "bad_cache"
+        try: caption = s["txt"].decode("utf-8").strip()
+        except (KeyError, UnicodeDecodeError): caption = ""
+        meta = json.loads(s["json"]) if "json" in s else {}
+        latents = tensors.pop("latents")
+        return {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
+                "bucket": tuple(latents.shape)}, None
+
 # %% ../../nbs/32_data.pipeline.ipynb #a631c588
 class ImageTextDataset(wds.DataPipeline):
     "The data pipeline (an `IterableDataset` of batches); `set_epoch` reseeds shard order and crops."
@@ -162,8 +206,7 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
     counter = SkipCounter()
     head = ([ResampledShardList(shards, seed)] if resampled else
             [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node, wds.split_by_worker])
-    from cascade_nb.data.cache import find_cache_info, CachedDecoder   # cached shards: latents instead of images
-    info = find_cache_info(shards)
+    info = find_cache_info(shards)   # cached shards: latents instead of images
     if info is not None or cache_fingerprint is not None:
         body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=len(shards))]
         group_key = "bucket"
