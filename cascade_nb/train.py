@@ -7,7 +7,9 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
 import argparse, contextlib, copy, gc, importlib.util, json, resource, signal, sys, time, warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 if __name__ == "__main__" and not __package__ and "__file__" in globals():
     # run as a script (`accelerate launch cascade_nb/train.py ...`): import the package, not the folder (PEP 366)
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -27,6 +29,7 @@ from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_f
 
 # %% auto #0
 __all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'RNGState', 'per_process_batch', 'StopFlag', 'batch_stream',
+           'training_data', 'Run', 'build_optimizer', 'save', 'run_info', 'log_samples', 'log_metrics', 'validate',
            'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
@@ -110,6 +113,125 @@ def batch_stream(loader, skip: int = 0):
                                         "(run `python -m cascade_nb.data inspect SOURCE`) and that batch_size fits the data")
         epoch += 1
 
+# %% ../nbs/41_train.ipynb #4c6f4d0a
+def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):
+    "(this process's endless batch stream, fast-forwarded past `skip` batches; the fixed validation batches or None)."
+    from cascade_nb.data.pipeline import dataloader_from_config
+    check = {}
+    if cfg.model.latent_space == "cached":   # refuse latents cached with another encoder / size / bucket set
+        from cascade_nb.data.cache import cache_fingerprint, config_cache_parts
+        check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
+    loader = dataloader_from_config(cfg.data, micro_batch, seed=cfg.train.seed,
+                                    pin_memory=cfg.data.pin_memory and device.type == "cuda", **check)
+    val = None
+    if cfg.data.val_webdataset_path and cfg.checkpoint.val_every:
+        val = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch)))]
+    return batch_stream(loader, skip=skip), val
+
+def _val_data(cfg: Config):
+    "The data config for validation: the held-out source, read once, in order, centre-cropped."
+    import dataclasses
+    return dataclasses.replace(cfg.data, webdataset_path=cfg.data.val_webdataset_path, resampled=False, shuffle_buffer=0,
+                               crop="center", num_workers=0, bucketeer_random_ratio=0.)
+
+# %% ../nbs/41_train.ipynb #6f3c84c3
+@dataclass
+class Run:
+    "What the loop's helpers share: the accelerator, the config, the mode and its prepared `net`, EMA, GDF, counters, folders."
+    acc: Any
+    cfg: Config
+    mode: TrainingMode
+    net: nn.Module
+    ema: nn.Module | None
+    gdf: Any
+    state: TrainState
+    run_dir: RunDir
+    out_dir: Path
+    @property
+    def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
+
+def build_optimizer(t, params, lr: float, device):
+    "AdamW (fused on CUDA) or bitsandbytes' 8-bit AdamW over `params`, with the config's betas, eps and weight decay."
+    if t.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
+                             fused=device.type == "cuda")
+
+# %% ../nbs/41_train.ipynb #3016ac91
+def save(run: Run):
+    "Checkpoint (all processes; atomic commit), then the released weights and backups (main process)."
+    acc, state, run_dir, is_main = run.acc, run.state, run.run_dir, run.acc.is_main_process
+    acc.wait_for_everyone()
+    staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
+    acc.wait_for_everyone()
+    acc.save_state(str(staging))
+    acc.wait_for_everyone()
+    released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
+    if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.state_dict()
+    if is_main:
+        ck = run.cfg.checkpoint
+        backup = state.update % ck.backup_every == 0 and state.update > 0
+        sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
+        for name, sd in released.items():
+            save_safetensors_atomic(sd, run_dir.path/f"{name}.safetensors")
+            if sfx: save_safetensors_atomic(sd, run_dir.path/f"{name}{sfx}.safetensors")
+        run_dir.commit(staging, run_info(run))
+    acc.wait_for_everyone()
+
+def run_info(run: Run) -> dict:
+    "What info.json records next to each checkpoint: counters, process count, resolved config, adaptive buckets, versions."
+    import cascade_nb, accelerate
+    return {**run.state.state_dict(), "num_processes": run.acc.num_processes, "config": run.cfg.to_yaml_dict(),
+            "adaptive_loss": {k: {n: v.tolist() for n, v in part.items()} for k, part in run.gdf.state_dict().items()},
+            "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__, "accelerate": accelerate.__version__}}
+
+# %% ../nbs/41_train.ipynb #ac5d393d
+def log_samples(run: Run, batch):
+    "The sample grid of the current weights (and EMA) on the first images of `batch`, plus the mode's extra rows."
+    acc, mode, net = run.acc, run.mode, run.net
+    x0, conds = mode.encode(batch, acc.device, training=False)
+    mode.train_mode(net, False)
+    with acc.autocast():
+        rows = sample_rows(acc.unwrap_model(net), run.ema, run.gdf, mode.space, x0, conds, mode.uncond(conds), run.cfg)
+    rows = {**mode.preview_rows(batch, n=8, size=next(iter(rows.values())).shape[-2:]), **rows}   # e.g. a control row
+    mode.train_mode(net, True)
+    if acc.is_main_process:
+        path = save_sample_grid(rows, run.out_dir/f"{run.state.update:06d}.png")
+        (run.out_dir/"captions.txt").write_text("\n".join(batch["captions"][:8]) + "\n")
+        for tr in acc.trackers:
+            if tr.name == "tensorboard":
+                import numpy as np; from PIL import Image
+                tr.writer.add_image("samples", np.asarray(Image.open(path)), run.state.update, dataformats="HWC")
+        acc.print(f"update {run.state.update}: sample grid {path}")
+
+def log_metrics(run: Run, losses: list, grad_norm, lr: float, skipped: dict, seconds: float) -> dict:
+    "Loss (mean over the micro-batches since the last log and over processes), speed and memory: tracker + metrics.jsonl."
+    acc, cfg = run.acc, run.cfg
+    updates = len(losses) / cfg.train.grad_accum_steps
+    m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
+         "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
+         "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
+         "peak_memory_gb": _peak_memory_gb(acc.device), **{f"skipped/{k}": v for k, v in skipped.items()}}
+    acc.log(m, step=run.state.update)
+    if acc.is_main_process:
+        with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": run.state.update, **m}) + "\n")
+    return m
+
+def validate(run: Run, val_batches) -> float:
+    "Validation loss of the current weights; a new best also writes `{name}_best.safetensors`."
+    acc, state = run.acc, run.state
+    vl = validation_loss(acc.unwrap_model(run.net), run.gdf, [run.mode.encode(b, acc.device, training=False) for b in val_batches])
+    acc.log({"val_loss": vl}, step=state.update)
+    best = vl < state.best_val_loss
+    if best: state.best_val_loss = vl
+    released = run.mode.released(acc, run.net) if best else {}   # all processes (FSDP gathers)
+    if acc.is_main_process:
+        for name, sd in released.items(): save_safetensors_atomic(sd, run.run_dir.path/f"{name}_best.safetensors")
+        with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
+    acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
+    return vl
+
 # %% ../nbs/41_train.ipynb #2b7518f7
 def _trackers(cfg: Config):
     if cfg.log.tracker == "none": return None
@@ -136,7 +258,6 @@ def train(cfg: Config) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from fastprogress.fastprogress import progress_bar
-    from cascade_nb.data.pipeline import dataloader_from_config
     ck, t = cfg.checkpoint, cfg.train
     if t.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:   # fail before building anything
         raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
@@ -154,7 +275,7 @@ def train(cfg: Config) -> dict:
         save_config(cfg, out_dir/"config.yaml")
     stop = StopFlag().install()
 
-    # --- models: identical init on every process; frozen parts in the compute dtype
+    # --- models: identical init on every process; frozen parts in the compute dtype; the mode says what trains
     set_seed(t.seed)
     generator = build_generator(cfg)
     tokenizer, text_model = build_text_encoder(cfg, device, compute_dtype)
@@ -172,13 +293,7 @@ def train(cfg: Config) -> dict:
     # --- optimizer and LR schedule
     micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
     lr = t.lr * (micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1)
-    params = [p for p in net.parameters() if p.requires_grad]
-    if t.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-        opt = bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
-    else:
-        opt = torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
-                                fused=device.type == "cuda")
+    opt = build_optimizer(t, [p for p in net.parameters() if p.requires_grad], lr, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule(t.warmup_updates, t.updates, t.lr_schedule))
 
     # --- prepare: DDP / FSDP wrapping and device placement, by the launch config
@@ -187,18 +302,10 @@ def train(cfg: Config) -> dict:
     state, rng = TrainState(), RNGState(t.seed * 1000 + acc.process_index, device)
     acc.register_for_checkpointing(state, rng, gdf)   # gdf: adaptive loss-weight / schedule buckets (empty for P2)
     if ema is not None: acc.register_for_checkpointing(ema)
+    run = Run(acc, cfg, mode, net, ema, gdf, state, run_dir, out_dir)
 
     # --- data: this process's share of the stream, fast-forwarded to the data position on resume
-    cache_check = {}
-    if cfg.model.latent_space == "cached":   # refuse latents cached with another encoder / size / bucket set
-        from cascade_nb.data.cache import cache_fingerprint, config_cache_parts
-        cache_check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
-    loader = dataloader_from_config(cfg.data, micro_batch, seed=t.seed, pin_memory=cfg.data.pin_memory and device.type == "cuda",
-                                    **cache_check)
-    stream = batch_stream(loader, skip=(info or {}).get("batches_drawn", 0))
-    val_batches = None
-    if cfg.data.val_webdataset_path and ck.val_every:
-        val_batches = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch)))]
+    stream, val_batches = training_data(cfg, micro_batch, skip=(info or {}).get("batches_drawn", 0), device=device)
 
     # --- resume: weights, optimizer, scheduler, RNG states, counters, EMA, adaptive loss buckets
     if info is not None:
@@ -209,49 +316,9 @@ def train(cfg: Config) -> dict:
         acc.print(f"resumed {run_dir.path} at update {state.update}")
     if is_main and acc.trackers: acc.init_trackers(ck.experiment_id, config=_hparams(cfg))
 
-    def save():
-        "Checkpoint (all processes; atomic commit), then the released weights and backups (main process)."
-        acc.wait_for_everyone()
-        staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
-        acc.wait_for_everyone()
-        acc.save_state(str(staging))
-        acc.wait_for_everyone()
-        released = mode.released(acc, net)                           # gathers full weights under FSDP: all processes
-        if ema is not None: released[f"{next(iter(released))}_ema"] = ema.state_dict()
-        if is_main:
-            backup = state.update % ck.backup_every == 0 and state.update > 0
-            sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
-            for name, sd in released.items():
-                save_safetensors_atomic(sd, run_dir.path/f"{name}.safetensors")
-                if sfx: save_safetensors_atomic(sd, run_dir.path/f"{name}{sfx}.safetensors")
-            import cascade_nb, accelerate as _acc
-            run_dir.commit(staging, {**state.state_dict(), "num_processes": acc.num_processes, "config": cfg.to_yaml_dict(),
-                                     "adaptive_loss": {k: {n: v.tolist() for n, v in part.items()} for k, part in gdf.state_dict().items()},
-                                     "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__,
-                                                  "accelerate": _acc.__version__}})
-        acc.wait_for_everyone()
-
-    def log_samples(batch):
-        "The sample grid of the current weights (and EMA) on the first images of `batch`."
-        x0, conds = mode.encode(batch, device, training=False)
-        net.eval()
-        with acc.autocast():
-            rows = sample_rows(acc.unwrap_model(net), ema, gdf, mode.space, x0, conds, mode.uncond(conds), cfg)
-        if hasattr(mode, "preview_rows"):   # e.g. ControlNet: the control input as the first row
-            rows = {**mode.preview_rows(batch, n=8, size=next(iter(rows.values())).shape[-2:]), **rows}
-        net.train()
-        if is_main:
-            path = save_sample_grid(rows, out_dir/f"{state.update:06d}.png")
-            (out_dir/"captions.txt").write_text("\n".join(batch["captions"][:8]) + "\n")
-            for tr in acc.trackers:
-                if tr.name == "tensorboard":
-                    import numpy as np; from PIL import Image
-                    tr.writer.add_image("samples", np.asarray(Image.open(path)), state.update, dataformats="HWC")
-            acc.print(f"update {state.update}: sample grid {path}")
-
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches
-    net.train()
-    metrics_path, losses, last_log, skipped, batch = out_dir/"metrics.jsonl", [], time.time(), {}, None
+    mode.train_mode(net)   # only the trainable modules in train mode (a frozen generator keeps its dropout off)
+    losses, last_log, skipped, batch = [], time.time(), {}, None
     interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
     for _ in bar:
@@ -260,16 +327,14 @@ def train(cfg: Config) -> dict:
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
             x0, conds = mode.encode(batch, device, training=True, rng=rng.generator)
             with acc.accumulate(net):
-                with acc.autocast():
-                    eps = mode.epsilon(x0, rng.generator) if hasattr(mode, "epsilon") else None   # Stage B: pyramid noise
-                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng.generator, shift=cfg.gdf.shift, epsilon=eps)
+                with acc.autocast(): loss, raw, d = mode.loss(net, gdf, x0, conds, rng=rng.generator)
                 gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()))  # adaptive parts; same on every process
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
                 if grad_norm is not None and not check_finite(grad_norm, state, t.max_nan_steps):
                     acc.print(f"update {state.update}: non-finite loss/gradients, update skipped ({state.nonfinite_total} so far)")
-                    opt.zero_grad(set_to_none=True)
-                else: opt.step(); opt.zero_grad(set_to_none=True)
+                else: opt.step()
+                opt.zero_grad(set_to_none=True)
                 state.micro_step += 1
             losses.append(loss.detach())
         sched.step()
@@ -277,39 +342,23 @@ def train(cfg: Config) -> dict:
         state.samples_seen += cfg.data.batch_size
         beta = ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None else None
         if beta is not None: ema_update_(ema, acc.unwrap_model(net), beta)
+        mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
-            dt = time.time() - last_log
-            m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
-                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": sched.get_last_lr()[0],
-                 "images_per_s": cfg.data.batch_size * len(losses) / t.grad_accum_steps / dt,
-                 "step_time_s": dt / (len(losses) / t.grad_accum_steps), "peak_memory_gb": _peak_memory_gb(device),
-                 **{f"skipped/{k}": v for k, v in skipped.items()}}
+            m = log_metrics(run, losses, grad_norm, sched.get_last_lr()[0], skipped, time.time() - last_log)
             losses, last_log = [], time.time()
-            acc.log(m, step=state.update)
-            if is_main:
-                with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, **m}) + "\n")
-                bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
-                if not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
-        if val_batches and state.update % ck.val_every == 0:
-            vl = validation_loss(acc.unwrap_model(net), gdf, [mode.encode(b, device, training=False) for b in val_batches])
-            acc.log({"val_loss": vl}, step=state.update)
-            best = vl < state.best_val_loss
-            if best: state.best_val_loss = vl
-            released = mode.released(acc, net) if best else {}
-            if is_main:
-                for name, sd in released.items(): save_safetensors_atomic(sd, run_dir.path/f"{name}_best.safetensors")
-                with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
-            acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
+            bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
+            if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
+        if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
-            save()
-            if batch is not None and not stop_now: log_samples(batch)
+            save(run)
+            if batch is not None and not stop_now: log_samples(run, batch)
         if stop_now:
             acc.print(f"received {stop.signal or 'a stop signal'}: saved update {state.update} to {run_dir.path}; exiting")
             break
 
-    if is_main and metrics_path.exists(): plot_metrics(metrics_path, out_dir/"loss.png")
+    if is_main and run.metrics_path.exists(): plot_metrics(run.metrics_path, out_dir/"loss.png")
     acc.wait_for_everyone()
     net = acc.unwrap_model(net)
     acc.free_memory()   # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
@@ -317,12 +366,7 @@ def train(cfg: Config) -> dict:
     return {"update": state.update, "run_dir": str(run_dir.path), "output_dir": str(out_dir),
             "net": net, "ema": ema, "mode": mode, "state": state}
 
-def _val_data(cfg: Config):
-    "The data config for validation: the held-out source, read once, in order, centre-cropped."
-    import dataclasses
-    return dataclasses.replace(cfg.data, webdataset_path=cfg.data.val_webdataset_path, resampled=False, shuffle_buffer=0,
-                               crop="center", num_workers=0, bucketeer_random_ratio=0.)
-
+# %% ../nbs/41_train.ipynb #e6c402e9
 def plot_metrics(metrics_path, out_png):
     "Plot the loss curve (and validation loss) from a run's metrics.jsonl into a PNG (no pyplot: notebooks keep their backend)."
     from matplotlib.figure import Figure
