@@ -15,18 +15,19 @@ if __name__ == "__main__" and not __package__ and "__file__" in globals():
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded
+from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded, seeded_rand, seeded_randn
 from .config import Config, load_config, save_config, ConfigError
 from .gdf.presets import gdf_from_config
 from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
-from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
+from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
+                                 training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 
 # %% auto #0
 __all__ = ['build_generator', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace',
            'StageASpace', 'load_frozen', 'build_latent_space', 'FullTraining', 'StageBTraining', 'build_training_mode',
-           'diffusion_loss', 'sample_latents', 'sample_rows', 'validation_loss', 'RNGState', 'per_process_batch',
-           'StopFlag', 'batch_stream', 'train', 'plot_metrics', 'main']
+           'diffusion_loss', 'sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag',
+           'batch_stream', 'check_optimizer', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #a59c23d0
 def build_generator(cfg: Config) -> nn.Module:
@@ -78,7 +79,7 @@ def conditions(captions, tokenizer, text_model, c_clip_img: int, image_model=Non
     if caption_dropout: captions = drop_captions(captions, caption_dropout, generator=rng)
     mask = None
     if image_model is not None and images01 is not None:
-        mask = torch.rand(len(captions), generator=rng) < image_embed_prob
+        mask = seeded_rand(len(captions), rng) < image_embed_prob
     return clip_conditions(tokenizer, text_model, list(captions), image_model=image_model,
                            images01=images01 if mask is not None else None, image_mask=mask, c_clip_img=c_clip_img)
 
@@ -151,7 +152,7 @@ class FullTraining:
         if "text" in batch:   # cached text embeddings: dropped captions get the embedding of ""
             conds = {k: batch["text"][k].to(device).float() for k in ("clip_text", "clip_text_pooled")}
             if training and d.caption_dropout:
-                drop = (torch.rand(len(x0), generator=rng) < d.caption_dropout).to(device)
+                drop = seeded_rand(len(x0), rng, device) < d.caption_dropout
                 empty = conditions([""], self.tokenizer, self.text_model, self.c_clip_img)
                 for k in conds: conds[k][drop] = empty[k].to(conds[k].dtype)
             conds["clip_img"] = x0.new_zeros(len(x0), 1, self.c_clip_img)
@@ -202,7 +203,7 @@ class StageBTraining(FullTraining):
     def epsilon(self, x0, rng=None):
         "Stage B's pyramid noise (multi-scale, unit variance) for the training batch."
         from cascade_nb.models.stage_b import pyramid_noise
-        return pyramid_noise(torch.randn(x0.shape, generator=rng, device=x0.device), generator=rng)
+        return pyramid_noise(seeded_randn(x0.shape, rng, x0.device), generator=rng)
 
     def uncond(self, conds: dict) -> dict:
         from cascade_nb.models.clip import encode_text
@@ -237,24 +238,28 @@ _SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler}
 @torch.no_grad()
 def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
-    rng = torch.Generator(device).manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)   # on the CPU: the same noise on every device
     *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=_SAMPLERS[cfg.gdf.sample_sampler](),
                           timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=cfg.gdf.shift, device=device,
                           generator=rng)
     return last.x0
+
+def _to(conds: dict, device) -> dict: return {k: v.to(device) for k, v in conds.items()}
 
 @torch.no_grad()
 def sample_rows(generator, ema, gdf, space, x0, conds, uncond, cfg: Config, n: int = 8) -> dict:
     "The rows of the sample grid (name → images in [0, 1]) for the first `n` samples of a batch."
     n = min(n, len(x0))
     x0, conds, uncond = x0[:n], {k: v[:n] for k, v in conds.items()}, {k: v[:n] for k, v in uncond.items()}
-    rng = torch.Generator(x0.device).manual_seed(1)
+    rng = torch.Generator().manual_seed(1)
     d = gdf.diffuse(x0.float(), generator=rng)
     pred = generator(d.noised.to(x0.dtype), d.noise_cond, **conds)
     one_step, _ = gdf.undiffuse(d.noised.float(), d.logsnr, pred.float())
     rows = {"original": x0, "noised": d.noised, "one-step x0": one_step,
             "sampled": sample_latents(generator, gdf, conds, uncond, x0.shape, cfg, device=x0.device)}
-    if ema is not None: rows["sampled (EMA)"] = sample_latents(ema, gdf, conds, uncond, x0.shape, cfg, device=x0.device)
+    if ema is not None:   # the EMA may live elsewhere (`ema_on_cpu`): its inputs go to its device, its sample comes back
+        dev = next(ema.parameters()).device
+        rows["sampled (EMA)"] = sample_latents(ema, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg, device=dev).to(x0.device)
     decoded = {k: space.decode(v.float()) for k, v in rows.items()}
     return {k: v for k, v in decoded.items() if v is not None}
 
@@ -265,21 +270,14 @@ def validation_loss(generator, gdf, batches, levels: int = 8, seed: int = 0) -> 
     total, count = 0.0, 0
     ts = torch.linspace(0.05, 0.95, levels)
     for x0, conds in batches:
-        rng = torch.Generator(x0.device).manual_seed(seed)
+        rng = torch.Generator().manual_seed(seed)
         for t in ts:
-            eps = torch.randn(x0.shape, generator=rng, device=x0.device, dtype=torch.float32)
+            eps = seeded_randn(x0.shape, rng, x0.device)
             _, raw, _ = diffusion_loss(generator, gdf, x0.float(), conds, epsilon=eps, t=torch.full((len(x0),), float(t)))
             total, count = total + raw.sum().item(), count + len(raw)
     return total / max(count, 1)
 
 # %% ../nbs/41_train.ipynb #4123f432
-class RNGState:
-    "A torch.Generator with state_dict/load_state_dict, so accelerate checkpoints it."
-    def __init__(self, seed: int, device="cpu"):
-        self.generator = torch.Generator(device).manual_seed(seed)
-    def state_dict(self): return {"state": self.generator.get_state()}
-    def load_state_dict(self, d): self.generator.set_state(d["state"])
-
 def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
     "The micro-batch of one process: global batch / (processes × accumulation steps), which must divide evenly."
     b, rem = divmod(global_batch, processes * accum)
@@ -329,6 +327,17 @@ def _peak_memory_gb(device) -> float:
     if device.type == "cuda": return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9   # Linux: KiB
 
+# %% ../nbs/41_train.ipynb #2f1407ed
+def check_optimizer(name: str, distributed_type) -> None:
+    "Raise a ConfigError if optimizer `name` cannot run under accelerate's `distributed_type` or is not installed."
+    from accelerate.utils import DistributedType
+    if name != "adamw8bit": return
+    if distributed_type == DistributedType.FSDP:
+        raise ConfigError("optimizer 'adamw8bit' does not work with FSDP: bitsandbytes' 8-bit AdamW cannot update FSDP2's "
+                          "sharded (DTensor) parameters. Use optimizer: adamw, or a DDP / single-GPU launch config")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
+
 # %% ../nbs/41_train.ipynb #4b466ff3
 def train(cfg: Config) -> dict:
     """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
@@ -340,13 +349,12 @@ def train(cfg: Config) -> dict:
     from fastprogress.fastprogress import progress_bar
     from cascade_nb.data.pipeline import dataloader_from_config
     ck, t = cfg.checkpoint, cfg.train
-    if t.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:   # fail before building anything
-        raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
 
     # --- setup: processes, devices, precision, tracking
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum_steps,
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
+    check_optimizer(t.optimizer, acc.distributed_type)   # fail before building anything
     device, is_main = acc.device, acc.is_main_process
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(acc.mixed_precision, torch.float32)
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
@@ -381,14 +389,12 @@ def train(cfg: Config) -> dict:
     else:
         opt = torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
                                 fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule(t.warmup_updates, t.updates, t.lr_schedule))
+    lr_at, base_lrs = LRSchedule(t.warmup_updates, t.updates, t.lr_schedule), [g["lr"] for g in opt.param_groups]
 
-    # --- prepare: DDP / FSDP wrapping and device placement, by the launch config
-    net, opt, sched = acc.prepare(net, opt, sched)
+    # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
+    net, opt = acc.prepare(net, opt)
     params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
-    state, rng = TrainState(), RNGState(t.seed * 1000 + acc.process_index, device)
-    acc.register_for_checkpointing(state, rng, gdf)   # gdf: adaptive loss-weight / schedule buckets (empty for P2)
-    if ema is not None: acc.register_for_checkpointing(ema)
+    state, rng = TrainState(), training_generator(t.seed, acc.process_index)   # CPU generator, one stream per process
 
     # --- data: this process's share of the stream, fast-forwarded to the data position on resume
     cache_check = {}
@@ -400,11 +406,14 @@ def train(cfg: Config) -> dict:
     stream = batch_stream(loader, skip=(info or {}).get("batches_drawn", 0))
     val_batches = None
     if cfg.data.val_webdataset_path and ck.val_every:
-        val_batches = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch)))]
+        val_batches = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch, split_by_node=False)))]   # the same on every process
 
     # --- resume: weights, optimizer, scheduler, RNG states, counters, EMA, adaptive loss buckets
     if info is not None:
-        acc.load_state(str(run_dir.latest_state()))
+        state_dir = run_dir.latest_state()
+        check_checkpoint_files(state_dir)                 # a run directory may come from anywhere: nothing in it runs
+        acc.load_state(str(state_dir))
+        load_training_state(state_dir, acc.process_index, state, rng, gdf, ema)   # no saved stream: a fresh one (warned below)
         if info.get("num_processes") != acc.num_processes:
             warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
                           "training continues, but not on exactly the same batches")
@@ -417,6 +426,7 @@ def train(cfg: Config) -> dict:
         staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
         acc.wait_for_everyone()
         acc.save_state(str(staging))
+        save_training_state(staging, acc.process_index, is_main, state, rng, gdf, ema)
         acc.wait_for_everyone()
         released = mode.released(acc, net)                           # gathers full weights under FSDP: all processes
         if ema is not None: released[f"{next(iter(released))}_ema"] = ema.state_dict()
@@ -457,14 +467,15 @@ def train(cfg: Config) -> dict:
     interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
     for _ in bar:
+        lr_now = set_lr(opt, base_lrs, lr_at, state.update)   # a function of the update count only
         for _micro in range(t.grad_accum_steps):
             batch = next(stream); state.batches_drawn += 1
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
-            x0, conds = mode.encode(batch, device, training=True, rng=rng.generator)
+            x0, conds = mode.encode(batch, device, training=True, rng=rng)
             with acc.accumulate(net):
                 with acc.autocast():
-                    eps = mode.epsilon(x0, rng.generator) if hasattr(mode, "epsilon") else None   # Stage B: pyramid noise
-                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng.generator, shift=cfg.gdf.shift, epsilon=eps)
+                    eps = mode.epsilon(x0, rng) if hasattr(mode, "epsilon") else None   # Stage B: pyramid noise
+                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng, shift=cfg.gdf.shift, epsilon=eps)
                 gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()))  # adaptive parts; same on every process
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
@@ -474,7 +485,6 @@ def train(cfg: Config) -> dict:
                 else: opt.step(); opt.zero_grad(set_to_none=True)
                 state.micro_step += 1
             losses.append(loss.detach())
-        sched.step()
         state.update += 1
         state.samples_seen += cfg.data.batch_size
         beta = ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None else None
@@ -483,7 +493,8 @@ def train(cfg: Config) -> dict:
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
             dt = time.time() - last_log
             m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
-                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": sched.get_last_lr()[0],
+                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr_now, "ema_beta": beta,
+                 "samples_seen": state.samples_seen,
                  "images_per_s": cfg.data.batch_size * len(losses) / t.grad_accum_steps / dt,
                  "step_time_s": dt / (len(losses) / t.grad_accum_steps), "peak_memory_gb": _peak_memory_gb(device),
                  **{f"skipped/{k}": v for k, v in skipped.items()}}
@@ -495,6 +506,7 @@ def train(cfg: Config) -> dict:
                 if not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0:
             vl = validation_loss(acc.unwrap_model(net), gdf, [mode.encode(b, device, training=False) for b in val_batches])
+            vl = acc.reduce(torch.tensor(vl, device=device), "mean").item()   # one value: every process agrees on "best"
             acc.log({"val_loss": vl}, step=state.update)
             best = vl < state.best_val_loss
             if best: state.best_val_loss = vl
@@ -520,7 +532,7 @@ def train(cfg: Config) -> dict:
             "net": net, "ema": ema, "mode": mode, "state": state}
 
 def _val_data(cfg: Config):
-    "The data config for validation: the held-out source, read once, in order, centre-cropped."
+    "The data config for validation: the held-out source, read once, in order, centre-cropped (whole on every process)."
     import dataclasses
     return dataclasses.replace(cfg.data, webdataset_path=cfg.data.val_webdataset_path, resampled=False, shuffle_buffer=0,
                                crop="center", num_workers=0, bucketeer_random_ratio=0.)
