@@ -161,7 +161,7 @@ def random_blob_masks(n: int, size, coverage=(0.04, 0.4), blobs: int = 4, genera
     "(n, 1, H, W) binary masks: the `c`-quantile top of a sum of random Gaussian blobs, c ~ U(coverage) per mask."
     H, W = size
     yy, xx = torch.meshgrid(torch.linspace(0, 1, H, device=device), torch.linspace(0, 1, W, device=device), indexing='ij')
-    u = lambda *s: torch.rand(*s, generator=generator).to(device)
+    u = lambda *s: seeded_rand(s, generator, device)
     cy, cx, sy, sx, amp = u(n, blobs, 1, 1), u(n, blobs, 1, 1), 0.05 + 0.25 * u(n, blobs, 1, 1), 0.05 + 0.25 * u(n, blobs, 1, 1), u(n, blobs, 1, 1)
     field = (amp * torch.exp(-((yy - cy) / sy) ** 2 / 2 - ((xx - cx) / sx) ** 2 / 2)).sum(1)   # (n, H, W)
     lo, hi = coverage
@@ -179,7 +179,7 @@ class InpaintFilter(BaseFilter):
         B, _, H, W = images01.shape
         if mask is None:
             mask = random_blob_masks(B, (H, W), self.coverage, generator=generator, device=images01.device)
-            flip = (torch.rand(B, generator=generator) < self.p_outpaint).to(images01.device)
+            flip = seeded_rand(B, generator, images01.device) < self.p_outpaint
             mask = torch.where(flip.view(B, 1, 1, 1), 1 - mask, mask)
         mask = mask.to(images01).expand(B, 1, H, W)
         masked = images01 * (1 - mask) + mask                                      # masked pixels white
@@ -229,8 +229,8 @@ class IdentityFilter(BaseFilter):
         out = images01.new_zeros(B, self.num_channels, h, w)
         for b, (boxes, emb) in enumerate(self.face_fn(images01)):
             boxes, emb = boxes[:self.max_faces], F.normalize(emb[:self.max_faces].float(), dim=-1)
-            keep = torch.rand(len(boxes), generator=generator) >= self.p_drop
-            full = len(boxes) == 1 and bool(torch.rand(1, generator=generator) < self.p_full)
+            keep = seeded_rand(len(boxes), generator) >= self.p_drop
+            full = len(boxes) == 1 and bool(seeded_rand(1, generator) < self.p_full)
             for (x0, y0, x1, y1), e, k in zip(boxes.tolist(), emb, keep.tolist()):
                 if not k: continue
                 if full: out[b] = e.view(-1, 1, 1).to(out)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from .config import Config, ConfigError, load_config, TRAINING_MODES
 from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet   # declared with the ControlNet; measured here
-from .core import human_count, resolve_dtype
+from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
 
 # %% auto #0
 __all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'OFFICIAL_3B', 'RECOMMENDED', 'Precision',
@@ -165,8 +165,8 @@ def measure_saved_bytes(model: nn.Module, batch: int, latent_side: int, autocast
     cfg, dev = model.config, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dev, dtype)
-    x, r = rnd(batch, cfg["c_in"], latent_side, latent_side), torch.rand(batch, generator=g).to(dev)
+    rnd = lambda *shape: seeded_randn(shape, g).to(dev, dtype)
+    x, r = rnd(batch, cfg["c_in"], latent_side, latent_side), seeded_rand(batch, g, dev)
     conds = dict(clip_text=rnd(batch, 77, cfg["c_clip_text"]), clip_text_pooled=rnd(batch, 1, cfg["c_clip_text_pooled"]),
                  clip_img=rnd(batch, 1, cfg["c_clip_img"]))
     if control:   # a ControlNet hint into the first ResBlock: gradients flow back through the frozen generator

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import resolve_dtype, frozen, seeded
+from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn
 from typing import NamedTuple
 from .config import Config, ConfigError, TRAINING_MODES
 
@@ -68,7 +68,7 @@ def conditions(captions, tokenizer, text_model, c_clip_img: int, image_model=Non
     if caption_dropout: captions = drop_captions(captions, caption_dropout, generator=rng)
     mask = None
     if image_model is not None and images01 is not None:
-        mask = torch.rand(len(captions), generator=rng) < image_embed_prob
+        mask = seeded_rand(len(captions), rng) < image_embed_prob
     return clip_conditions(tokenizer, text_model, list(captions), image_model=image_model,
                            images01=images01 if mask is not None else None, image_mask=mask, c_clip_img=c_clip_img)
 
@@ -142,7 +142,7 @@ def stage_c_inputs(mode, batch, device, training=True, rng=None):
     if "text" in batch:   # cached text embeddings: dropped captions get the embedding of ""
         conds = {k: batch["text"][k].to(device).float() for k in ("clip_text", "clip_text_pooled")}
         if training and d.caption_dropout:
-            drop = (torch.rand(len(x0), generator=rng) < d.caption_dropout).to(device)
+            drop = seeded_rand(len(x0), rng, device) < d.caption_dropout
             empty = conditions([""], mode.tokenizer, mode.text_model, mode.c_clip_img)
             for k in conds: conds[k][drop] = empty[k].to(conds[k].dtype)
         conds["clip_img"] = x0.new_zeros(len(x0), 1, mode.c_clip_img)
@@ -265,7 +265,7 @@ class StageBTraining(FullTraining):
     def epsilon(self, x0, rng=None):
         "Stage B's pyramid noise (multi-scale, unit variance) for the training batch."
         from cascade_nb.models.stage_b import pyramid_noise
-        return pyramid_noise(torch.randn(x0.shape, generator=rng, device=x0.device), generator=rng)
+        return pyramid_noise(seeded_randn(x0.shape, rng, x0.device), generator=rng)
 
     def uncond(self, conds: dict) -> dict:
         from cascade_nb.models.clip import encode_text

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import default_device, resolve_dtype, to_uint8
+from .core import default_device, resolve_dtype, to_uint8, seeded_randn
 from .gdf.presets import stage_c_gdf, stage_b_gdf, SAMPLING_DEFAULTS
 from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode_image, load_clip_tokenizer,
                                     load_clip_text_model, load_clip_image_model)
@@ -257,7 +257,7 @@ def write_tiny_checkpoints(models_dir, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
     def randomized(model):   # zero-initialised outputs would make every image the same
         with torch.no_grad():
-            for p in model.parameters(): p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            for p in model.parameters(): p.add_(seeded_randn(p.shape, g) * 0.05)
         return model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -17,19 +17,20 @@ if __name__ == "__main__" and not __package__ and "__file__" in globals():
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import save_safetensors_atomic, count_params, human_count
+from .core import save_safetensors_atomic, count_params, human_count, seeded_randn
 from .config import Config, load_config, save_config, ConfigError
 from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
                               EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config
 from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
-from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
+from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
+                                 training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 
 # %% auto #0
-__all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'RNGState', 'per_process_batch', 'StopFlag', 'batch_stream',
-           'training_data', 'Run', 'build_optimizer', 'save', 'run_info', 'log_samples', 'log_metrics', 'validate',
+__all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag', 'batch_stream', 'training_data',
+           'Run', 'build_optimizer', 'save', 'run_info', 'log_samples', 'log_metrics', 'validate', 'check_optimizer',
            'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
@@ -38,24 +39,28 @@ _SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler}
 @torch.no_grad()
 def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
-    rng = torch.Generator(device).manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)   # on the CPU: the same noise on every device
     *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=_SAMPLERS[cfg.gdf.sample_sampler](),
                           timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=cfg.gdf.shift, device=device,
                           generator=rng)
     return last.x0
+
+def _to(conds: dict, device) -> dict: return {k: v.to(device) for k, v in conds.items()}
 
 @torch.no_grad()
 def sample_rows(generator, ema, gdf, space, x0, conds, uncond, cfg: Config, n: int = 8) -> dict:
     "The rows of the sample grid (name → images in [0, 1]) for the first `n` samples of a batch."
     n = min(n, len(x0))
     x0, conds, uncond = x0[:n], {k: v[:n] for k, v in conds.items()}, {k: v[:n] for k, v in uncond.items()}
-    rng = torch.Generator(x0.device).manual_seed(1)
+    rng = torch.Generator().manual_seed(1)
     d = gdf.diffuse(x0.float(), generator=rng)
     pred = generator(d.noised.to(x0.dtype), d.noise_cond, **conds)
     one_step, _ = gdf.undiffuse(d.noised.float(), d.logsnr, pred.float())
     rows = {"original": x0, "noised": d.noised, "one-step x0": one_step,
             "sampled": sample_latents(generator, gdf, conds, uncond, x0.shape, cfg, device=x0.device)}
-    if ema is not None: rows["sampled (EMA)"] = sample_latents(ema, gdf, conds, uncond, x0.shape, cfg, device=x0.device)
+    if ema is not None:   # the EMA may live elsewhere (`ema_on_cpu`): its inputs go to its device, its sample comes back
+        dev = next(ema.parameters()).device
+        rows["sampled (EMA)"] = sample_latents(ema, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg, device=dev).to(x0.device)
     decoded = {k: space.decode(v.float()) for k, v in rows.items()}
     return {k: v for k, v in decoded.items() if v is not None}
 
@@ -66,21 +71,14 @@ def validation_loss(generator, gdf, batches, levels: int = 8, seed: int = 0) -> 
     total, count = 0.0, 0
     ts = torch.linspace(0.05, 0.95, levels)
     for x0, conds in batches:
-        rng = torch.Generator(x0.device).manual_seed(seed)
+        rng = torch.Generator().manual_seed(seed)
         for t in ts:
-            eps = torch.randn(x0.shape, generator=rng, device=x0.device, dtype=torch.float32)
+            eps = seeded_randn(x0.shape, rng, x0.device)
             _, raw, _ = diffusion_loss(generator, gdf, x0.float(), conds, epsilon=eps, t=torch.full((len(x0),), float(t)))
             total, count = total + raw.sum().item(), count + len(raw)
     return total / max(count, 1)
 
 # %% ../nbs/41_train.ipynb #4123f432
-class RNGState:
-    "A torch.Generator with state_dict/load_state_dict, so accelerate checkpoints it."
-    def __init__(self, seed: int, device="cpu"):
-        self.generator = torch.Generator(device).manual_seed(seed)
-    def state_dict(self): return {"state": self.generator.get_state()}
-    def load_state_dict(self, d): self.generator.set_state(d["state"])
-
 def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
     "The micro-batch of one process: global batch / (processes × accumulation steps), which must divide evenly."
     b, rem = divmod(global_batch, processes * accum)
@@ -125,11 +123,11 @@ def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.dev
                                     pin_memory=cfg.data.pin_memory and device.type == "cuda", **check)
     val = None
     if cfg.data.val_webdataset_path and cfg.checkpoint.val_every:
-        val = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch)))]
+        val = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch, split_by_node=False)))]   # the same on every process
     return batch_stream(loader, skip=skip), val
 
 def _val_data(cfg: Config):
-    "The data config for validation: the held-out source, read once, in order, centre-cropped."
+    "The data config for validation: the held-out source, read once, in order, centre-cropped (whole on every process)."
     import dataclasses
     return dataclasses.replace(cfg.data, webdataset_path=cfg.data.val_webdataset_path, resampled=False, shuffle_buffer=0,
                                crop="center", num_workers=0, bucketeer_random_ratio=0.)
@@ -145,6 +143,7 @@ class Run:
     ema: nn.Module | None
     gdf: Any
     state: TrainState
+    rng: torch.Generator         # this process's random stream (noise, timesteps, caption dropout)
     run_dir: RunDir
     out_dir: Path
     @property
@@ -166,6 +165,7 @@ def save(run: Run):
     staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
     acc.wait_for_everyone()
     acc.save_state(str(staging))
+    save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema)
     acc.wait_for_everyone()
     released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
     if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.state_dict()
@@ -205,12 +205,13 @@ def log_samples(run: Run, batch):
                 tr.writer.add_image("samples", np.asarray(Image.open(path)), run.state.update, dataformats="HWC")
         acc.print(f"update {run.state.update}: sample grid {path}")
 
-def log_metrics(run: Run, losses: list, grad_norm, lr: float, skipped: dict, seconds: float) -> dict:
+def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped: dict, seconds: float) -> dict:
     "Loss (mean over the micro-batches since the last log and over processes), speed and memory: tracker + metrics.jsonl."
     acc, cfg = run.acc, run.cfg
     updates = len(losses) / cfg.train.grad_accum_steps
     m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
-         "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr,
+         "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr, "ema_beta": ema_beta,
+         "samples_seen": run.state.samples_seen,
          "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
          "peak_memory_gb": _peak_memory_gb(acc.device), **{f"skipped/{k}": v for k, v in skipped.items()}}
     acc.log(m, step=run.state.update)
@@ -222,6 +223,7 @@ def validate(run: Run, val_batches) -> float:
     "Validation loss of the current weights; a new best also writes `{name}_best.safetensors`."
     acc, state = run.acc, run.state
     vl = validation_loss(acc.unwrap_model(run.net), run.gdf, [run.mode.encode(b, acc.device, training=False) for b in val_batches])
+    vl = acc.reduce(torch.tensor(vl, device=acc.device), "mean").item()   # one value: every process agrees on "best"
     acc.log({"val_loss": vl}, step=state.update)
     best = vl < state.best_val_loss
     if best: state.best_val_loss = vl
@@ -249,6 +251,17 @@ def _peak_memory_gb(device) -> float:
     if device.type == "cuda": return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9   # Linux: KiB
 
+# %% ../nbs/41_train.ipynb #2f1407ed
+def check_optimizer(name: str, distributed_type) -> None:
+    "Raise a ConfigError if optimizer `name` cannot run under accelerate's `distributed_type` or is not installed."
+    from accelerate.utils import DistributedType
+    if name != "adamw8bit": return
+    if distributed_type == DistributedType.FSDP:
+        raise ConfigError("optimizer 'adamw8bit' does not work with FSDP: bitsandbytes' 8-bit AdamW cannot update FSDP2's "
+                          "sharded (DTensor) parameters. Use optimizer: adamw, or a DDP / single-GPU launch config")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
+
 # %% ../nbs/41_train.ipynb #4b466ff3
 def train(cfg: Config) -> dict:
     """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
@@ -259,13 +272,12 @@ def train(cfg: Config) -> dict:
     from accelerate.utils import set_seed
     from fastprogress.fastprogress import progress_bar
     ck, t = cfg.checkpoint, cfg.train
-    if t.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:   # fail before building anything
-        raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
 
     # --- setup: processes, devices, precision, tracking
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum_steps,
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
+    check_optimizer(t.optimizer, acc.distributed_type)   # fail before building anything
     device, is_main = acc.device, acc.is_main_process
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(acc.mixed_precision, torch.float32)
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
@@ -294,22 +306,23 @@ def train(cfg: Config) -> dict:
     micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
     lr = t.lr * (micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1)
     opt = build_optimizer(t, [p for p in net.parameters() if p.requires_grad], lr, device)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule(t.warmup_updates, t.updates, t.lr_schedule))
+    lr_at, base_lrs = LRSchedule(t.warmup_updates, t.updates, t.lr_schedule), [g["lr"] for g in opt.param_groups]
 
-    # --- prepare: DDP / FSDP wrapping and device placement, by the launch config
-    net, opt, sched = acc.prepare(net, opt, sched)
+    # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
+    net, opt = acc.prepare(net, opt)
     params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
-    state, rng = TrainState(), RNGState(t.seed * 1000 + acc.process_index, device)
-    acc.register_for_checkpointing(state, rng, gdf)   # gdf: adaptive loss-weight / schedule buckets (empty for P2)
-    if ema is not None: acc.register_for_checkpointing(ema)
-    run = Run(acc, cfg, mode, net, ema, gdf, state, run_dir, out_dir)
+    state, rng = TrainState(), training_generator(t.seed, acc.process_index)   # CPU generator, one stream per process
+    run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir)
 
     # --- data: this process's share of the stream, fast-forwarded to the data position on resume
     stream, val_batches = training_data(cfg, micro_batch, skip=(info or {}).get("batches_drawn", 0), device=device)
 
-    # --- resume: weights, optimizer, scheduler, RNG states, counters, EMA, adaptive loss buckets
+    # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets
     if info is not None:
-        acc.load_state(str(run_dir.latest_state()))
+        state_dir = run_dir.latest_state()
+        check_checkpoint_files(state_dir)                 # a run directory may come from anywhere: nothing in it runs
+        acc.load_state(str(state_dir))
+        load_training_state(state_dir, acc.process_index, state, rng, gdf, ema)   # no saved stream: a fresh one (warned below)
         if info.get("num_processes") != acc.num_processes:
             warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
                           "training continues, but not on exactly the same batches")
@@ -322,12 +335,13 @@ def train(cfg: Config) -> dict:
     interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
     for _ in bar:
+        lr_now = set_lr(opt, base_lrs, lr_at, state.update)   # a function of the update count only
         for _micro in range(t.grad_accum_steps):
             batch = next(stream); state.batches_drawn += 1
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
-            x0, conds = mode.encode(batch, device, training=True, rng=rng.generator)
+            x0, conds = mode.encode(batch, device, training=True, rng=rng)
             with acc.accumulate(net):
-                with acc.autocast(): loss, raw, d = mode.loss(net, gdf, x0, conds, rng=rng.generator)
+                with acc.autocast(): loss, raw, d = mode.loss(net, gdf, x0, conds, rng=rng)
                 gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()))  # adaptive parts; same on every process
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
@@ -337,7 +351,6 @@ def train(cfg: Config) -> dict:
                 opt.zero_grad(set_to_none=True)
                 state.micro_step += 1
             losses.append(loss.detach())
-        sched.step()
         state.update += 1
         state.samples_seen += cfg.data.batch_size
         beta = ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None else None
@@ -345,7 +358,7 @@ def train(cfg: Config) -> dict:
         mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
-            m = log_metrics(run, losses, grad_norm, sched.get_last_lr()[0], skipped, time.time() - last_log)
+            m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
             losses, last_log = [], time.time()
             bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
             if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)

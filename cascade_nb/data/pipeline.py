@@ -200,12 +200,13 @@ class ImageTextDataset(wds.DataPipeline):
 def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspect_ratio=None, captions_getter=None,
                   dataset_filters=None, resampled: bool = False, shuffle_buffer: int = 1000, crop: str = "random",
                   p_random_ratio: float = 0.0, min_side: int | None = None, drop_last: bool = True, seed: int = 0,
-                  epoch_length: int | None = None, folder_chunk: int = 64, cache_fingerprint: str | None = None) -> ImageTextDataset:
+                  epoch_length: int | None = None, folder_chunk: int = 64, cache_fingerprint: str | None = None,
+                  split_by_node: bool = True) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
     shards = resolve_shards(source, folder_chunk)
     counter = SkipCounter()
     head = ([ResampledShardList(shards, seed)] if resampled else
-            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node, wds.split_by_worker])
+            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node if split_by_node else None, wds.split_by_worker])
     info = find_cache_info(shards)   # cached shards: latents instead of images
     if info is not None or cache_fingerprint is not None:
         body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=len(shards))]
@@ -229,7 +230,7 @@ def build_dataloader(source, batch_size: int, *, num_workers: int = 2, pin_memor
     "A DataLoader over `build_dataset(source, batch_size, **dataset_kwargs)`; see `build_dataset` for the batch format."
     ds = build_dataset(source, batch_size, **dataset_kwargs)
     from webdataset.utils import pytorch_worker_info
-    world = pytorch_worker_info()[1]
+    world = pytorch_worker_info()[1] if dataset_kwargs.get("split_by_node", True) else 1   # readers sharing the shards
     if not ds.resampled and len(ds.shards) < world * max(num_workers, 1):
         warnings.warn(f"data: {len(ds.shards)} shard(s) for {world} rank(s) × {num_workers} worker(s): some readers get no data; "
                       "pack more, smaller shards (python -m cascade_nb.data pack ... --shard-size N)")
