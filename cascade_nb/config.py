@@ -14,12 +14,12 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 # %% auto #0
-__all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'SECTIONS', 'KEY_SECTION',
-           'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter',
-           'caption_identity', 'caption_from_json', 'register_caption_getter', 'CaptionsGetter', 'ModelConfig',
-           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig', 'LoraConfig', 'ControlNetConfig',
-           'coerce', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config',
-           'save_config']
+__all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'TIMESTEP_SAMPLINGS', 'SAMPLERS',
+           'SECTIONS', 'KEY_SECTION', 'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter', 'parse_filter',
+           'DatasetFilter', 'caption_identity', 'caption_from_json', 'register_caption_getter', 'CaptionsGetter',
+           'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig', 'LoraConfig',
+           'ControlNetConfig', 'coerce', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'resolve_mode',
+           'dump_config', 'save_config']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -161,7 +161,12 @@ STAGE_C_PRESETS = ("3.6B", "1B", "tiny")
 STAGE_B_PRESETS = ("3B", "700M", "tiny")
 LOSS_WEIGHTS = ("p2", "adaptive", "min_snr", "min_snr_plus_one", "snr", "snr_plus_one", "truncated_snr", "sech",
                 "debiased", "sigmoid", "constant")
+TIMESTEP_SAMPLINGS = ("default", "logit_normal")
+SAMPLERS = ("ddpm", "ddim", "lcm")
+# each names the keys of a registry in cascade_nb.gdf (LOSS_WEIGHTS and TIMESTEP_SAMPLINGS in gdf.presets, SAMPLERS in
+# gdf.samplers); the GDF notebooks test that the names match
 
+# %% ../nbs/01_config.ipynb #44eec9e4
 @dataclass
 class ModelConfig:
     "Which networks to build and where their weights come from."
@@ -180,6 +185,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute each block in backward (less memory, ~30% slower)
     compile: bool = False                 # torch.compile the generator
 
+# %% ../nbs/01_config.ipynb #e28697fb
 @dataclass
 class GDFConfig:
     "The diffusion recipe (see the GDF notebooks)."
@@ -188,11 +194,12 @@ class GDFConfig:
     shift: float = 1.0                    # logSNR shift (resolution shift); official key, used by Stage B
     offset_noise: Optional[float] = 0.0   # per-channel offset noise strength (ControlNet configs use 0.1)
     edm_objective: bool = False           # official key (finetune_c_3b_v.yaml): train with the v-objective
-    timestep_sampling: Literal["default", "logit_normal"] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
+    timestep_sampling: Literal[TIMESTEP_SAMPLINGS] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
     sample_cfg: float = 5.0               # CFG scale of the in-training sample grids (reference: 5 for C, 1.5 for B)
     sample_steps: int = 20                # sampler steps of the in-training sample grids
-    sample_sampler: Literal["ddpm", "ddim", "lcm"] = "ddpm"
+    sample_sampler: Literal[SAMPLERS] = "ddpm"
 
+# %% ../nbs/01_config.ipynb #ed3a8de0
 @dataclass
 class DataConfig:
     "Where images and captions come from and how they are batched."
@@ -214,6 +221,7 @@ class DataConfig:
     val_webdataset_path: Optional[Union[str, list[str]]] = None  # held-out data for the validation loss
     val_batches: int = 4                  # batches of held-out data per validation
 
+# %% ../nbs/01_config.ipynb #b2d2bb91
 @dataclass
 class TrainConfig:
     "Optimisation, EMA and numerics."
@@ -239,6 +247,7 @@ class TrainConfig:
     mode: Optional[str] = None             # a registered training mode: full, lora, controlnet or your own; None: inferred
     imports: Optional[list[str]] = None    # modules to import first, e.g. one that defines a @training_mode
 
+# %% ../nbs/01_config.ipynb #9ed27111
 @dataclass
 class CheckpointConfig:
     "Where the run writes and how often."
@@ -249,6 +258,7 @@ class CheckpointConfig:
     backup_every: int = 20000             # keep a copy with a _{N}k suffix every N updates
     val_every: Optional[int] = None       # validation loss every N updates (needs val_webdataset_path)
 
+# %% ../nbs/01_config.ipynb #58880a53
 @dataclass
 class LogConfig:
     "Experiment tracking."
@@ -257,6 +267,7 @@ class LogConfig:
     wandb_entity: Optional[str] = None
     log_every: int = 10                   # updates between metric logs
 
+# %% ../nbs/01_config.ipynb #e9799222
 @dataclass
 class LoraConfig:
     "LoRA and token training (official train_c_lora keys)."
@@ -267,6 +278,7 @@ class LoraConfig:
     train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
     lora_checkpoint_path: Optional[str] = None
 
+# %% ../nbs/01_config.ipynb #2732b20b
 @dataclass
 class ControlNetConfig:
     "ControlNet training (official train_c_controlnet keys)."
@@ -276,6 +288,7 @@ class ControlNetConfig:
     controlnet_bottleneck_mode: Optional[Literal["effnet", "simple", "large"]] = None
     controlnet_checkpoint_path: Optional[str] = None
 
+# %% ../nbs/01_config.ipynb #87654bac
 SECTIONS = {"model": ModelConfig, "gdf": GDFConfig, "data": DataConfig, "train": TrainConfig,
             "checkpoint": CheckpointConfig, "log": LogConfig, "lora": LoraConfig, "controlnet": ControlNetConfig}
 

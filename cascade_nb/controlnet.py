@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
 from .models.effnet import efficientnet_v2_features
+from .core import seeded_rand
 from .config import ConfigError
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
@@ -307,7 +308,7 @@ class ControlNetTraining(TrainingMode):
         self.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
         widths = set(generator.config["c_hidden"])
         if len(widths) != 1: raise ValueError(f"ControlNet: Stage C levels have different widths {widths}")
-        n_res = sum(type(m).__name__ == "ResBlock" for m in generator.modules())
+        n_res = sum(getattr(m, "takes_control", False) for m in generator.modules())   # blocks that receive a hint
         if max(c.controlnet_blocks) >= n_res:
             warnings.warn(f"controlnet_blocks {list(c.controlnet_blocks)}: the model has {n_res} ResBlocks; "
                           f"indices ≥ {n_res} are never injected (their projections stay frozen)")

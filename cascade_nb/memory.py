@@ -66,21 +66,9 @@ class BlockShape(NamedTuple):
     params: int = 0
 
 def stage_c_blocks(model: nn.Module) -> list[BlockShape]:
-    "The blocks of a StageC in execution order (down levels, then up levels)."
-    from cascade_nb.models.blocks import ResBlock, AttnBlock, TimestepBlock
-    out = []
-    for level in [*model.down_blocks, *model.up_blocks]:
-        for b in level:
-            n = sum(p.numel() for p in b.parameters())
-            if isinstance(b, ResBlock):
-                c = b.depthwise.in_channels
-                out.append(BlockShape("C", c, b.channelwise[0].in_features - c, 0, b.channelwise[3].p, n))
-            elif isinstance(b, AttnBlock):
-                lin = b.kv_mapper[1]
-                out.append(BlockShape("A", lin.out_features, 0, lin.in_features, b.attention.attn.dropout, n))
-            elif isinstance(b, TimestepBlock): out.append(BlockShape("T", b.mapper.out_features // 2, params=n))
-            else: out.append(BlockShape("F", b.channelwise[0].in_features, 0, 0, b.channelwise[3].p, n))
-    return out
+    "The blocks of a StageC in execution order (down levels, then up levels), each as it declares itself (`memory_shape`)."
+    return [BlockShape(**b.memory_shape(), params=sum(p.numel() for p in b.parameters()))
+            for level in [*model.down_blocks, *model.up_blocks] for b in level]
 
 def meta_generator(cfg: Config) -> nn.Module:
     "The config's generator (preset + model_overrides) on the meta device: shapes, no memory."

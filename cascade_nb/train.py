@@ -23,7 +23,7 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config
-from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
+from .gdf.samplers import SAMPLERS
 from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
@@ -34,7 +34,7 @@ __all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batc
            'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
-_SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler}
+_SAMPLERS = SAMPLERS   # the registry in cascade_nb.gdf.samplers (old name, imported by cascade_nb.sample)
 
 @torch.no_grad()
 def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):

@@ -11,7 +11,7 @@ from ..core import append_dims, seeded_randn
 from .scalers import BaseScaler
 
 # %% auto #0
-__all__ = ['renoise', 'BaseSampler', 'DDIMSampler', 'DDPMSampler', 'LCMSampler']
+__all__ = ['SAMPLERS', 'renoise', 'BaseSampler', 'DDIMSampler', 'DDPMSampler', 'LCMSampler']
 
 # %% ../../nbs/15_gdf.samplers.ipynb #0e3f2770
 def renoise(x0: torch.Tensor, eps: torch.Tensor, a_next, b_next, sigma, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -50,3 +50,6 @@ class DDPMSampler(DDIMSampler):
 class LCMSampler(BaseSampler):
     "Latent-consistency style step (Luo et al. 2023): re-noise the predicted x0 with fresh noise."
     def sigma(self, a, b, a_next, b_next): return b_next
+
+# %% ../../nbs/15_gdf.samplers.ipynb #d5550cc2
+SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler}
