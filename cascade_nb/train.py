@@ -408,7 +408,7 @@ def train(cfg: Config) -> dict:
     if cfg.data.val_webdataset_path and ck.val_every:
         val_batches = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch, split_by_node=False)))]   # the same on every process
 
-    # --- resume: weights, optimizer, scheduler, RNG states, counters, EMA, adaptive loss buckets
+    # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets (no pickle runs)
     if info is not None:
         state_dir = run_dir.latest_state()
         check_checkpoint_files(state_dir)                 # a run directory may come from anywhere: nothing in it runs
