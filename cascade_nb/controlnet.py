@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
+from .core import seeded_rand
 from .models.effnet import efficientnet_v2_features
 
 # %% auto #0
