@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
-from .models.effnet import efficientnet_v2_features
 from .core import seeded_rand
+from .models.effnet import efficientnet_v2_features
 from .config import ConfigError
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 

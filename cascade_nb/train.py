@@ -317,7 +317,7 @@ def train(cfg: Config) -> dict:
     # --- data: this process's share of the stream, fast-forwarded to the data position on resume
     stream, val_batches = training_data(cfg, micro_batch, skip=(info or {}).get("batches_drawn", 0), device=device)
 
-    # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets
+    # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets (no pickle runs)
     if info is not None:
         state_dir = run_dir.latest_state()
         check_checkpoint_files(state_dir)                 # a run directory may come from anywhere: nothing in it runs

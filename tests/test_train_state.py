@@ -1,19 +1,11 @@
 """What a run's state depends on, across processes and resumes: the lr (and EMA beta, cadence) is a function of the
 update count only, whatever the process count and accumulation; every rank resumes its own random stream; a checkpoint
 folder never runs pickled code; validation agrees on every rank."""
-import json, pickle, shutil, socket
+import json
 from pathlib import Path
 import pytest, torch
 from conftest import ROOT, run_cli
-from test_train import DRIVER, demo_args, info, weights, assert_identical
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
-
-def launch_2proc(*args, check=True):
-    return run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
-                   "--main_process_port", str(free_port()), DRIVER, *args, env={"OMP_NUM_THREADS": "1"}, check=check)
+from test_train import DRIVER, demo_args, info, weights, assert_identical, _launch_2proc as launch_2proc
 
 def metrics(tmp, name):
     return [json.loads(l) for l in (Path(tmp) / "out" / name / "metrics.jsonl").read_text().splitlines()]
@@ -52,6 +44,13 @@ def test_two_process_resume_keeps_each_rank_stream(tmp_path):
     assert info(tmp_path, "res")["update"] == 4
     assert_identical(weights(tmp_path, "res"), weights(tmp_path, "ref"))
     assert_identical(weights(tmp_path, "res", "generator_ema"), weights(tmp_path, "ref", "generator_ema"))
+    # each rank's stream, after the resumed updates, is where the uninterrupted run's is (before the fix both ranks
+    # restored rank 0's stream), and the losses after the resume (the mean over both ranks) are the same
+    end = {n: tmp_path / "ckpt" / n / info(tmp_path, n)["state_dir"] for n in ("ref", "res")}
+    for i in (0, 1):
+        assert torch.equal(*(load_file(str(end[n] / f"rng_{i}.safetensors"))["state"] for n in ("ref", "res"))), f"rank {i}"
+    loss = {n: {r["update"]: r["loss"] for r in metrics(tmp_path, n) if "loss" in r} for n in ("ref", "res")}
+    assert [loss["res"][u] for u in (3, 4)] == [loss["ref"][u] for u in (3, 4)]
 
 PLANT = r'''
 import os, pickle, shutil, sys, torch
@@ -88,3 +87,18 @@ def test_planted_pickles_never_run(tmp_path):
         name = l.split(":")[0]
         assert ": refused: resume: " in l and f"{name}" in l.split("refused: ", 1)[1], l
     assert not marker.exists()
+
+def test_validation_on_two_processes_with_one_shard(tmp_path):
+    "One validation tar, two processes: every process validates on the same batches and they agree on the best weights."
+    shards = ROOT / "data_samples" / "emoji"
+    launch_2proc(*demo_args(tmp_path, "val2", "updates=2", "save_every=2", "val_every=1", "batch_size=8",
+                            f"val_webdataset_path={shards}/shard-000005.tar", "val_batches=1"))
+    vals = [r for r in metrics(tmp_path, "val2") if "val_loss" in r]
+    assert [r["update"] for r in vals] == [1, 2] and all(r["val_loss"] > 0 for r in vals)
+    assert (tmp_path / "ckpt" / "val2" / "generator_best.safetensors").exists()
+    assert info(tmp_path, "val2")["best_val_loss"] == min(r["val_loss"] for r in vals)
+
+def test_adamw8bit_with_fsdp_is_refused_before_building_models(tmp_path):
+    res = launch_2proc("--fsdp-cpu", *demo_args(tmp_path, "bnb", "optimizer=adamw8bit", "updates=2", "batch_size=8"), check=False)
+    assert res.returncode != 0 and "config error: optimizer 'adamw8bit' does not work with FSDP" in res.stderr, res.stderr[-2000:]
+    assert "training of" not in res.stdout   # the line printed once the models are built
