@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/config.html.md"""
 
 # %% ../nbs/01_config.ipynb #4427b049
 from __future__ import annotations
-import argparse, ast, contextlib, difflib, math, operator, os, sys, typing
+import argparse, ast, contextlib, difflib, importlib, math, operator, os, sys, typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -14,12 +14,13 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 # %% auto #0
-__all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'SECTIONS', 'KEY_SECTION',
-           'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES', 'ConfigError', 'SafeFilter',
-           'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'register_caption_getter',
-           'CaptionsGetter', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig',
-           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'coerce', 'Config', 'config_from_dict',
-           'load_config', 'dump_config', 'save_config', 'cli_parser', 'parse_cli', 'error_line', 'cli_errors',
+__all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'TIMESTEP_SAMPLINGS', 'SAMPLERS',
+           'SECTIONS', 'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES',
+           'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter',
+           'caption_identity', 'caption_from_json', 'register_caption_getter', 'CaptionsGetter', 'ModelConfig',
+           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig', 'LoraConfig', 'ControlNetConfig',
+           'Range', 'check_range', 'coerce', 'Config', 'config_from_dict', 'load_config', 'import_modules',
+           'resolve_mode', 'dump_config', 'save_config', 'cli_parser', 'parse_cli', 'error_line', 'cli_errors',
            'at_least', 'output_dir', 'readable_weights']
 
 # %% ../nbs/01_config.ipynb #1db3210e
@@ -162,7 +163,13 @@ STAGE_C_PRESETS = ("3.6B", "1B", "tiny")
 STAGE_B_PRESETS = ("3B", "700M", "tiny")
 LOSS_WEIGHTS = ("p2", "adaptive", "min_snr", "min_snr_plus_one", "snr", "snr_plus_one", "truncated_snr", "sech",
                 "debiased", "sigmoid", "constant")
+TIMESTEP_SAMPLINGS = ("default", "logit_normal")
+SAMPLERS = ("ddpm", "ddim", "lcm")
+# each names the keys of a registry in cascade_nb.gdf (LOSS_WEIGHTS and TIMESTEP_SAMPLINGS in gdf.presets, SAMPLERS in
+# gdf.samplers); the GDF notebooks test that the names match
 
+
+# %% ../nbs/01_config.ipynb #44eec9e4
 @dataclass
 class ModelConfig:
     "Which networks to build and where their weights come from."
@@ -182,6 +189,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute each block in backward (less memory, ~30% slower)
     compile: bool = False                 # torch.compile the generator
 
+# %% ../nbs/01_config.ipynb #e28697fb
 @dataclass
 class GDFConfig:
     "The diffusion recipe (see the GDF notebooks)."
@@ -191,11 +199,12 @@ class GDFConfig:
     stage_b_shift: Literal["reference", "config"] = "reference"  # Stage B trains at shift 1 as train_b.py, or at `shift` (explanations/differences_from_reference)
     offset_noise: Optional[float] = 0.0   # per-channel offset noise strength (ControlNet configs use 0.1)
     edm_objective: bool = False           # official key (finetune_c_3b_v.yaml): train with the v-objective
-    timestep_sampling: Literal["default", "logit_normal"] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
+    timestep_sampling: Literal[TIMESTEP_SAMPLINGS] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
     sample_cfg: float = 5.0               # CFG scale of the in-training sample grids (reference: 5 for C, 1.5 for B)
     sample_steps: int = 20                # sampler steps of the in-training sample grids
-    sample_sampler: Literal["ddpm", "ddim", "lcm"] = "ddpm"
+    sample_sampler: Literal[SAMPLERS] = "ddpm"
 
+# %% ../nbs/01_config.ipynb #ed3a8de0
 @dataclass
 class DataConfig:
     "Where images and captions come from and how they are batched."
@@ -218,6 +227,7 @@ class DataConfig:
     val_webdataset_path: Optional[Union[str, list[str]]] = None  # held-out data for the validation loss
     val_batches: int = 4                  # batches of held-out data per validation
 
+# %% ../nbs/01_config.ipynb #b2d2bb91
 @dataclass
 class TrainConfig:
     "Optimisation, EMA and numerics."
@@ -240,8 +250,10 @@ class TrainConfig:
     ema_on_cpu: bool = False               # keep the EMA weights in CPU memory
     use_fsdp: Optional[bool] = None        # official key; sharding is chosen by the accelerate launch config
     max_nan_steps: int = 10                # stop after this many non-finite losses in a row
-    mode: Optional[Literal["full", "lora", "controlnet"]] = None  # None: inferred from the lora/controlnet keys
+    mode: Optional[str] = None             # a registered training mode: full, lora, controlnet or your own; None: inferred
+    imports: Optional[list[str]] = None    # modules to import first, e.g. one that defines a @training_mode
 
+# %% ../nbs/01_config.ipynb #9ed27111
 @dataclass
 class CheckpointConfig:
     "Where the run writes and how often."
@@ -252,6 +264,7 @@ class CheckpointConfig:
     backup_every: int = 20000             # keep a copy with a _{N}k suffix every N updates
     val_every: Optional[int] = None       # validation loss every N updates (needs val_webdataset_path)
 
+# %% ../nbs/01_config.ipynb #58880a53
 @dataclass
 class LogConfig:
     "Experiment tracking."
@@ -260,6 +273,7 @@ class LogConfig:
     wandb_entity: Optional[str] = None
     log_every: int = 10                   # updates between metric logs
 
+# %% ../nbs/01_config.ipynb #e9799222
 @dataclass
 class LoraConfig:
     "LoRA and token training (official train_c_lora keys)."
@@ -271,6 +285,7 @@ class LoraConfig:
     train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
     lora_checkpoint_path: Optional[str] = None
 
+# %% ../nbs/01_config.ipynb #2732b20b
 @dataclass
 class ControlNetConfig:
     "ControlNet training (official train_c_controlnet keys)."
@@ -280,6 +295,7 @@ class ControlNetConfig:
     controlnet_bottleneck_mode: Optional[Literal["effnet", "simple", "large"]] = None
     controlnet_checkpoint_path: Optional[str] = None
 
+# %% ../nbs/01_config.ipynb #87654bac
 SECTIONS = {"model": ModelConfig, "gdf": GDFConfig, "data": DataConfig, "train": TrainConfig,
             "checkpoint": CheckpointConfig, "log": LogConfig, "lora": LoraConfig, "controlnet": ControlNetConfig}
 
@@ -498,6 +514,42 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
         if not isinstance(raw, dict): raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(raw).__name__}")
     return config_from_dict(raw, overrides, training=training, source=str(path) if path is not None else None)
 
+# %% ../nbs/01_config.ipynb #b41ceb2e
+TRAINING_MODES: dict[str, type] = {}
+"Training modes by name (`mode:` in a config), filled by `cascade_nb.modes.training_mode`."
+MODE_MODULES = ("cascade_nb.modes", "cascade_nb.lora", "cascade_nb.controlnet")
+"The modules that register the built-in modes (imported when a config is validated, like a config's `imports:`)."
+
+def import_modules(names, where: str = "config", search: str | os.PathLike | None = None):
+    "Import modules by dotted name (also from the folder `search`, e.g. the config's) so that they register their modes."
+    for name in names:
+        if not (isinstance(name, str) and all(p.isidentifier() for p in name.split("."))):
+            raise ConfigError(f"{where}: key 'imports': {name!r} is not a module name (e.g. my_modes or mypkg.modes)")
+        if name in sys.modules: continue
+        extra = [str(search)] if search is not None and str(search) not in sys.path else []
+        sys.path[:0] = extra
+        try: importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not name.startswith(e.name): raise   # a module it imports is missing: the real error
+            raise ConfigError(f"{where}: key 'imports': no module named {name!r} (searched sys.path"
+                              + (f" and {search}" if search is not None else "") + ")") from None
+        finally:
+            for s in extra: sys.path.remove(s)
+
+def resolve_mode(cfg: Config, where: str = "config") -> type:
+    "The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks."
+    import_modules([*MODE_MODULES, *(cfg.train.imports or ())], where, Path(cfg.source).parent if cfg.source else None)
+    t = cfg.train
+    if t.mode is None: t.mode = next((n for n, c in TRAINING_MODES.items() if c.selected_by(cfg)), "full")
+    if t.mode not in TRAINING_MODES:
+        close = difflib.get_close_matches(t.mode, TRAINING_MODES, n=3, cutoff=0.5)
+        raise ConfigError(f"{where}: key 'mode': unknown training mode {t.mode!r}"
+                          + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+                          + f" (registered: {', '.join(TRAINING_MODES)}; a mode defined elsewhere needs its module in 'imports')")
+    try: TRAINING_MODES[t.mode].check_config(cfg)
+    except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
+    return TRAINING_MODES[t.mode]
+
 # %% ../nbs/01_config.ipynb #8dddb117
 def _check(cfg: Config, where: str, training: bool):
     def need(cond, msg):
@@ -514,15 +566,14 @@ def _check(cfg: Config, where: str, training: bool):
     if m.stage is None: m.stage = "b" if m.model_version in ("3B", "700M") else "c"
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
     need(m.model_version in presets, f"key 'model_version': {m.model_version!r} is not a Stage {m.stage.upper()} preset; expected one of {presets}")
-    if t.mode is None:
-        t.mode = ("lora" if cfg.lora.module_filters or cfg.lora.train_tokens else
-                  "controlnet" if cfg.controlnet.controlnet_blocks is not None or cfg.controlnet.controlnet_filter else "full")
-    if t.mode == "lora":
-        need(cfg.lora.module_filters or cfg.lora.train_tokens, "a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
-        if cfg.lora.rank is None: cfg.lora.rank = 4
-    if t.mode == "controlnet":
-        need(cfg.controlnet.controlnet_filter, "a ControlNet run needs 'controlnet_filter' (e.g. CannyFilter)")
-        if cfg.controlnet.controlnet_blocks is None: raise ConfigError(f"{where}: a ControlNet run needs 'controlnet_blocks'")
+    resolve_mode(cfg, where)
+    for key, sec, lo in [("lr", t, 0), ("batch_size", d, 1), ("updates", t, 1), ("grad_accum_steps", t, 1),
+                         ("image_size", d, 8), ("save_every", cfg.checkpoint, 1), ("backup_every", cfg.checkpoint, 1)]:
+        v = getattr(sec, key)
+        need(v > lo if key == "lr" else v >= lo, f"key '{key}': {v!r} must be {'>' if key == 'lr' else '>='} {lo}")
+    for key in ("caption_dropout", "image_embed_prob", "bucketeer_random_ratio"):
+        need(0 <= getattr(d, key) <= 1, f"key '{key}': {getattr(d, key)!r} must be a probability in [0, 1]")
+    if t.ema_beta is not None: need(0 <= t.ema_beta < 1, f"key 'ema_beta': {t.ema_beta!r} must be in [0, 1)")
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
     if d.captions_getter is None: d.captions_getter = CaptionsGetter()

@@ -11,12 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
+from .core import seeded_rand
 from .models.effnet import efficientnet_v2_features
+from .config import ConfigError
+from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
 # %% auto #0
-__all__ = ['FILTERS', 'CNetResBlock', 'ControlNet', 'controlnet_config', 'load_controlnet', 'BaseFilter', 'canny_edges',
-           'CannyFilter', 'random_blob_masks', 'InpaintFilter', 'SRFilter', 'SREffnetFilter', 'IdentityFilter',
-           'make_filter', 'ControlNetNet', 'ControlNetTraining']
+__all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CNetResBlock', 'ControlNet', 'controlnet_config', 'load_controlnet',
+           'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter', 'SRFilter',
+           'SREffnetFilter', 'IdentityFilter', 'make_filter', 'meta_controlnet', 'ControlNetNet', 'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -159,7 +162,7 @@ def random_blob_masks(n: int, size, coverage=(0.04, 0.4), blobs: int = 4, genera
     "(n, 1, H, W) binary masks: the `c`-quantile top of a sum of random Gaussian blobs, c ~ U(coverage) per mask."
     H, W = size
     yy, xx = torch.meshgrid(torch.linspace(0, 1, H, device=device), torch.linspace(0, 1, W, device=device), indexing='ij')
-    u = lambda *s: torch.rand(*s, generator=generator).to(device)
+    u = lambda *s: seeded_rand(s, generator, device)
     cy, cx, sy, sx, amp = u(n, blobs, 1, 1), u(n, blobs, 1, 1), 0.05 + 0.25 * u(n, blobs, 1, 1), 0.05 + 0.25 * u(n, blobs, 1, 1), u(n, blobs, 1, 1)
     field = (amp * torch.exp(-((yy - cy) / sy) ** 2 / 2 - ((xx - cx) / sx) ** 2 / 2)).sum(1)   # (n, H, W)
     lo, hi = coverage
@@ -177,7 +180,7 @@ class InpaintFilter(BaseFilter):
         B, _, H, W = images01.shape
         if mask is None:
             mask = random_blob_masks(B, (H, W), self.coverage, generator=generator, device=images01.device)
-            flip = (torch.rand(B, generator=generator) < self.p_outpaint).to(images01.device)
+            flip = seeded_rand(B, generator, images01.device) < self.p_outpaint
             mask = torch.where(flip.view(B, 1, 1, 1), 1 - mask, mask)
         mask = mask.to(images01).expand(B, 1, H, W)
         masked = images01 * (1 - mask) + mask                                      # masked pixels white
@@ -227,8 +230,8 @@ class IdentityFilter(BaseFilter):
         out = images01.new_zeros(B, self.num_channels, h, w)
         for b, (boxes, emb) in enumerate(self.face_fn(images01)):
             boxes, emb = boxes[:self.max_faces], F.normalize(emb[:self.max_faces].float(), dim=-1)
-            keep = torch.rand(len(boxes), generator=generator) >= self.p_drop
-            full = len(boxes) == 1 and bool(torch.rand(1, generator=generator) < self.p_full)
+            keep = seeded_rand(len(boxes), generator) >= self.p_drop
+            full = len(boxes) == 1 and bool(seeded_rand(1, generator) < self.p_full)
             for (x0, y0, x1, y1), e, k in zip(boxes.tolist(), emb, keep.tolist()):
                 if not k: continue
                 if full: out[b] = e.view(-1, 1, 1).to(out)
@@ -252,6 +255,17 @@ def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None 
         import inspect
         raise ValueError(f"controlnet_filter_params {params} do not fit {name}{inspect.signature(FILTERS[name])}: {e}") from None
 
+# %% ../nbs/61_controlnet.ipynb #a72d1bf2
+EFFNET_SAVED_PER_PIXEL = 780
+"Elements autograd keeps per input pixel in a training forward of EfficientNetV2-S features (measured on CPU in `cascade_nb.memory`)."
+
+def meta_controlnet(cfg, gen: nn.Module) -> nn.Module:
+    "The config's ControlNet (filter channels in, generator width out) on the meta device."
+    c = cfg.controlnet
+    c_in = make_filter(c.controlnet_filter, c.controlnet_filter_params).num_channels
+    with torch.device("meta"):
+        return ControlNet(c_in, gen.config["c_hidden"][0], c.controlnet_blocks, c.controlnet_bottleneck_mode)
+
 # %% ../nbs/61_controlnet.ipynb #9c8b74bb
 class ControlNetNet(nn.Module):
     "Frozen generator + trainable ControlNet: `net(x, r, cnet_input=..., **conds)`."
@@ -263,11 +277,28 @@ class ControlNetNet(nn.Module):
         cnet = self.controlnet(cnet_input.to(x.dtype)) if cnet_input is not None else None
         return self.generator(x, r, cnet=cnet, **conds)
 
-class ControlNetTraining:
+@training_mode("controlnet")
+class ControlNetTraining(TrainingMode):
     "ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` (official layout) is released."
     supports_ema = False   # an EMA of `net` would copy the frozen generator
+    trains_generator = False
+    @classmethod
+    def selected_by(cls, cfg):   # official ControlNet keys
+        return cfg.controlnet.controlnet_blocks is not None or bool(cfg.controlnet.controlnet_filter)
+    @classmethod
+    def check_config(cls, cfg):
+        if not cfg.controlnet.controlnet_filter: raise ConfigError("a ControlNet run needs 'controlnet_filter' (e.g. CannyFilter)")
+        if cfg.controlnet.controlnet_blocks is None: raise ConfigError("a ControlNet run needs 'controlnet_blocks'")
+    @classmethod
+    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
+        "The fp32 ControlNet trains next to the frozen generator; its EfficientNet bottleneck keeps activations per pixel."
+        rows = {}
+        if (cfg.controlnet.controlnet_bottleneck_mode or "effnet") == "effnet":
+            px = (side * 32) ** 2 if cfg.model.latent_space != "pixels" else side ** 2
+            rows["ControlNet backbone activations"] = batch * px * EFFNET_SAVED_PER_PIXEL * prec.compute
+        return MemoryTerms(sum(p.numel() for p in meta_controlnet(cfg, generator).parameters()), 4, "none", rows)
+
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        from cascade_nb.train import FullTraining
         c = cfg.controlnet
         self.cfg, self.space, self.compute_dtype = cfg, space, compute_dtype
         self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
@@ -277,7 +308,7 @@ class ControlNetTraining:
         self.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
         widths = set(generator.config["c_hidden"])
         if len(widths) != 1: raise ValueError(f"ControlNet: Stage C levels have different widths {widths}")
-        n_res = sum(type(m).__name__ == "ResBlock" for m in generator.modules())
+        n_res = sum(getattr(m, "takes_control", False) for m in generator.modules())   # blocks that receive a hint
         if max(c.controlnet_blocks) >= n_res:
             warnings.warn(f"controlnet_blocks {list(c.controlnet_blocks)}: the model has {n_res} ResBlocks; "
                           f"indices ≥ {n_res} are never injected (their projections stay frozen)")
@@ -308,6 +339,10 @@ class ControlNetTraining:
         "Batch → (x0, conds + the filter's control image `cnet_input`)."
         x0, conds = self.full.encode(batch, device, training, rng)
         return x0, {**conds, "cnet_input": self._control(batch, device, training, rng)}
+
+    def trainable_modules(self, net) -> list:
+        "Only the ControlNet trains; the frozen generator stays in eval mode (no dropout)."
+        return [self.net.controlnet]
 
     def uncond(self, conds: dict) -> dict:
         "CFG over the text only: empty caption, zero image embedding, the same control image."

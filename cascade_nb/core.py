@@ -14,7 +14,7 @@ import torch
 __all__ = ['append_dims', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'save_safetensors_atomic', 'count_params',
            'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device',
            'checkpoint_file', 'safetensors_header', 'save_with_config', 'load_safetensors_strict', 'load_with_config',
-           'frozen', 'seeded']
+           'frozen', 'seeded', 'seeded_randn', 'seeded_rand', 'seeded_multinomial']
 
 # %% ../nbs/00_core.ipynb #9463aab6
 def append_dims(v: torch.Tensor, like: torch.Tensor | int) -> torch.Tensor:
@@ -195,3 +195,20 @@ def seeded(build, seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
+
+# %% ../nbs/00_core.ipynb #2b00fcad
+def _draw_on(generator: torch.Generator | None, device) -> torch.device:
+    "Where to draw: on the generator's device (the CPU for every generator cascade_nb makes), else on `device`."
+    return generator.device if generator is not None else torch.device(device)
+
+def seeded_randn(shape, generator: torch.Generator | None = None, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    "Standard normal noise of `shape` from `generator`, drawn where the generator lives and moved to `device`."
+    return torch.randn(shape, generator=generator, dtype=dtype, device=_draw_on(generator, device)).to(device)
+
+def seeded_rand(shape, generator: torch.Generator | None = None, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    "Uniform [0, 1) numbers of `shape` from `generator`, drawn where the generator lives and moved to `device`."
+    return torch.rand(shape, generator=generator, dtype=dtype, device=_draw_on(generator, device)).to(device)
+
+def seeded_multinomial(probs: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    "`n` indices drawn with replacement from `probs` by `generator`, on `probs`' device."
+    return torch.multinomial(probs.to(_draw_on(generator, probs.device)), n, replacement=True, generator=generator).to(probs.device)

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from .core import save_safetensors_atomic, count_params, human_count
+from .core import save_safetensors_atomic, count_params, human_count, seeded_rand
+from .config import ConfigError
+from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
 # %% auto #0
 __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers',
@@ -480,11 +482,34 @@ class LoraNet(nn.Module):
         return self.generator(x, r, **conds)
 
 # %% ../nbs/60_lora.ipynb #96e9b7f7
-class LoraTraining:
+@training_mode("lora")
+class LoraTraining(TrainingMode):
     "LoRA (+ token) training of Stage C: frozen generator and text encoder, adapters and token deltas train, `lora.safetensors` is released."
     supports_ema = False   # an EMA would copy the frozen generator too; average the adapters offline if needed
+    trains_generator = False
+    @classmethod
+    def selected_by(cls, cfg): return bool(cfg.lora.module_filters or cfg.lora.train_tokens)   # official LoRA keys
+    @classmethod
+    def check_config(cls, cfg):
+        if not (cfg.lora.module_filters or cfg.lora.train_tokens):
+            raise ConfigError("a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
+        if cfg.lora.rank is None: cfg.lora.rank = 4
+    @classmethod
+    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
+        "fp32 adapters (+ token deltas) train; each forward merges W + up@down; trained tokens run CLIP with gradients."
+        from cascade_nb.models.blocks import AttnBlock
+        lc, rows = cfg.lora, {}
+        targets = lora_targets(generator, lc.module_filters) if lc.module_filters else []
+        shapes = [generator.get_parameter(t).shape for t in targets]
+        n_train = sum(lc.rank * (s[0] + math.prod(s[1:])) for s in shapes) + 1280 * len(lc.train_tokens or ())
+        adapted = sum(math.prod(s) for s in shapes)
+        if adapted:
+            n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
+            rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing else adapted) * prec.compute
+            if lc.train_tokens: rows["text encoder activations (train_tokens)"] = batch * 77 * 1280 * 16 * 32 * prec.compute
+        return MemoryTerms(n_train, 4, "attn" if all(".attention.attn." in t for t in targets) else "all", rows)
+
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        from cascade_nb.train import FullTraining
         lc = cfg.lora
         self.cfg, self.tokenizer, self.text_model, self.image_model = cfg, tokenizer, text_model, image_model
         self.space, self.compute_dtype = space, compute_dtype
@@ -534,9 +559,14 @@ class LoraTraining:
             if training and d.caption_dropout: captions = drop_captions(captions, d.caption_dropout, generator=rng)
             clip_img = x0.new_zeros(len(x0), 1, self.full.c_clip_img)
             if training and self.image_model is not None and "images" in batch and d.image_embed_prob:
-                mask = torch.rand(len(x0), generator=rng) < d.image_embed_prob
+                mask = seeded_rand(len(x0), rng) < d.image_embed_prob
                 if mask.any(): clip_img[mask.to(device)] = encode_image(self.image_model, batch["images"][mask].to(device)).float()
         return x0, {**self._token_conds(captions, device), "clip_img": clip_img}
+
+    def trainable_modules(self, net) -> list:
+        "The adapters (their dropout) and token deltas; the frozen generator and text encoder stay in eval mode."
+        emb = self.text_model.get_input_embeddings() if self.tokens else None
+        return [*lora_layers(self.net.generator).values(), *([emb] if isinstance(emb, TokenDeltas) else [])]
 
     def uncond(self, conds: dict) -> dict:
         "Unconditional inputs for CFG: the empty caption (as ids when tokens train), zero image embedding."

@@ -11,15 +11,17 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 import torch
 from torch import nn
-from .config import Config, ConfigError, load_config, cli_parser, parse_cli, cli_errors, at_least
-from .core import human_count, resolve_dtype
+from .config import Config, ConfigError, load_config, cli_parser, parse_cli, cli_errors, at_least, TRAINING_MODES
+from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet   # declared with the ControlNet; measured here
+from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
+
 
 # %% auto #0
-__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'EFFNET_SAVED_PER_PIXEL', 'OFFICIAL_3B',
-           'RECOMMENDED', 'Precision', 'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes',
-           'Activations', 'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes',
-           'calibration_models', 'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'meta_controlnet',
-           'plan_memory', 'official_config', 'Suggestion', 'suggest', 'format_suggestions', 'main']
+__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'OFFICIAL_3B', 'RECOMMENDED', 'Precision',
+           'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes', 'Activations',
+           'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes', 'calibration_models',
+           'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'plan_memory', 'official_config', 'Suggestion',
+           'suggest', 'format_suggestions', 'main']
 
 # %% ../nbs/70_memory.ipynb #3acbc337
 GB = 10 ** 9
@@ -65,21 +67,9 @@ class BlockShape(NamedTuple):
     params: int = 0
 
 def stage_c_blocks(model: nn.Module) -> list[BlockShape]:
-    "The blocks of a StageC in execution order (down levels, then up levels)."
-    from cascade_nb.models.blocks import ResBlock, AttnBlock, TimestepBlock
-    out = []
-    for level in [*model.down_blocks, *model.up_blocks]:
-        for b in level:
-            n = sum(p.numel() for p in b.parameters())
-            if isinstance(b, ResBlock):
-                c = b.depthwise.in_channels
-                out.append(BlockShape("C", c, b.channelwise[0].in_features - c, 0, b.channelwise[3].p, n))
-            elif isinstance(b, AttnBlock):
-                lin = b.kv_mapper[1]
-                out.append(BlockShape("A", lin.out_features, 0, lin.in_features, b.attention.attn.dropout, n))
-            elif isinstance(b, TimestepBlock): out.append(BlockShape("T", b.mapper.out_features // 2, params=n))
-            else: out.append(BlockShape("F", b.channelwise[0].in_features, 0, 0, b.channelwise[3].p, n))
-    return out
+    "The blocks of a StageC in execution order (down levels, then up levels), each as it declares itself (`memory_shape`)."
+    return [BlockShape(**b.memory_shape(), params=sum(p.numel() for p in b.parameters()))
+            for level in [*model.down_blocks, *model.up_blocks] for b in level]
 
 def meta_generator(cfg: Config) -> nn.Module:
     "The config's generator (preset + model_overrides) on the meta device: shapes, no memory."
@@ -164,8 +154,8 @@ def measure_saved_bytes(model: nn.Module, batch: int, latent_side: int, autocast
     cfg, dev = model.config, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dev, dtype)
-    x, r = rnd(batch, cfg["c_in"], latent_side, latent_side), torch.rand(batch, generator=g).to(dev)
+    rnd = lambda *shape: seeded_randn(shape, g).to(dev, dtype)
+    x, r = rnd(batch, cfg["c_in"], latent_side, latent_side), seeded_rand(batch, g, dev)
     conds = dict(clip_text=rnd(batch, 77, cfg["c_clip_text"]), clip_text_pooled=rnd(batch, 1, cfg["c_clip_text_pooled"]),
                  clip_img=rnd(batch, 1, cfg["c_clip_img"]))
     if control:   # a ControlNet hint into the first ResBlock: gradients flow back through the frozen generator
@@ -231,10 +221,6 @@ def calibration_rows(batch: int = 2, latent_side: int = 16, cases=tuple(CALIBRAT
             rows.append(dict(model=name, case=case, estimated=est, measured=meas, ratio=est / meas))
     return rows
 
-# %% ../nbs/70_memory.ipynb #60dcd694
-EFFNET_SAVED_PER_PIXEL = 780
-"Elements autograd keeps per input pixel in a training forward of EfficientNetV2-S features (measured on CPU)."
-
 # %% ../nbs/70_memory.ipynb #7829ad92
 def backbone_saved_per_pixel(backbone: nn.Module, side: int = 128) -> float:
     "Elements autograd keeps per input pixel in a training forward of an image backbone at side × side."
@@ -279,23 +265,6 @@ def _encoder_params(cfg: Config) -> dict[str, int]:
     if m.previewer_checkpoint_path and m.latent_space != "pixels": out["previewer"] = FROZEN_PARAMS["previewer"]
     return out
 
-def _lora_parts(cfg: Config, model: nn.Module) -> tuple[int, int, str]:
-    "(trainable LoRA parameters, elements of the adapted weights, weight_grads): LoRA merges W + up@down per forward."
-    from cascade_nb.lora import lora_targets
-    targets = lora_targets(model, cfg.lora.module_filters) if cfg.lora.module_filters else []
-    shapes = [model.get_parameter(t).shape for t in targets]
-    only_attn = all(".attention.attn." in t for t in targets)
-    return (sum(cfg.lora.rank * (s[0] + math.prod(s[1:])) for s in shapes), sum(math.prod(s) for s in shapes),
-            "attn" if only_attn else "all")
-
-def meta_controlnet(cfg: Config, gen: nn.Module) -> nn.Module:
-    "The config's ControlNet (filter channels in, generator width out) on the meta device."
-    from cascade_nb.controlnet import ControlNet, make_filter
-    c = cfg.controlnet
-    c_in = make_filter(c.controlnet_filter, c.controlnet_filter_params).num_channels
-    with torch.device("meta"):
-        return ControlNet(c_in, gen.config["c_hidden"][0], c.controlnet_blocks, c.controlnet_bottleneck_mode)
-
 def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offload: bool = False) -> MemoryPlan:
     "Estimate the peak memory per GPU of `train(cfg)` on `world_size` GPUs (FSDP sharding if `fsdp`), without allocating the model."
     from cascade_nb.train import per_process_batch
@@ -312,24 +281,19 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     shard = world_size if fsdp else 1
     rows, notes = {}, []
 
-    # what trains: the generator (full), adapters (LoRA) or a ControlNet next to the frozen generator
-    if t.mode == "full": n_train, train_b, wgrads = n_gen, wb, "all"
-    elif t.mode == "lora":
-        n_train, adapted, wgrads = _lora_parts(cfg, gen)
-        n_train += 1280 * len(cfg.lora.train_tokens or ())
-        train_b = 4                                             # adapters stay fp32 even on bf16 weights
-    else:
-        n_train, train_b, wgrads = sum(p.numel() for p in meta_controlnet(cfg, gen).parameters()), 4, "none"   # kept in fp32
-    gen_label = "generator weights" if t.mode == "full" else "generator weights (frozen)"
+    # what trains, as the registered mode declares it: the generator (full), adapters (LoRA), a ControlNet ...
+    mode = TRAINING_MODES[t.mode]
+    n_train, train_b, wgrads, mode_rows = mode.memory_terms(cfg, gen, batch=batch, side=side, prec=prec)
+    gen_label = "generator weights" if mode.trains_generator else "generator weights (frozen)"
     offload = fsdp and cpu_offload
     rows[gen_label] = 0 if offload else n_gen * wb // shard
-    if t.mode != "full": rows[f"{t.mode} weights"] = 0 if offload else n_train * train_b // shard
+    if not mode.trains_generator: rows[f"{t.mode} weights"] = 0 if offload else n_train * train_b // shard
     rows["gradients"] = 0 if offload else n_train * train_b // shard
     opt_b = 2 if t.optimizer == "adamw8bit" else 2 * train_b
     rows[f"optimizer state ({t.optimizer})"] = 0 if offload else n_train * opt_b // shard
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
     if fsdp: rows["FSDP gathered blocks"] = 2 * max(b.params for b in stage_c_blocks(gen)) * (2 if amp else wb)
-    if t.ema_start_iters is not None and t.mode == "full":
+    if t.ema_start_iters is not None and mode.supports_ema:
         rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else n_gen * wb
         if fsdp and not t.ema_on_cpu: notes.append("the EMA is copied before accelerator.prepare, so FSDP does not shard it, and each EMA "
                                                    "update gathers a second full copy; ema_on_cpu=true moves both off the GPU")
@@ -342,14 +306,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     if not fsdp:
         copies = weight_copy_bytes(gen, prec, ck)
         if copies: rows["bf16 weight copies (fp32 weights, autocast)"] = copies
-    if t.mode == "lora" and adapted:
-        per_block = adapted // max(1, sum(b.kind == "A" for b in stage_c_blocks(gen))) if ck else adapted
-        rows["merged LoRA weights"] = per_block * prec.compute
-        if cfg.lora.train_tokens:   # the text encoder runs with gradients for the new token embeddings
-            rows["text encoder activations (train_tokens)"] = batch * 77 * 1280 * 16 * 32 * prec.compute
-    if t.mode == "controlnet" and (cfg.controlnet.controlnet_bottleneck_mode or "effnet") == "effnet":
-        px = (side * 32) ** 2 if m.latent_space != "pixels" else side ** 2
-        rows["ControlNet backbone activations"] = batch * px * EFFNET_SAVED_PER_PIXEL * prec.compute
+    rows.update(mode_rows or {})                                    # e.g. LoRA's merged weights, a ControlNet's backbone
     rows["CUDA context"] = CUDA_CONTEXT
     if t.mixed_precision is None: notes.append("mixed_precision unset: assuming bf16 autocast, as configs/accelerate/*.yaml launch")
     parts = [f"{t.mode} {m.model_version} ({human_count(n_gen)} generator, {human_count(n_train)} trainable)",
@@ -380,13 +337,14 @@ class Suggestion(NamedTuple):
 def _options(cfg: Config, world_size: int, fsdp: bool):
     "The memory options in order of cost: (label, config overrides, world_size, fsdp)."
     m, t = cfg.model, cfg.train
+    mode = TRAINING_MODES[t.mode]
     if t.mixed_precision == "no": yield "bf16 autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
-    if t.mode != "full" and m.dtype != "bfloat16": yield "frozen generator in bf16 (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
+    if not mode.trains_generator and m.dtype != "bfloat16": yield "frozen generator in bf16 (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     if not m.gradient_checkpointing: yield "gradient checkpointing", {"gradient_checkpointing": True}, world_size, fsdp
     if t.optimizer != "adamw8bit": yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
     if m.frozen_dtype != "bfloat16": yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
-    if t.ema_start_iters is not None and t.mode == "full" and not t.ema_on_cpu: yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
-    if t.mode == "full" and m.dtype != "bfloat16": yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
+    if t.ema_start_iters is not None and mode.supports_ema and not t.ema_on_cpu: yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
+    if mode.trains_generator and m.dtype != "bfloat16": yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     for n in (2, 4, 8):
         if n > world_size or (n == world_size and not fsdp): yield f"FSDP over {n} GPUs", {}, n, True
 

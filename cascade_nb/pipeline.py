@@ -15,14 +15,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import default_device, resolve_dtype, to_uint8
+from .core import default_device, resolve_dtype, to_uint8, seeded_randn
 from .gdf.presets import stage_c_gdf, stage_b_gdf, SAMPLING_DEFAULTS
 from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode_image, load_clip_tokenizer,
                                     load_clip_text_model, load_clip_image_model)
 
 # %% auto #0
 __all__ = ['COMPRESSION_C', 'COMPRESSION_A', 'latent_sizes', 'pipeline_dtype', 'to_tensor01', 'to_pil', 'CascadeOutput',
-           'CascadePipeline', 'write_tiny_checkpoints']
+           'dir_sources', 'expand_prompts', 'ModelStore', 'CascadePipeline', 'img2img_start', 'write_tiny_checkpoints']
 
 # %% ../nbs/50_pipeline.ipynb #263bdaf2
 COMPRESSION_C = 42.67  # image pixels per Stage C latent pixel (1024 / 24)
@@ -79,6 +79,7 @@ def _in_dtype(model: nn.Module, dtype: torch.dtype) -> Callable:
 
 _FP32 = ('stage_a', 'previewer', 'effnet')   # small models, always float32
 
+# %% ../nbs/50_pipeline.ipynb #2c3f58b6
 def _from_diffusers_dir(path: Path, subfolder: str, dtype, device) -> nn.Module:
     "Load a diffusers-format Stable Cascade part (prior/, decoder/, vqgan/) and convert it to the official layout."
     if subfolder == 'vqgan':
@@ -97,42 +98,43 @@ def _stage_loader(d: Path, stem: str, subfolder: str, load_official: Callable, d
     if (d / subfolder / 'config.json').is_file(): return lambda: _from_diffusers_dir(d / subfolder, subfolder, dtype, device)
     raise FileNotFoundError(f"CascadePipeline.from_dir: no {stem}*.safetensors and no diffusers {subfolder}/ in {d}")
 
-class CascadePipeline:
-    "Text → image with Stable Cascade: Stage C prior → Stage B decoder → Stage A VQGAN, the reference's sampling recipe."
-    def __init__(self, stage_c, stage_b, stage_a, tokenizer, text_model, image_model=None, previewer=None, effnet=None,
-                 device=None, dtype=None, offload: bool = False):
-        self.device = torch.device(device) if device is not None else default_device()
-        self.dtype, self.offload, self.tokenizer = pipeline_dtype(self.device, dtype), offload, tokenizer
-        self._sources = dict(stage_c=stage_c, stage_b=stage_b, stage_a=stage_a, text_model=text_model,
-                             image_model=image_model, previewer=previewer, effnet=effnet)
-        self._kept = {}
-        self.gdf_c, self.gdf_b = stage_c_gdf(), stage_b_gdf()
+def dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype) -> dict:
+    "The pipeline's models in a directory (official checkpoints or diffusers folders), as lazy loaders, and the tokenizer."
+    from cascade_nb.models.stage_c import load_stage_c
+    from cascade_nb.models.stage_b import load_stage_b
+    from cascade_nb.models.stage_a import load_stage_a
+    from cascade_nb.models.previewer import load_previewer
+    from cascade_nb.models.effnet import load_effnet_encoder
+    d = Path(models_dir)
+    if not d.is_dir(): raise FileNotFoundError(f"CascadePipeline.from_dir: {d} is not a directory")
+    local = lambda name, default: d / name if (d / name).exists() else default   # e.g. models/text_encoder/
+    text_src, image_src = text_encoder or local('text_encoder', CLIP_TEXT_MODEL), image_encoder or local('image_encoder', CLIP_IMAGE_MODEL)
+    tokenizer = load_clip_tokenizer(local('tokenizer', text_src))
+    optional = lambda f, name: (lambda: f(d / name, device=device)) if (d / name).exists() else None
+    return dict(stage_c=_stage_loader(d, 'stage_c', 'prior', lambda: load_stage_c(d, preset=stage_c, dtype=dtype, device=device), dtype, device),
+               stage_b=_stage_loader(d, 'stage_b', 'decoder', lambda: load_stage_b(d, preset=stage_b, dtype=dtype, device=device), dtype, device),
+               stage_a=_stage_loader(d, 'stage_a', 'vqgan', lambda: load_stage_a(d, device=device), torch.float32, device),
+               tokenizer=tokenizer, text_model=lambda: load_clip_text_model(text_src, device=device, dtype=dtype),
+               image_model=lambda: load_clip_image_model(image_src, device=device, dtype=dtype),
+               previewer=optional(load_previewer, 'previewer.safetensors'),
+               effnet=optional(load_effnet_encoder, 'effnet_encoder.safetensors'))
 
-    @classmethod
-    def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
-                 image_encoder=None, device=None, dtype=None, offload: bool = False) -> CascadePipeline:
-        "Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders (prior/, decoder/, vqgan/)."
-        from cascade_nb.models.stage_c import load_stage_c
-        from cascade_nb.models.stage_b import load_stage_b
-        from cascade_nb.models.stage_a import load_stage_a
-        from cascade_nb.models.previewer import load_previewer
-        from cascade_nb.models.effnet import load_effnet_encoder
-        d = Path(models_dir)
-        if not d.is_dir(): raise FileNotFoundError(f"CascadePipeline.from_dir: {d} is not a directory")
-        device = torch.device(device) if device is not None else default_device()
-        dtype = pipeline_dtype(device, dtype)
-        local = lambda name, default: d / name if (d / name).exists() else default   # e.g. models/text_encoder/
-        text_src, image_src = text_encoder or local('text_encoder', CLIP_TEXT_MODEL), image_encoder or local('image_encoder', CLIP_IMAGE_MODEL)
-        tokenizer = load_clip_tokenizer(local('tokenizer', text_src))
-        optional = lambda f, name: (lambda: f(d / name, device=device)) if (d / name).exists() else None
-        return cls(stage_c=_stage_loader(d, 'stage_c', 'prior', lambda: load_stage_c(d, preset=stage_c, dtype=dtype, device=device), dtype, device),
-                   stage_b=_stage_loader(d, 'stage_b', 'decoder', lambda: load_stage_b(d, preset=stage_b, dtype=dtype, device=device), dtype, device),
-                   stage_a=_stage_loader(d, 'stage_a', 'vqgan', lambda: load_stage_a(d, device=device), torch.float32, device),
-                   tokenizer=tokenizer, text_model=lambda: load_clip_text_model(text_src, device=device, dtype=dtype),
-                   image_model=lambda: load_clip_image_model(image_src, device=device, dtype=dtype),
-                   previewer=optional(load_previewer, 'previewer.safetensors'),
-                   effnet=optional(load_effnet_encoder, 'effnet_encoder.safetensors'),
-                   device=device, dtype=dtype, offload=offload)
+# %% ../nbs/50_pipeline.ipynb #79321df9
+def expand_prompts(prompts, negative_prompt, images_per_prompt: int = 1) -> tuple[list, list]:
+    "(prompts, negative prompts), one per image: a string or a list each, every prompt `images_per_prompt` times."
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompts = [p for p in prompts for _ in range(images_per_prompt)]
+    negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else [n for n in negative_prompt for _ in range(images_per_prompt)]
+    if len(negs) != len(prompts): raise ValueError(f"CascadePipeline: {len(negs)} negative prompts for {len(prompts)} images")
+    return prompts, negs
+
+# %% ../nbs/50_pipeline.ipynb #c916bdd9
+class ModelStore:
+    "Models held as modules or loaders (called on first use): on the device, in eval mode, while `use`d; with `offload` released after."
+    def __init__(self, sources: dict, device=None, dtype=None, offload: bool = False):
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype, self.offload = pipeline_dtype(self.device, dtype), offload
+        self._sources, self._kept = dict(sources), {}
 
     def has(self, name: str) -> bool: return self._sources.get(name) is not None
 
@@ -161,6 +163,24 @@ class CascadePipeline:
         if src is None or isinstance(src, nn.Module): return src
         sources[name] = src()     # materialise a loader once so changes to the module stick
         return sources[name]
+
+# %% ../nbs/50_pipeline.ipynb #67d7b917
+class CascadePipeline(ModelStore):
+    "Text → image with Stable Cascade: Stage C prior → Stage B decoder → Stage A VQGAN, the reference's sampling recipe."
+    def __init__(self, stage_c, stage_b, stage_a, tokenizer, text_model, image_model=None, previewer=None, effnet=None,
+                 device=None, dtype=None, offload: bool = False):
+        super().__init__(dict(stage_c=stage_c, stage_b=stage_b, stage_a=stage_a, text_model=text_model,
+                              image_model=image_model, previewer=previewer, effnet=effnet), device, dtype, offload)
+        self.tokenizer, self.gdf_c, self.gdf_b = tokenizer, stage_c_gdf(), stage_b_gdf()
+
+    @classmethod
+    def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
+                 image_encoder=None, device=None, dtype=None, offload: bool = False) -> CascadePipeline:
+        "Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders (prior/, decoder/, vqgan/)."
+        device = torch.device(device) if device is not None else default_device()
+        dtype = pipeline_dtype(device, dtype)
+        return cls(**dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype),
+                   device=device, dtype=dtype, offload=offload)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[dict, dict]:
@@ -207,11 +227,8 @@ class CascadePipeline:
             shift_b: float = 1.0, seed: int | None = None, images_per_prompt: int = 1, image=None, init_image=None,
             t_start: float = 1.0, cnet=None, previews: bool = True) -> CascadeOutput:
         "Generate images for `prompts` (a string or a list); see the notebook for every option."
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        prompts = [p for p in prompts for _ in range(images_per_prompt)]
+        prompts, negs = expand_prompts(prompts, negative_prompt, images_per_prompt)
         B = len(prompts)
-        negs = [negative_prompt] * B if isinstance(negative_prompt, str) else [n for n in negative_prompt for _ in range(images_per_prompt)]
-        if len(negs) != B: raise ValueError(f"CascadePipeline: {len(negs)} negative prompts for {B} images")
         if not 0 < t_start <= 1: raise ValueError(f"CascadePipeline: t_start must be in (0, 1], got {t_start}")
         if t_start < 1 and init_image is None: raise ValueError("CascadePipeline: t_start < 1 needs an init_image (img2img)")
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item()) if seed is None else int(seed)
@@ -224,12 +241,7 @@ class CascadePipeline:
                 clip_img = encode_image(image_model, to_tensor01(image)).float().expand(B, -1, -1)  # (B, 1, c)
         x_init, steps = None, steps_c
         if init_image is not None:                                      # img2img
-            with self.use('effnet') as effnet:
-                img = F.interpolate(to_tensor01(init_image).to(self.device), size=(size_c[0] * 32, size_c[1] * 32),
-                                    mode='bilinear', antialias=True, align_corners=False)
-                z = effnet.encode(img).float().expand(B, -1, -1, -1)                               # (B, 16, h_c, w_c)
-            x_init = self.gdf_c.diffuse(z, t=torch.full((B,), t_start), shift=shift_c, generator=g).noised
-            steps = max(1, int(steps_c * t_start))
+            x_init, steps = img2img_start(self, init_image, B, size_c, t_start, shift_c, steps_c, g)
         latent_c = self.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet)
         preview = None
         if previews and self.has('previewer'):
@@ -244,6 +256,18 @@ class CascadePipeline:
         "PIL images for `prompts` (`run`'s options)."
         return self.run(prompts, **kwargs).pil()
 
+# %% ../nbs/50_pipeline.ipynb #7df2baa6
+@torch.no_grad()
+def img2img_start(pipe, init_image, B: int, size_c, t_start: float, shift_c: float, steps_c: int, g) -> tuple:
+    "(x_init, steps) of img2img for `pipe`: the EfficientNet latents of `init_image` noised to `t_start`, and the steps left."
+    with pipe.use('effnet') as effnet:
+        img = F.interpolate(to_tensor01(init_image).to(pipe.device), size=(size_c[0] * 32, size_c[1] * 32),
+                            mode='bilinear', antialias=True, align_corners=False)
+        z = effnet.encode(img).float().expand(B, -1, -1, -1)                               # (B, 16, h_c, w_c)
+    x_init = pipe.gdf_c.diffuse(z, t=torch.full((B,), t_start), shift=shift_c, generator=g).noised
+    steps = max(1, int(steps_c * t_start))
+    return x_init, steps
+
 # %% ../nbs/50_pipeline.ipynb #27dcebc9
 def write_tiny_checkpoints(models_dir, seed: int = 0) -> Path:
     "Write random tiny checkpoints of every part in the official layout (+ text_encoder/, tokenizer/) for tests and demos."
@@ -257,7 +281,7 @@ def write_tiny_checkpoints(models_dir, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
     def randomized(model):   # zero-initialised outputs would make every image the same
         with torch.no_grad():
-            for p in model.parameters(): p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            for p in model.parameters(): p.add_(seeded_randn(p.shape, g) * 0.05)
         return model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

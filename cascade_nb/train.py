@@ -7,7 +7,9 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
 import argparse, contextlib, copy, gc, importlib.util, json, resource, signal, sys, time, warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 if __name__ == "__main__" and not __package__ and "__file__" in globals():
     # run as a script (`accelerate launch cascade_nb/train.py ...`): import the package, not the folder (PEP 366)
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -15,249 +17,50 @@ if __name__ == "__main__" and not __package__ and "__file__" in globals():
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded
+from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn
 from .config import Config, load_config, save_config, ConfigError, cli_parser, parse_cli, cli_errors, error_line
+from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
+                              EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
+                              FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
-from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
-from .training import (LRSchedule, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError,
+from .gdf.samplers import SAMPLERS
+from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError,
+                                 training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 
 # %% auto #0
-__all__ = ['build_generator', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace',
-           'StageASpace', 'load_frozen', 'build_latent_space', 'FullTraining', 'StageBTraining', 'build_training_mode',
-           'diffusion_loss', 'sample_latents', 'sample_rows', 'validation_loss', 'RNGState', 'per_process_batch',
-           'StopFlag', 'die_with_parent', 'batch_stream', 'train', 'plot_metrics', 'main']
-
-# %% ../nbs/41_train.ipynb #a59c23d0
-def build_generator(cfg: Config) -> nn.Module:
-    "The trainable generator the config describes, with pretrained weights when `generator_checkpoint_path` is set."
-    m = cfg.model
-    if m.stage == "c":
-        from cascade_nb.models.stage_c import StageC, load_stage_c
-        if m.generator_checkpoint_path:
-            model = load_stage_c(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype, **m.model_overrides)
-        else: model = StageC.from_preset(m.model_version, **m.model_overrides)
-    else:
-        from cascade_nb.models.stage_b import StageB, load_stage_b
-        if m.generator_checkpoint_path:
-            model = load_stage_b(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype, **m.model_overrides)
-        else: model = StageB.from_preset(m.model_version, **m.model_overrides)
-    if m.gradient_checkpointing: model.gradient_checkpointing = True
-    return model.to(resolve_dtype(m.dtype))
-
-# %% ../nbs/41_train.ipynb #a0c5feb5
-def build_text_encoder(cfg: Config, device=None, dtype=torch.float32):
-    "(tokenizer, frozen CLIPTextModelWithProjection) from `clip_text_model_name` ('tiny' = small random model)."
-    from cascade_nb.models.clip import load_clip_tokenizer, load_clip_text_model, tiny_clip_text_model, sample_tokenizer_dir
-    name = cfg.model.clip_text_model_name
-    if name == "tiny":
-        tok = load_clip_tokenizer(cfg.model.tokenizer_path or sample_tokenizer_dir())
-        width = cfg.model.model_overrides.get("c_clip_text", 64)
-        text_model = tiny_clip_text_model(hidden=width, proj=cfg.model.model_overrides.get("c_clip_text_pooled", width))
-        text_model = frozen(text_model, device, dtype)
-    else:
-        tok = load_clip_tokenizer(cfg.model.tokenizer_path or name)
-        text_model = load_clip_text_model(name, device=device, dtype=dtype)
-    return tok, text_model
-
-def build_image_encoder(cfg: Config, device=None, dtype=torch.float32):
-    "Frozen CLIPVisionModelWithProjection for `clip_img`, or None when unused (no name, or image_embed_prob = 0)."
-    name = cfg.model.clip_image_model_name
-    if not name or cfg.data.image_embed_prob == 0: return None
-    from cascade_nb.models.clip import load_clip_image_model, tiny_clip_vision_model
-    if name == "tiny":
-        return frozen(tiny_clip_vision_model(proj=cfg.model.model_overrides.get("c_clip_img", 64)), device, dtype)
-    return load_clip_image_model(name, device=device, dtype=dtype)
-
-# %% ../nbs/41_train.ipynb #ccee6b2e
-@torch.no_grad()
-def conditions(captions, tokenizer, text_model, c_clip_img: int, image_model=None, images01=None, caption_dropout=0.,
-               image_embed_prob=0., rng: torch.Generator | None = None) -> dict:
-    "Stage C conditions {clip_text, clip_text_pooled, clip_img} for a batch, with caption dropout and image-embedding sampling."
-    from cascade_nb.models.clip import clip_conditions, drop_captions
-    if caption_dropout: captions = drop_captions(captions, caption_dropout, generator=rng)
-    mask = None
-    if image_model is not None and images01 is not None:
-        mask = torch.rand(len(captions), generator=rng) < image_embed_prob
-    return clip_conditions(tokenizer, text_model, list(captions), image_model=image_model,
-                           images01=images01 if mask is not None else None, image_mask=mask, c_clip_img=c_clip_img)
-
-# %% ../nbs/41_train.ipynb #82ac9428
-class PixelSpace(nn.Module):
-    "Identity 'latent space' for small pixel-space models: images in [0, 1] ↔ [-1, 1]."
-    def encode(self, images01): return images01 * 2 - 1
-    def decode(self, x): return ((x + 1) / 2).clamp(0, 1)
-
-class EffnetSpace(nn.Module):
-    "Stage C's latent space: EfficientNet encoder for training, Previewer for looking at latents."
-    def __init__(self, effnet, previewer=None):
-        super().__init__()
-        self.effnet, self.previewer = effnet, previewer
-    def encode(self, images01): return self.effnet.encode(images01)
-    def decode(self, x):
-        if self.previewer is None: return None
-        return self.previewer(x.to(next(self.previewer.parameters()).dtype)).float().clamp(0, 1)
-
-class StageASpace(nn.Module):
-    "Stage B's latent space: the Stage A VQGAN's unquantised encoder latents and its decoder."
-    def __init__(self, stage_a):
-        super().__init__()
-        self.stage_a = stage_a
-    def encode(self, images01): return self.stage_a.encode(images01).latent
-    def decode(self, x): return self.stage_a.decode(x.to(next(self.stage_a.parameters()).dtype)).float().clamp(0, 1)
-
-def load_frozen(kind: str, path):
-    "A frozen helper network from an official safetensors file, or 'tiny' for a small random one (tests, CPU demos)."
-    from cascade_nb.models.effnet import load_effnet_encoder, EfficientNetEncoder
-    from cascade_nb.models.previewer import load_previewer, Previewer
-    from cascade_nb.models.stage_a import load_stage_a, StageA
-    tiny = {"effnet": lambda: EfficientNetEncoder.from_preset("tiny"), "previewer": lambda: Previewer(c_hidden=32),
-            "stage_a": lambda: StageA.from_preset("tiny")}
-    load = {"effnet": load_effnet_encoder, "previewer": load_previewer, "stage_a": load_stage_a}
-    return frozen(seeded(tiny[kind]) if path == "tiny" else load[kind](path))   # 'tiny': same weights in every process
-
-def build_latent_space(cfg: Config, device=None, dtype=torch.float32) -> nn.Module:
-    "The frozen encoder/decoder pair between images and the generator's input space."
-    m = cfg.model
-    if m.stage == "b":
-        if not m.stage_a_checkpoint_path:
-            raise ConfigError("Stage B training needs 'stage_a_checkpoint_path' (models/stage_a.safetensors, or 'tiny')")
-        space = StageASpace(load_frozen("stage_a", m.stage_a_checkpoint_path))
-    elif m.latent_space == "pixels": space = PixelSpace()
-    else:
-        if m.latent_space == "effnet" and not m.effnet_checkpoint_path:
-            raise ConfigError("latent_space 'effnet' needs 'effnet_checkpoint_path' (models/effnet_encoder.safetensors, or 'tiny'), "
-                              "or use latent_space: pixels / cached")
-        space = EffnetSpace(load_frozen("effnet", m.effnet_checkpoint_path) if m.effnet_checkpoint_path else None,
-                            load_frozen("previewer", m.previewer_checkpoint_path) if m.previewer_checkpoint_path else None)
-    return frozen(space, device, dtype)
-
-# %% ../nbs/41_train.ipynb #bdcd1ca2
-class FullTraining:
-    "Stage C full fine-tuning: frozen CLIP conditioning, the whole generator trains, `generator.safetensors` is released."
-    supports_ema = True
-    def __init__(self, cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        self.cfg, self.net, self.tokenizer, self.text_model = cfg, generator, tokenizer, text_model
-        self.image_model, self.space, self.compute_dtype = image_model, space, compute_dtype
-        self.c_clip_img = generator.clip_img_mapper.in_features   # width of the (possibly zero) CLIP image embedding
-
-    def encode(self, batch, device, training=True, rng=None):
-        "Batch → (x0 in the generator's space, conditions); caption dropout and image embeddings only when training."
-        d = self.cfg.data
-        images = batch["images"].to(device, non_blocking=True) if "images" in batch else None
-        with torch.no_grad():
-            x0 = batch["latents"].to(device).float() if "latents" in batch else self.space.encode(images.to(self.compute_dtype)).float()
-        # only training draws from the run's random stream, so sampling/validation never shift it (exact resume)
-        if "text" in batch:   # cached text embeddings: dropped captions get the embedding of ""
-            conds = {k: batch["text"][k].to(device).float() for k in ("clip_text", "clip_text_pooled")}
-            if training and d.caption_dropout:
-                drop = (torch.rand(len(x0), generator=rng) < d.caption_dropout).to(device)
-                empty = conditions([""], self.tokenizer, self.text_model, self.c_clip_img)
-                for k in conds: conds[k][drop] = empty[k].to(conds[k].dtype)
-            conds["clip_img"] = x0.new_zeros(len(x0), 1, self.c_clip_img)
-            if training and d.image_embed_prob and "clip_img" in batch["text"]:   # cached CLIP image embeddings, as `conditions` samples them
-                keep = (torch.rand(len(x0), generator=rng) < d.image_embed_prob).to(device)
-                conds["clip_img"][keep] = batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1)[keep]
-            return x0, conds
-        conds = conditions(batch["captions"], self.tokenizer, self.text_model, self.c_clip_img,
-                           self.image_model if training else None, images, d.caption_dropout if training else 0.,
-                           d.image_embed_prob, rng if training else None)
-        return x0, conds
-
-    def uncond(self, conds: dict) -> dict:
-        "Unconditional inputs for CFG: empty captions, zero image embedding."
-        n = len(next(iter(conds.values())))
-        return conditions([""] * n, self.tokenizer, self.text_model, self.c_clip_img)
-
-    def released(self, accelerator, net) -> dict:
-        "Weights released at each save: the generator's full state dict in the official key layout."
-        return {"generator": _unwrap_state_dict(accelerator, net)}
-
-def _unwrap_state_dict(accelerator, model) -> dict:
-    "Full state dict of a prepared model in the official layout (no DDP/FSDP/compile prefixes)."
-    sd = accelerator.get_state_dict(model)
-    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
-
-class StageBTraining(FullTraining):
-    """Stage B fine-tuning: Stage A latents, conditions {effnet, clip} (pooled text), pyramid noise.
-    As in the reference, the EfficientNet condition is computed from the image downscaled by U(0.5, 1) and dropped
-    for 10% of the samples; the pyramid noise uses the latent's real width (explanations/differences_from_reference)."""
-    def __init__(self, cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        self.cfg, self.net, self.tokenizer, self.text_model, self.space = cfg, generator, tokenizer, text_model, space
-        self.compute_dtype, self.image_model = compute_dtype, None
-        if not cfg.model.effnet_checkpoint_path:
-            raise ConfigError("Stage B training needs 'effnet_checkpoint_path' (its condition is the EfficientNet latent), or 'tiny'")
-        device = next(space.parameters()).device
-        self.effnet = load_frozen("effnet", cfg.model.effnet_checkpoint_path).to(device=device, dtype=compute_dtype)
-
-    def encode(self, batch, device, training=True, rng=None):
-        from cascade_nb.models.stage_b import effnet_condition
-        from cascade_nb.models.clip import encode_text, drop_captions
-        images = batch["images"].to(device, non_blocking=True)
-        captions = drop_captions(batch["captions"], self.cfg.data.caption_dropout, rng) if training else list(batch["captions"])
-        with torch.no_grad():
-            x0 = self.space.encode(images.to(self.compute_dtype)).float()
-            effnet = (effnet_condition(self.effnet.encode, images.to(self.compute_dtype), generator=rng) if training
-                      else self.effnet.encode(images.to(self.compute_dtype)))
-            clip = encode_text(self.tokenizer, self.text_model, captions)["clip_text_pooled"]
-        return x0, {"effnet": effnet.float(), "clip": clip.float()}
-
-    def epsilon(self, x0, rng=None):
-        "Stage B's pyramid noise (multi-scale, unit variance) for the training batch."
-        from cascade_nb.models.stage_b import pyramid_noise
-        return pyramid_noise(torch.randn(x0.shape, generator=rng, device=x0.device), generator=rng)
-
-    def uncond(self, conds: dict) -> dict:
-        from cascade_nb.models.clip import encode_text
-        n = len(conds["clip"])
-        with torch.no_grad(): clip = encode_text(self.tokenizer, self.text_model, [""] * n)["clip_text_pooled"].float()
-        return {"effnet": torch.zeros_like(conds["effnet"]), "clip": clip}
-
-def build_training_mode(cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-    "The training mode `cfg.train.mode` asks for (full / lora / controlnet), wrapping the built models."
-    args = (cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-    if cfg.train.mode == "full": return (StageBTraining if cfg.model.stage == "b" else FullTraining)(*args)
-    if cfg.train.mode == "lora":
-        from cascade_nb.lora import LoraTraining
-        return LoraTraining(*args)
-    if cfg.train.mode == "controlnet":
-        from cascade_nb.controlnet import ControlNetTraining
-        return ControlNetTraining(*args)
-    raise ConfigError(f"unknown training mode {cfg.train.mode!r}")
-
-# %% ../nbs/41_train.ipynb #8fc91b8c
-def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None = None, shift: float = 1.,
-                   epsilon=None, t=None):
-    "(weighted mean loss, per-sample raw loss, Diffused) for one batch; `epsilon`/`t` fix the noise for tests."
-    d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
-    pred = generator(d.noised, d.noise_cond, **conds)
-    raw = F.mse_loss(pred.float(), d.target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))  # (B,)
-    return (raw * d.loss_weight).mean(), raw, d
+__all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag', 'die_with_parent', 'batch_stream',
+           'training_data', 'Run', 'build_optimizer', 'save', 'load_checkpoint', 'resume', 'run_info', 'log_samples',
+           'log_metrics', 'validate', 'check_optimizer', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
-_SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler}
+_SAMPLERS = SAMPLERS   # the registry in cascade_nb.gdf.samplers (old name, imported by cascade_nb.sample)
 
 @torch.no_grad()
 def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
-    rng = torch.Generator(device).manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)   # on the CPU: the same noise on every device
     *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=_SAMPLERS[cfg.gdf.sample_sampler](),
                           timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=training_shift(cfg), device=device,
                           generator=rng)
     return last.x0
+
+def _to(conds: dict, device) -> dict: return {k: v.to(device) for k, v in conds.items()}
 
 @torch.no_grad()
 def sample_rows(generator, ema, gdf, space, x0, conds, uncond, cfg: Config, n: int = 8) -> dict:
     "The rows of the sample grid (name → images in [0, 1]) for the first `n` samples of a batch."
     n = min(n, len(x0))
     x0, conds, uncond = x0[:n], {k: v[:n] for k, v in conds.items()}, {k: v[:n] for k, v in uncond.items()}
-    rng = torch.Generator(x0.device).manual_seed(1)
+    rng = torch.Generator().manual_seed(1)
     d = gdf.diffuse(x0.float(), generator=rng)
     pred = generator(d.noised.to(x0.dtype), d.noise_cond, **conds)
     one_step, _ = gdf.undiffuse(d.noised.float(), d.logsnr, pred.float())
     rows = {"original": x0, "noised": d.noised, "one-step x0": one_step,
             "sampled": sample_latents(generator, gdf, conds, uncond, x0.shape, cfg, device=x0.device)}
-    if ema is not None: rows["sampled (EMA)"] = sample_latents(ema, gdf, conds, uncond, x0.shape, cfg, device=x0.device)
+    if ema is not None:   # the EMA may live elsewhere (`ema_on_cpu`): its inputs go to its device, its sample comes back
+        dev = next(ema.parameters()).device
+        rows["sampled (EMA)"] = sample_latents(ema, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg, device=dev).to(x0.device)
     decoded = {k: space.decode(v.float()) for k, v in rows.items()}
     return {k: v for k, v in decoded.items() if v is not None}
 
@@ -268,21 +71,14 @@ def validation_loss(generator, gdf, batches, levels: int = 8, seed: int = 0) -> 
     total, count = 0.0, 0
     ts = torch.linspace(0.05, 0.95, levels)
     for x0, conds in batches:
-        rng = torch.Generator(x0.device).manual_seed(seed)
+        rng = torch.Generator().manual_seed(seed)
         for t in ts:
-            eps = torch.randn(x0.shape, generator=rng, device=x0.device, dtype=torch.float32)
+            eps = seeded_randn(x0.shape, rng, x0.device)
             _, raw, _ = diffusion_loss(generator, gdf, x0.float(), conds, epsilon=eps, t=torch.full((len(x0),), float(t)))
             total, count = total + raw.sum().item(), count + len(raw)
     return total / max(count, 1)
 
 # %% ../nbs/41_train.ipynb #4123f432
-class RNGState:
-    "A torch.Generator with state_dict/load_state_dict, so accelerate checkpoints it."
-    def __init__(self, seed: int, device="cpu"):
-        self.generator = torch.Generator(device).manual_seed(seed)
-    def state_dict(self): return {"state": self.generator.get_state()}
-    def load_state_dict(self, d): self.generator.set_state(d["state"])
-
 def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
     "The micro-batch of one process: global batch / (processes × accumulation steps), which must divide evenly."
     b, rem = divmod(global_batch, processes * accum)
@@ -328,6 +124,153 @@ def batch_stream(loader, skip: int = 0):
                                         "(run `python -m cascade_nb.data inspect SOURCE`) and that batch_size fits the data")
         epoch += 1
 
+# %% ../nbs/41_train.ipynb #4c6f4d0a
+def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):
+    "(this process's endless batch stream, fast-forwarded past `skip` batches; the fixed validation batches or None)."
+    from cascade_nb.data.pipeline import dataloader_from_config
+    check = {}
+    if cfg.model.latent_space == "cached":   # refuse latents cached with another encoder / size / bucket set
+        from cascade_nb.data.cache import cache_fingerprint, config_cache_parts
+        check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
+    loader = dataloader_from_config(cfg.data, micro_batch, seed=cfg.train.seed,
+                                    pin_memory=cfg.data.pin_memory and device.type == "cuda", **check)
+    val = None
+    if cfg.data.val_webdataset_path and cfg.checkpoint.val_every:
+        val = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch, split_by_node=False)))]   # the same on every process
+    return batch_stream(loader, skip=skip), val
+
+def _val_data(cfg: Config):
+    "The data config for validation: the held-out source, read once, in order, centre-cropped (whole on every process)."
+    import dataclasses
+    return dataclasses.replace(cfg.data, webdataset_path=cfg.data.val_webdataset_path, resampled=False, shuffle_buffer=0,
+                               crop="center", num_workers=0, bucketeer_random_ratio=0.)
+
+# %% ../nbs/41_train.ipynb #6f3c84c3
+@dataclass
+class Run:
+    "What the loop's helpers share: the accelerator, the config, the mode and its prepared `net`, EMA, GDF, counters, folders."
+    acc: Any
+    cfg: Config
+    mode: TrainingMode
+    net: nn.Module
+    ema: nn.Module | None
+    gdf: Any
+    state: TrainState
+    rng: torch.Generator         # this process's random stream (noise, timesteps, caption dropout)
+    run_dir: RunDir
+    out_dir: Path
+    @property
+    def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
+
+def build_optimizer(t, params, lr: float, device):
+    "AdamW (fused on CUDA) or bitsandbytes' 8-bit AdamW over `params`, with the config's betas, eps and weight decay."
+    if t.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
+                             fused=device.type == "cuda")
+
+# %% ../nbs/41_train.ipynb #3016ac91
+def save(run: Run):
+    "Checkpoint (all processes; atomic commit), then the released weights and backups (main process); see `_save`."
+    try: _save(run)
+    except OSError as e:   # disk full, quota, I/O error: the committed checkpoint is untouched
+        if run.acc.is_main_process: run.run_dir.abandon(run.run_dir.path/f"state-{run.state.update:08d}")
+        raise RunDirError(f"saving update {run.state.update} to {run.run_dir.path} failed ({error_line(e)}); the last committed "
+                          f"checkpoint (update {(run.run_dir.info() or {}).get('update', 'none')}) is kept") from None
+
+def _save(run: Run):
+    "The accelerate state and the loop's own (`save_training_state`) into a staging dir, committed by info.json; then the released weights."
+    acc, state, run_dir, is_main = run.acc, run.state, run.run_dir, run.acc.is_main_process
+    acc.wait_for_everyone()
+    staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
+    acc.wait_for_everyone()
+    acc.save_state(str(staging))
+    save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema)
+    acc.wait_for_everyone()
+    released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
+    if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.state_dict()
+    if is_main:
+        ck = run.cfg.checkpoint
+        backup = state.update % ck.backup_every == 0 and state.update > 0
+        sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
+        for name, sd in released.items():
+            save_safetensors_atomic(sd, run_dir.path/f"{name}.safetensors")
+            if sfx: save_safetensors_atomic(sd, run_dir.path/f"{name}{sfx}.safetensors")
+        run_dir.commit(staging, run_info(run))
+    acc.wait_for_everyone()
+
+def load_checkpoint(run: Run, state_dir):
+    "Load one state dir: refuse it if a file could run code, then accelerate's state and the loop's own (counters, streams, EMA, buckets)."
+    check_checkpoint_files(state_dir)   # a run directory may come from anywhere: nothing in it runs
+    run.acc.load_state(str(state_dir))
+    load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema)   # False (no stream of this rank): a fresh one
+
+def resume(run: Run) -> Path:
+    "Load the latest committed state, or (with a warning) the previous one when the latest is unreadable; the same on every process."
+    state_dir = run.run_dir.resume(lambda d: load_checkpoint(run, d))
+    if run.acc.num_processes > 1:   # a file only one rank reads (its rng_N) may have sent it to the fallback alone
+        from accelerate.utils import gather_object
+        picked = sorted(set(gather_object([state_dir.name])))
+        if len(picked) > 1: raise RunDirError(f"{run.run_dir.path}: the processes resumed from different states ({', '.join(picked)}); "
+                                              "restore the damaged files or remove the latest state")
+    return state_dir
+
+def run_info(run: Run) -> dict:
+    "What info.json records next to each checkpoint: counters, process count, resolved config, adaptive buckets, versions."
+    import cascade_nb, accelerate
+    return {**run.state.state_dict(), "num_processes": run.acc.num_processes, "config": run.cfg.to_yaml_dict(),
+            "adaptive_loss": {k: {n: v.tolist() for n, v in part.items()} for k, part in run.gdf.state_dict().items()},
+            "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__, "accelerate": accelerate.__version__}}
+
+# %% ../nbs/41_train.ipynb #ac5d393d
+def log_samples(run: Run, batch):
+    "The sample grid of the current weights (and EMA) on the first images of `batch`, plus the mode's extra rows."
+    acc, mode, net = run.acc, run.mode, run.net
+    x0, conds = mode.encode(batch, acc.device, training=False)
+    mode.train_mode(net, False)
+    with acc.autocast():
+        rows = sample_rows(acc.unwrap_model(net), run.ema, run.gdf, mode.space, x0, conds, mode.uncond(conds), run.cfg)
+    rows = {**mode.preview_rows(batch, n=8, size=next(iter(rows.values())).shape[-2:]), **rows}   # e.g. a control row
+    mode.train_mode(net, True)
+    if acc.is_main_process:
+        path = save_sample_grid(rows, run.out_dir/f"{run.state.update:06d}.png")
+        (run.out_dir/"captions.txt").write_text("\n".join(batch["captions"][:8]) + "\n")
+        for tr in acc.trackers:
+            if tr.name == "tensorboard":
+                import numpy as np; from PIL import Image
+                tr.writer.add_image("samples", np.asarray(Image.open(path)), run.state.update, dataformats="HWC")
+        acc.print(f"update {run.state.update}: sample grid {path}")
+
+def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped: dict, seconds: float) -> dict:
+    "Loss (mean over the micro-batches since the last log and over processes), speed and memory: tracker + metrics.jsonl."
+    acc, cfg = run.acc, run.cfg
+    updates = len(losses) / cfg.train.grad_accum_steps
+    m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
+         "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr, "ema_beta": ema_beta,
+         "samples_seen": run.state.samples_seen,
+         "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
+         "peak_memory_gb": _peak_memory_gb(acc.device), **{f"skipped/{k}": v for k, v in skipped.items()}}
+    acc.log(m, step=run.state.update)
+    if acc.is_main_process:
+        with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": run.state.update, **m}) + "\n")
+    return m
+
+def validate(run: Run, val_batches) -> float:
+    "Validation loss of the current weights; a new best also writes `{name}_best.safetensors`."
+    acc, state = run.acc, run.state
+    vl = validation_loss(acc.unwrap_model(run.net), run.gdf, [run.mode.encode(b, acc.device, training=False) for b in val_batches])
+    vl = acc.reduce(torch.tensor(vl, device=acc.device), "mean").item()   # one value: every process agrees on "best"
+    acc.log({"val_loss": vl}, step=state.update)
+    best = vl < state.best_val_loss
+    if best: state.best_val_loss = vl
+    released = run.mode.released(acc, run.net) if best else {}   # all processes (FSDP gathers)
+    if acc.is_main_process:
+        for name, sd in released.items(): save_safetensors_atomic(sd, run.run_dir.path/f"{name}_best.safetensors")
+        with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
+    acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
+    return vl
+
 # %% ../nbs/41_train.ipynb #2b7518f7
 def _trackers(cfg: Config):
     if cfg.log.tracker == "none": return None
@@ -362,6 +305,17 @@ def _checkpoint_bytes(net: nn.Module, ema=None) -> int:
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     return 2 * size(net) + 8 * trainable + 2 * size(ema)
 
+# %% ../nbs/41_train.ipynb #2f1407ed
+def check_optimizer(name: str, distributed_type) -> None:
+    "Raise a ConfigError if optimizer `name` cannot run under accelerate's `distributed_type` or is not installed."
+    from accelerate.utils import DistributedType
+    if name != "adamw8bit": return
+    if distributed_type == DistributedType.FSDP:
+        raise ConfigError("optimizer 'adamw8bit' does not work with FSDP: bitsandbytes' 8-bit AdamW cannot update FSDP2's "
+                          "sharded (DTensor) parameters. Use optimizer: adamw, or a DDP / single-GPU launch config")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
+
 # %% ../nbs/41_train.ipynb #4b466ff3
 def train(cfg: Config) -> dict:
     """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
@@ -371,17 +325,15 @@ def train(cfg: Config) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from fastprogress.fastprogress import progress_bar
-    from cascade_nb.data.pipeline import dataloader_from_config
     from cascade_nb.data.sources import format_skips
     stop = StopFlag().install()   # first: a signal during setup still ends in a save at the first update boundary
     ck, t = cfg.checkpoint, cfg.train
-    if t.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:   # fail before building anything
-        raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
 
     # --- setup: processes, devices, precision, tracking
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum_steps,
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
+    check_optimizer(t.optimizer, acc.distributed_type)   # fail before building anything
     device, is_main = acc.device, acc.is_main_process
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     info = run_dir.info()   # None for a new run
@@ -389,7 +341,7 @@ def train(cfg: Config) -> dict:
                            run_dir.check_writable(out_dir), run_dir.lock()))
     if is_main: save_config(cfg, out_dir/"config.yaml")
 
-    # --- models: identical init on every process; frozen encoders in `frozen_dtype` (fp32 as the reference unless set)
+    # --- models: identical init on every process; frozen encoders in `frozen_dtype` (fp32 as the reference unless set); the mode says what trains
     set_seed(t.seed)
     generator, frozen_dtype = build_generator(cfg), resolve_dtype(cfg.model.frozen_dtype)
     tokenizer, text_model = build_text_encoder(cfg, device, frozen_dtype)
@@ -407,153 +359,72 @@ def train(cfg: Config) -> dict:
     # --- optimizer and LR schedule
     micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
     lr = t.lr * (micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1)
-    params = [p for p in net.parameters() if p.requires_grad]
-    if t.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-        opt = bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
-    else:
-        opt = torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
-                                fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule(t.warmup_updates, t.updates, t.lr_schedule))
+    opt = build_optimizer(t, [p for p in net.parameters() if p.requires_grad], lr, device)
+    lr_at, base_lrs = LRSchedule(t.warmup_updates, t.updates, t.lr_schedule), [g["lr"] for g in opt.param_groups]
 
-    # --- prepare: DDP / FSDP wrapping and device placement, by the launch config
+    # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
     _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
-    net, opt, sched = acc.prepare(net, opt, sched)
+    net, opt = acc.prepare(net, opt)
     params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
-    state, rng = TrainState(), RNGState(t.seed * 1000 + acc.process_index, device)
-    acc.register_for_checkpointing(state, rng, gdf)   # gdf: adaptive loss-weight / schedule buckets (empty for P2)
-    if ema is not None: acc.register_for_checkpointing(ema)
+    state, rng = TrainState(), training_generator(t.seed, acc.process_index)   # CPU generator, one stream per process
+    run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir)
 
-    # --- data: this process's share of the stream, fast-forwarded to the data position on resume
-    cache_check = {}
-    if cfg.model.latent_space == "cached":   # refuse latents cached with another encoder / size / bucket set
-        from cascade_nb.data.cache import cache_fingerprint, config_cache_parts
-        cache_check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
-    loader = dataloader_from_config(cfg.data, micro_batch, seed=t.seed, pin_memory=cfg.data.pin_memory and device.type == "cuda",
-                                    **cache_check)
-    val_batches = None
-    if cfg.data.val_webdataset_path and ck.val_every:
-        val_batches = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch)))]
-
-    # --- resume: weights, optimizer, scheduler, RNG states, counters, EMA, adaptive loss buckets
+    # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets (no pickle runs)
     if info is not None:
-        run_dir.resume(lambda d: acc.load_state(str(d)))   # the previous state, with a warning, if the latest is unreadable
+        state_dir = resume(run)   # the latest state, or (warned) the previous one when the latest is unreadable
         if info.get("num_processes") != acc.num_processes:
             warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
                           "training continues, but not on exactly the same batches")
-        acc.print(f"resumed {run_dir.path} at update {state.update}")
-    stream = batch_stream(loader, skip=state.batches_drawn)   # fast-forwarded to the (restored) data position
+        acc.print(f"resumed {state_dir} at update {state.update}")
+
+    # --- data: this process's share of the stream, fast-forwarded to the restored data position
+    stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
     if is_main and acc.trackers: acc.init_trackers(ck.experiment_id, config=_hparams(cfg))
 
-    def save():
-        "Checkpoint (all processes; atomic commit), then the released weights and backups (main process)."
-        try: _save()
-        except OSError as e:   # disk full, quota, I/O error: the committed checkpoint is untouched
-            if is_main: run_dir.abandon(run_dir.path/f"state-{state.update:08d}")
-            raise RunDirError(f"saving update {state.update} to {run_dir.path} failed ({error_line(e)}); the last committed "
-                              f"checkpoint (update {(run_dir.info() or {}).get('update', 'none')}) is kept") from None
-
-    def _save():
-        acc.wait_for_everyone()
-        staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
-        acc.wait_for_everyone()
-        acc.save_state(str(staging))
-        acc.wait_for_everyone()
-        released = mode.released(acc, net)                           # gathers full weights under FSDP: all processes
-        if ema is not None: released[f"{next(iter(released))}_ema"] = ema.state_dict()
-        if is_main:
-            backup = state.update % ck.backup_every == 0 and state.update > 0
-            sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
-            for name, sd in released.items():
-                save_safetensors_atomic(sd, run_dir.path/f"{name}.safetensors")
-                if sfx: save_safetensors_atomic(sd, run_dir.path/f"{name}{sfx}.safetensors")
-            import cascade_nb, accelerate as _acc
-            run_dir.commit(staging, {**state.state_dict(), "num_processes": acc.num_processes, "config": cfg.to_yaml_dict(),
-                                     "adaptive_loss": {k: {n: v.tolist() for n, v in part.items()} for k, part in gdf.state_dict().items()},
-                                     "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__,
-                                                  "accelerate": _acc.__version__}})
-        acc.wait_for_everyone()
-
-    def log_samples(batch):
-        "The sample grid of the current weights (and EMA) on the first images of `batch`."
-        x0, conds = mode.encode(batch, device, training=False)
-        net.eval()
-        with acc.autocast():
-            rows = sample_rows(acc.unwrap_model(net), ema, gdf, mode.space, x0, conds, mode.uncond(conds), cfg)
-        if hasattr(mode, "preview_rows"):   # e.g. ControlNet: the control input as the first row
-            rows = {**mode.preview_rows(batch, n=8, size=next(iter(rows.values())).shape[-2:]), **rows}
-        net.train()
-        if is_main:
-            path = save_sample_grid(rows, out_dir/f"{state.update:06d}.png")
-            (out_dir/"captions.txt").write_text("\n".join(batch["captions"][:8]) + "\n")
-            for tr in acc.trackers:
-                if tr.name == "tensorboard":
-                    import numpy as np; from PIL import Image
-                    tr.writer.add_image("samples", np.asarray(Image.open(path)), state.update, dataformats="HWC")
-            acc.print(f"update {state.update}: sample grid {path}")
-
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches
-    net.train()
-    metrics_path, losses, last_log, skipped, batch = out_dir/"metrics.jsonl", [], time.time(), {}, None
+    mode.train_mode(net)   # only the trainable modules in train mode (a frozen generator keeps its dropout off)
+    losses, last_log, skipped, batch = [], time.time(), {}, None
     interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
     for _ in bar:
+        lr_now = set_lr(opt, base_lrs, lr_at, state.update)   # a function of the update count only
         for _micro in range(t.grad_accum_steps):
             batch = next(stream); state.batches_drawn += 1
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
-            x0, conds = mode.encode(batch, device, training=True, rng=rng.generator)
+            x0, conds = mode.encode(batch, device, training=True, rng=rng)
             with acc.accumulate(net):
-                with acc.autocast():
-                    eps = mode.epsilon(x0, rng.generator) if hasattr(mode, "epsilon") else None   # Stage B: pyramid noise
-                    loss, raw, d = diffusion_loss(net, gdf, x0, conds, rng=rng.generator, shift=training_shift(cfg), epsilon=eps)
+                with acc.autocast(): loss, raw, d = mode.loss(net, gdf, x0, conds, rng=rng)
                 gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()),   # adaptive parts; same on every process
                                    shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
                 if grad_norm is not None and not check_finite(grad_norm, state, t.max_nan_steps):
                     acc.print(f"update {state.update}: non-finite loss/gradients, update skipped ({state.nonfinite_total} so far)")
-                    opt.zero_grad(set_to_none=True)
-                else: opt.step(); opt.zero_grad(set_to_none=True)
+                else: opt.step()
+                opt.zero_grad(set_to_none=True)
                 state.micro_step += 1
             losses.append(loss.detach())
-        sched.step()
         state.update += 1
         state.samples_seen += cfg.data.batch_size
         beta = ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None else None
         if beta is not None: ema_update_(ema, acc.unwrap_model(net), beta)
+        mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
-            dt = time.time() - last_log
-            m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
-                 "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": sched.get_last_lr()[0],
-                 "images_per_s": cfg.data.batch_size * len(losses) / t.grad_accum_steps / dt,
-                 "step_time_s": dt / (len(losses) / t.grad_accum_steps), "peak_memory_gb": _peak_memory_gb(device),
-                 **{f"skipped/{k}": v for k, v in skipped.items()}}
+            m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
             losses, last_log = [], time.time()
-            acc.log(m, step=state.update)
-            if is_main:
-                with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, **m}) + "\n")
-                bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
-                if not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
-        if val_batches and state.update % ck.val_every == 0:
-            vl = validation_loss(acc.unwrap_model(net), gdf, [mode.encode(b, device, training=False) for b in val_batches])
-            acc.log({"val_loss": vl}, step=state.update)
-            best = vl < state.best_val_loss
-            if best: state.best_val_loss = vl
-            released = mode.released(acc, net) if best else {}
-            if is_main:
-                for name, sd in released.items(): save_safetensors_atomic(sd, run_dir.path/f"{name}_best.safetensors")
-                with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
-            acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
+            bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
+            if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
+        if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
-            save()
-            if batch is not None and not stop_now: log_samples(batch)
+            save(run)
+            if batch is not None and not stop_now: log_samples(run, batch)
         if stop_now:
             acc.print(f"received {stop.signal or 'a stop signal'}: saved update {state.update} to {run_dir.path}; exiting")
             break
 
-    if is_main and metrics_path.exists(): plot_metrics(metrics_path, out_dir/"loss.png")
+    if is_main and run.metrics_path.exists(): plot_metrics(run.metrics_path, out_dir/"loss.png")
     acc.wait_for_everyone()
     net = acc.unwrap_model(net)
     acc.free_memory()   # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
@@ -562,12 +433,7 @@ def train(cfg: Config) -> dict:
     return {"update": state.update, "run_dir": str(run_dir.path), "output_dir": str(out_dir),
             "net": net, "ema": ema, "mode": mode, "state": state}
 
-def _val_data(cfg: Config):
-    "The data config for validation: the held-out source, read once, in order, centre-cropped."
-    import dataclasses
-    return dataclasses.replace(cfg.data, webdataset_path=cfg.data.val_webdataset_path, resampled=False, shuffle_buffer=0,
-                               crop="center", num_workers=0, bucketeer_random_ratio=0.)
-
+# %% ../nbs/41_train.ipynb #e6c402e9
 def plot_metrics(metrics_path, out_png):
     "Plot the loss curve (and validation loss) from a run's metrics.jsonl into a PNG (no pyplot: notebooks keep their backend)."
     from matplotlib.figure import Figure

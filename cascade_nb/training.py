@@ -6,16 +6,17 @@ Docs: https://cascade-nb.github.io/cascade_nb/training.html.md"""
 
 # %% ../nbs/40_training.ipynb #8296e4f2
 from __future__ import annotations
-import json, math, os, shutil, socket, time, warnings
+import json, math, os, pickle, re, shutil, socket, time, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
 from torch import nn
-from .core import atomic_write_json, to_pil_grid
+from .core import atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header
 
 # %% auto #0
-__all__ = ['RESUME_KEYS', 'LRSchedule', 'ema_update_', 'ema_beta_at', 'TrainState', 'NonFiniteLossError', 'check_finite',
-           'RunDirError', 'RunDir', 'save_sample_grid']
+__all__ = ['RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'NonFiniteLossError',
+           'check_finite', 'RunDirError', 'RunDir', 'training_generator', 'save_training_state', 'load_training_state',
+           'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_training.ipynb #adc89fbf
 class LRSchedule:
@@ -28,6 +29,12 @@ class LRSchedule:
         if self.kind == "constant" or k < self.warmup: return warm
         progress = min(1.0, (k - self.warmup) / max(1, self.total - self.warmup))
         return 0.5 * (1 + math.cos(math.pi * progress))
+
+# %% ../nbs/40_training.ipynb #00944fab
+def set_lr(optimizer, base_lrs: list[float], schedule, update: int) -> float:
+    "Set each param group's LR to its base LR × `schedule(update)` (`update` = optimizer updates done); returns the first."
+    for group, lr in zip(optimizer.param_groups, base_lrs): group["lr"] = lr * schedule(update)
+    return optimizer.param_groups[0]["lr"]
 
 # %% ../nbs/40_training.ipynb #5ab395cc
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -216,6 +223,82 @@ class RunDir:
         atomic_write_json(self.info_path, {**info, "state_dir": Path(state_dir).name, "previous_state_dir": previous})
         for d in self.path.glob("state-*"):
             if d.is_dir() and d.name not in (Path(state_dir).name, previous): shutil.rmtree(d, ignore_errors=True)
+
+# %% ../nbs/40_training.ipynb #8defc11d
+def training_generator(seed: int, rank: int) -> torch.Generator:
+    "The random stream of process `rank` (noise, timesteps, caption dropout): a CPU generator, whatever the device."
+    return torch.Generator().manual_seed(seed * 1000 + rank)
+
+def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, rng: torch.Generator, gdf, ema=None):
+    "Write the loop's own state into `state_dir` (every process calls it): JSON and safetensors, no pickle."
+    d = Path(state_dir)
+    save_safetensors_atomic({"state": rng.get_state()}, d/f"rng_{rank}.safetensors")   # each rank its own stream
+    if not is_main: return
+    save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()}, d/"gdf.safetensors")
+    if ema is not None: save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors")
+    atomic_write_json(d/"train_state.json", state.state_dict())
+
+# %% ../nbs/40_training.ipynb #bf2cb70f
+def _read(path: Path, read):
+    "read(path), or a clear error naming the checkpoint file."
+    if not path.exists(): raise RuntimeError(f"resume: {path} is missing (a checkpoint written by an older cascade_nb, or damaged)")
+    try: return read(path)
+    except Exception as e: raise RuntimeError(f"resume: {path} is unreadable ({type(e).__name__}: {e})") from None
+
+def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Generator, gdf, ema=None) -> bool:
+    "Restore what `save_training_state` wrote; False when this rank has no saved stream (the process count changed)."
+    from safetensors.torch import load_file
+    d = Path(state_dir)
+    state.load_state_dict(_read(d/"train_state.json", lambda p: json.loads(p.read_text())))
+    flat = _read(d/"gdf.safetensors", lambda p: load_file(str(p)))
+    parts = {}
+    for key, v in flat.items(): part, name = key.split("/", 1); parts.setdefault(part, {})[name] = v
+    gdf.load_state_dict(parts)
+    if ema is not None:
+        ema.load_state_dict(_read(d/"ema.safetensors", lambda p: load_file(str(p))))   # copied onto the EMA's device
+    if not (d/f"rng_{rank}.safetensors").exists(): return False
+    rng.set_state(_read(d/f"rng_{rank}.safetensors", lambda p: load_file(str(p))["state"]))
+    return True
+
+# %% ../nbs/40_training.ipynb #4c709f5d
+_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("pathlib._local", "PosixPath"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    "Unpickles a torch.distributed.checkpoint `.metadata` file: only its dataclasses, dtypes and sizes, nothing callable."
+    def find_class(self, module, name):
+        ok = (module, name) in _DCP_GLOBALS or (module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"))
+        if module == "torch" and not ok: ok = isinstance(getattr(torch, name, None), torch.dtype)
+        if not ok: raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
+        obj = super().find_class(module, name)
+        if module == "torch.distributed.checkpoint.metadata" and not isinstance(obj, type):
+            raise pickle.UnpicklingError(f"global '{module}.{name}' is not a class")
+        return obj
+
+def _check_torch_file(path: Path):
+    from accelerate.utils.other import load   # accelerate's own safe loader: weights_only=True + numpy array globals
+    load(path, map_location="cpu", mmap=True)  # mmap: tensors are mapped, not read
+
+def _check_dcp_metadata(path: Path):
+    with path.open("rb") as f: _DCPMetadataUnpickler(f).load()
+
+_CHECKS = {".bin": _check_torch_file, ".pkl": _check_torch_file, ".pt": _check_torch_file, ".pth": _check_torch_file,
+           ".safetensors": safetensors_header, ".json": lambda p: json.loads(p.read_text())}   # the last two: clear errors
+
+def check_checkpoint_files(state_dir):
+    "Refuse `state_dir` (naming the file) if any pickled file a resume reads holds more than tensors and plain data."
+    for f in sorted(Path(state_dir).rglob("*")):
+        if not f.is_file(): continue
+        if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f.name):
+            raise RuntimeError(f"resume: refusing {f}: cascade_nb never writes custom_checkpoint files, and accelerate would "
+                               "unpickle it with weights_only=False (able to run code). Remove it if the run is yours.")
+        check = _CHECKS.get(f.suffix) or (_check_dcp_metadata if f.name.endswith(".metadata") else None)
+        if check is None: continue
+        try: check(f)
+        except Exception as e:
+            raise RuntimeError(f"resume: refusing {f}: it does not load as plain tensors and data "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 # %% ../nbs/40_training.ipynb #b50ab80a
 def save_sample_grid(rows: dict[str, torch.Tensor], path, value_range=(0., 1.)) -> Path:

@@ -1,6 +1,6 @@
 """The trainer end to end on CPU: a short run from the command line, exact resume after SIGKILL (also during a save),
 SIGTERM handling, the non-finite-loss guard, 2-process DDP, and the official Stage C configs at tiny size."""
-import json, os, random, re, signal, subprocess, sys, time
+import json, os, random, re, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 from safetensors.torch import load_file
@@ -110,10 +110,14 @@ def test_nonfinite_losses(tmp_path):
     assert "update skipped" in res.stdout
     assert info(tmp_path, "nan1")["nonfinite_total"] == 1
 
+def free_port() -> int:
+    "A port no one listens on now (other test runs may launch 2-process jobs at the same time: no fixed port)."
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
 def _launch_2proc(*args, check=True):
     return run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
-                   "--main_process_port", str(29500 + random.randint(0, 400)), DRIVER, *args,
-                   env={"OMP_NUM_THREADS": "1"}, check=check)
+                   "--main_process_port", str(free_port()), DRIVER, *args, env={"OMP_NUM_THREADS": "1"}, check=check)
 
 def test_two_process_ddp(tmp_path):
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8"))

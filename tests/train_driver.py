@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import cascade_nb.train as T
+import cascade_nb.modes as M
 from cascade_nb.training import RunDir
 
 p = argparse.ArgumentParser()
@@ -36,14 +37,14 @@ if args.kill_in_commit is not None:
     RunDir.commit = commit
 
 if args.nan_from is not None or args.nan_once is not None:
-    _loss, calls = T.diffusion_loss, [0]
+    _loss, calls = M.diffusion_loss, [0]   # what every mode's default `loss` calls
     def diffusion_loss(*a, **kw):
         loss, raw, d = _loss(*a, **kw)
         calls[0] += 1
         if (args.nan_from is not None and calls[0] >= args.nan_from) or calls[0] == args.nan_once:
             loss = loss * float("nan")
         return loss, raw, d
-    T.diffusion_loss = diffusion_loss
+    M.diffusion_loss = diffusion_loss
 
 if args.fsdp_cpu:
     import accelerate.accelerator as A

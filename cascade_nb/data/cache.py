@@ -6,17 +6,19 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.cache.html.md"""
 
 # %% ../../nbs/33_data.cache.ipynb #5b69ba03
 from __future__ import annotations
-import hashlib, json, struct, time
+import hashlib, json, time
 from pathlib import Path
 import torch
-from safetensors.torch import save as st_save, load as st_load
+from safetensors.torch import save as st_save
 from ..core import atomic_write_json
-from .sources import SkipCounter, write_shards, is_remote, local_path, _check_out_dir
-from .pipeline import SampleDecoder, build_dataset
+from .sources import write_shards, _check_out_dir
+from .pipeline import build_dataset
+# reading cached shards is the pipeline's job (it comes first); the names stay importable from here too
+from .pipeline import CACHE_INFO, find_cache_info, safetensors_metadata, CacheMismatchError, CachedDecoder
+
 
 # %% auto #0
-__all__ = ['CACHE_INFO', 'cache_fingerprint', 'config_cache_parts', 'cache_dataset', 'find_cache_info', 'safetensors_metadata',
-           'CacheMismatchError', 'CachedDecoder']
+__all__ = ['cache_fingerprint', 'config_cache_parts', 'cache_dataset']
 
 # %% ../../nbs/33_data.cache.ipynb #4128a2d6
 def cache_fingerprint(**parts) -> str:
@@ -34,8 +36,6 @@ def config_cache_parts(cfg) -> dict:
                 multi_aspect_ratio=[str(r) for r in (d.multi_aspect_ratio or [])], image_model=image_model)
 
 # %% ../../nbs/33_data.cache.ipynb #5cb799bc
-CACHE_INFO = "cache_info.json"
-
 def _sample_bytes(tensors: dict[str, torch.Tensor], fingerprint: str) -> bytes:
     return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"fingerprint": fingerprint})
 
@@ -73,47 +73,3 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
                 source=str(source), seconds=round(time.time() - t0, 1))
     atomic_write_json(out_dir / CACHE_INFO, info)
     return info
-
-# %% ../../nbs/33_data.cache.ipynb #ebc35b76
-def find_cache_info(shards: list[dict]) -> dict | None:
-    "The `cache_info.json` next to the first local shard, or None."
-    url = shards[0]["url"]
-    if is_remote(url) or "keys" in shards[0]: return None
-    p = local_path(url).parent / CACHE_INFO
-    return json.loads(p.read_text()) if p.is_file() else None
-
-def safetensors_metadata(data: bytes) -> dict:
-    "The `__metadata__` of a safetensors blob, read from its JSON header."
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]).get("__metadata__", {}) or {}
-
-class CacheMismatchError(RuntimeError):
-    "A cache made by another encoder or with other settings than the run expects."
-
-class CachedDecoder(SampleDecoder):
-    "Pipeline stage: cached raw samples → `{latents, text, caption, meta, bucket}`; refuses another fingerprint."
-    def __init__(self, counter: SkipCounter, expected_fingerprint: str | None = None, info: dict | None = None, n_shards: int = 1):
-        super().__init__(counter, n_shards=n_shards, min_side=0)
-        if expected_fingerprint is not None and info is not None and info["fingerprint"] != expected_fingerprint:
-            raise CacheMismatchError(f"the cache was made with fingerprint {info['fingerprint']} (encoder {info.get('encoder')}, "
-                                     f"image_size {info.get('image_size')}, multi_aspect_ratio {info.get('multi_aspect_ratio')}) "
-                                     f"but this run expects {expected_fingerprint}; rebuild it with `python -m cascade_nb.data cache`")
-        self.expected = expected_fingerprint if expected_fingerprint is not None else (info or {}).get("fingerprint")
-
-    def decode(self, s: dict):
-        if "safetensors" not in s: return None, "bad_cache"
-        try: got = safetensors_metadata(s["safetensors"]).get("fingerprint")
-        except (struct.error, ValueError, UnicodeDecodeError, AttributeError): return None, "bad_cache"   # cut or garbled header
-        if self.expected is not None and got != self.expected:
-            raise CacheMismatchError(f"cached sample {s['__key__']} in {s.get('__url__')} has fingerprint {got}, expected {self.expected}")
-        try: tensors = st_load(s["safetensors"])
-        except Exception: return None, "bad_cache"
-        if "latents" not in tensors: return None, "bad_cache"
-        try: caption = s["txt"].decode("utf-8").strip()
-        except (KeyError, UnicodeDecodeError): caption = ""
-        try: meta = json.loads(s["json"]) if "json" in s else {}
-        except (ValueError, UnicodeDecodeError): return None, "bad_cache"
-        if not isinstance(meta, dict): return None, "bad_cache"
-        latents = tensors.pop("latents")
-        return {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
-                "bucket": tuple(latents.shape)}, None

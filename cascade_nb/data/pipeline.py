@@ -6,20 +6,22 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.pipeline.html.md"""
 
 # %% ../../nbs/32_data.pipeline.ipynb #056cb261
 from __future__ import annotations
-import io, json, math, random, warnings
+import io, json, math, random, struct, warnings
 from collections import Counter
 from pathlib import Path
 import torch
 import webdataset as wds
+from safetensors.torch import load as st_load
 from PIL import Image, ImageOps
 from ..config import CaptionsGetter, DatasetFilter
 from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_shards, ShardList,
-                                     ResampledShardList, ShardReader, _worker_seed)
+                                     ResampledShardList, ShardReader, _worker_seed, is_remote, local_path)
 from .buckets import bucket_sizes, closest_bucket, pick_bucket, BucketResize, BucketBatcher
 
 # %% auto #0
-__all__ = ['as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'default_max_pixels', 'SampleDecoder',
-           'Shuffle', 'ImageTextDataset', 'resolve_crop', 'build_dataset', 'build_dataloader', 'dataloader_from_config',
+__all__ = ['CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'default_max_pixels',
+           'SampleDecoder', 'Shuffle', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder',
+           'ImageTextDataset', 'resolve_crop', 'build_dataset', 'build_dataloader', 'dataloader_from_config',
            'sum_skips', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
@@ -153,6 +155,53 @@ class Shuffle:
         for s in buf: yield from release(s)
         yield from markers.values()
 
+# %% ../../nbs/32_data.pipeline.ipynb #ebc35b76
+CACHE_INFO = "cache_info.json"
+"The file next to cached shards that says what made them (`cascade_nb.data.cache`)."
+
+def find_cache_info(shards: list[dict]) -> dict | None:
+    "The `cache_info.json` next to the first local shard, or None."
+    url = shards[0]["url"]
+    if is_remote(url) or "keys" in shards[0]: return None
+    p = local_path(url).parent / CACHE_INFO
+    return json.loads(p.read_text()) if p.is_file() else None
+
+def safetensors_metadata(data: bytes) -> dict:
+    "The `__metadata__` of a safetensors blob, read from its JSON header."
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]).get("__metadata__", {}) or {}
+
+class CacheMismatchError(RuntimeError):
+    "A cache made by another encoder or with other settings than the run expects."
+
+class CachedDecoder(SampleDecoder):
+    "Pipeline stage: cached raw samples → `{latents, text, caption, meta, bucket}`; refuses another fingerprint."
+    def __init__(self, counter: SkipCounter, expected_fingerprint: str | None = None, info: dict | None = None, n_shards: int = 1):
+        super().__init__(counter, n_shards=n_shards, min_side=0)
+        if expected_fingerprint is not None and info is not None and info["fingerprint"] != expected_fingerprint:
+            raise CacheMismatchError(f"the cache was made with fingerprint {info['fingerprint']} (encoder {info.get('encoder')}, "
+                                     f"image_size {info.get('image_size')}, multi_aspect_ratio {info.get('multi_aspect_ratio')}) "
+                                     f"but this run expects {expected_fingerprint}; rebuild it with `python -m cascade_nb.data cache`")
+        self.expected = expected_fingerprint if expected_fingerprint is not None else (info or {}).get("fingerprint")
+
+    def decode(self, s: dict):
+        if "safetensors" not in s: return None, "bad_cache"
+        try: got = safetensors_metadata(s["safetensors"]).get("fingerprint")
+        except (struct.error, ValueError, UnicodeDecodeError, AttributeError): return None, "bad_cache"   # cut or garbled header
+        if self.expected is not None and got != self.expected:
+            raise CacheMismatchError(f"cached sample {s['__key__']} in {s.get('__url__')} has fingerprint {got}, expected {self.expected}")
+        try: tensors = st_load(s["safetensors"])
+        except Exception: return None, "bad_cache"
+        if "latents" not in tensors: return None, "bad_cache"
+        try: caption = s["txt"].decode("utf-8").strip()
+        except (KeyError, UnicodeDecodeError): caption = ""
+        try: meta = json.loads(s["json"]) if "json" in s else {}
+        except (ValueError, UnicodeDecodeError): return None, "bad_cache"
+        if not isinstance(meta, dict): return None, "bad_cache"
+        latents = tensors.pop("latents")
+        return {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
+                "bucket": tuple(latents.shape)}, None
+
 # %% ../../nbs/32_data.pipeline.ipynb #a631c588
 class ImageTextDataset(wds.DataPipeline):
     "The data pipeline (an `IterableDataset` of batches); `set_epoch` reseeds shard order and crops."
@@ -170,15 +219,14 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
                   dataset_filters=None, resampled: bool = False, shuffle_buffer: int = 1000, crop: str = "auto",
                   p_random_ratio: float = 0.0, min_side: int | None = None, max_pixels: int | None = None, drop_last: bool = True,
                   seed: int = 0, epoch_length: int | None = None, folder_chunk: int = 64, cache_fingerprint: str | None = None,
-                  allow_pipe: bool = False) -> ImageTextDataset:
+                  allow_pipe: bool = False, split_by_node: bool = True) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
     shards = resolve_shards(source, folder_chunk, allow_pipe)
     n_distinct = len({s["url"] for s in shards})
     counter = SkipCounter()
     head = ([ResampledShardList(shards, seed)] if resampled else
-            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node, wds.split_by_worker])
-    from cascade_nb.data.cache import find_cache_info, CachedDecoder   # cached shards: latents instead of images
-    info = find_cache_info(shards)
+            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node if split_by_node else None, wds.split_by_worker])
+    info = find_cache_info(shards)   # cached shards: latents instead of images
     if info is not None or cache_fingerprint is not None:
         body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=n_distinct)]
         group_key = "bucket"
@@ -202,7 +250,7 @@ def build_dataloader(source, batch_size: int, *, num_workers: int = 2, pin_memor
     "A DataLoader over `build_dataset(source, batch_size, **dataset_kwargs)`; see `build_dataset` for the batch format."
     ds = build_dataset(source, batch_size, **dataset_kwargs)
     from webdataset.utils import pytorch_worker_info
-    world = pytorch_worker_info()[1]
+    world = pytorch_worker_info()[1] if dataset_kwargs.get("split_by_node", True) else 1   # readers sharing the shards
     if not ds.resampled and len(ds.shards) < world * max(num_workers, 1):
         warnings.warn(f"data: {len(ds.shards)} shard(s) for {world} rank(s) × {num_workers} worker(s): some readers get no data; "
                       "pack more, smaller shards (python -m cascade_nb.data pack ... --shard-size N)")

@@ -17,8 +17,8 @@ from .loss_weights import (BaseLossWeight, P2LossWeight, AdaptiveLossWeight, Min
 from .core import GDF
 
 # %% auto #0
-__all__ = ['LOSS_WEIGHTS', 'TARGETS', 'SAMPLING_DEFAULTS', 'make_loss_weight', 'make_gdf', 'stage_c_gdf', 'stage_b_gdf',
-           'gdf_from_config', 'training_shift']
+__all__ = ['LOSS_WEIGHTS', 'TARGETS', 'TIMESTEP_SAMPLINGS', 'SAMPLING_DEFAULTS', 'make_loss_weight', 'make_gdf', 'stage_c_gdf',
+           'stage_b_gdf', 'gdf_from_config', 'training_shift']
 
 # %% ../../nbs/17_gdf.presets.ipynb #a83bafb5
 LOSS_WEIGHTS = {"p2": P2LossWeight, "adaptive": AdaptiveLossWeight, "min_snr": MinSNRLossWeight,
@@ -26,6 +26,11 @@ LOSS_WEIGHTS = {"p2": P2LossWeight, "adaptive": AdaptiveLossWeight, "min_snr": M
                 "truncated_snr": TruncatedSNRLossWeight, "sech": SechLossWeight, "debiased": DebiasedLossWeight,
                 "sigmoid": SigmoidLossWeight, "constant": ConstantLossWeight}
 TARGETS = {"epsilon": EpsilonTarget, "v": VTarget}
+
+def _default_t(cosine: CosineSchedule): return cosine
+def _logit_normal_t(cosine: CosineSchedule): return LogitNormalSchedule(logsnr_range=(cosine.limits[0], cosine.limits[1]))
+TIMESTEP_SAMPLINGS = {"default": _default_t, "logit_normal": _logit_normal_t}
+"How training draws noise levels (`timestep_sampling`): a schedule built from Stable Cascade's clamped cosine."
 
 def make_loss_weight(name: str, target: str = "epsilon") -> BaseLossWeight:
     "The loss weight called `name` (a key of LOSS_WEIGHTS); 'min_snr' is expressed in `target`'s space."
@@ -39,9 +44,9 @@ def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling
     "Stable Cascade's GDF (cosine, VP, CosineT) with a chosen loss weight, target, timestep sampling and offset noise."
     if target not in TARGETS: raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
     cosine = CosineSchedule(clamp_range=(1e-4, 0.9999))
-    if timestep_sampling == "default": schedule = cosine
-    elif timestep_sampling == "logit_normal": schedule = LogitNormalSchedule(logsnr_range=(cosine.limits[0], cosine.limits[1]))
-    else: raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; expected 'default' or 'logit_normal'")
+    if timestep_sampling not in TIMESTEP_SAMPLINGS:
+        raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; expected one of {sorted(TIMESTEP_SAMPLINGS)}")
+    schedule = TIMESTEP_SAMPLINGS[timestep_sampling](cosine)
     return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS[target](), noise_cond=CosineTNoiseCond(),
                loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise)
 

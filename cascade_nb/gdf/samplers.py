@@ -7,17 +7,13 @@ Docs: https://cascade-nb.github.io/cascade_nb/gdf.samplers.html.md"""
 # %% ../../nbs/15_gdf.samplers.ipynb #91767123
 from __future__ import annotations
 import torch
-from ..core import append_dims
+from ..core import append_dims, seeded_randn
 from .scalers import BaseScaler
 
 # %% auto #0
-__all__ = ['seeded_randn', 'renoise', 'BaseSampler', 'DDIMSampler', 'DDPMSampler', 'LCMSampler']
+__all__ = ['SAMPLERS', 'renoise', 'BaseSampler', 'DDIMSampler', 'DDPMSampler', 'LCMSampler']
 
 # %% ../../nbs/15_gdf.samplers.ipynb #0e3f2770
-def seeded_randn(shape, generator: torch.Generator | None = None, device="cpu", dtype=torch.float32) -> torch.Tensor:
-    "Standard normal noise on `device`, drawn from `generator` on the generator's own device (e.g. a CPU generator for GPU noise)."
-    return torch.randn(shape, generator=generator, dtype=dtype, device=device if generator is None else generator.device).to(device)
-
 def renoise(x0: torch.Tensor, eps: torch.Tensor, a_next, b_next, sigma, generator: torch.Generator | None = None) -> torch.Tensor:
     "x' = a' x0 + sqrt(b'^2 - sigma^2) eps + sigma z: the step shared by DDPM, DDIM and LCM."
     x = a_next * x0 + (b_next**2 - sigma**2).clamp(min=0).sqrt() * eps
@@ -54,3 +50,6 @@ class DDPMSampler(DDIMSampler):
 class LCMSampler(BaseSampler):
     "Latent-consistency style step (Luo et al. 2023): re-noise the predicted x0 with fresh noise."
     def sigma(self, a, b, a_next, b_next): return b_next
+
+# %% ../../nbs/15_gdf.samplers.ipynb #d5550cc2
+SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler}

@@ -8,6 +8,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/gdf.schedules.html.md"""
 from __future__ import annotations
 import math
 import torch
+from ..core import seeded_rand, seeded_randn, seeded_multinomial
 
 # %% auto #0
 __all__ = ['BaseSchedule', 'abar_to_logsnr', 'CosineSchedule', 'CosineSchedule2', 'SqrtSchedule', 'RectifiedFlowsSchedule',
@@ -31,7 +32,7 @@ class BaseSchedule:
 
     def sample_t(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
         "Training times: uniform on (0, 1]."
-        return 1 - torch.rand(batch_size, generator=generator)
+        return 1 - seeded_rand(batch_size, generator)
 
     def sample_logsnr(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
         "Training noise levels: logsnr of `sample_t`, quantised when `discrete_steps` is set."
@@ -169,7 +170,7 @@ class EDMTrainSchedule(BaseSchedule):
         super().__init__(**kwargs)
 
     def sample_logsnr(self, batch_size, generator=None):
-        return -2 * (self.mu + self.std * torch.randn(batch_size, generator=generator))
+        return -2 * (self.mu + self.std * seeded_randn(batch_size, generator))
 
 class LogitNormalSchedule(RectifiedFlowsSchedule):
     "SD3's logit-normal timestep sampling (Esser et al. 2024): t = sigmoid(m + s n) on the rectified-flow path."
@@ -178,7 +179,7 @@ class LogitNormalSchedule(RectifiedFlowsSchedule):
         super().__init__(logsnr_range, **kwargs)
 
     def sample_t(self, batch_size, generator=None):
-        return torch.sigmoid(self.m + self.s * torch.randn(batch_size, generator=generator))
+        return torch.sigmoid(self.m + self.s * seeded_randn(batch_size, generator))
 
 class AdaptiveTrainSchedule(BaseSchedule):
     "Importance-sample logSNR buckets in proportion to an EMA of their loss (GDF). Train-only; call `update_buckets`."
@@ -190,9 +191,9 @@ class AdaptiveTrainSchedule(BaseSchedule):
 
     def sample_logsnr(self, batch_size, generator=None):
         probs = (self.bucket_probs.cpu() + self.min_probs)
-        k = torch.multinomial(probs / probs.sum(), batch_size, replacement=True, generator=generator)
+        k = seeded_multinomial(probs / probs.sum(), batch_size, generator)
         lo, hi = self.edges[k], self.edges[k + 1]
-        return lo + torch.rand(batch_size, generator=generator) * (hi - lo)
+        return lo + seeded_rand(batch_size, generator) * (hi - lo)
 
     def bucket_index(self, logsnr: torch.Tensor) -> torch.Tensor:
         "Bucket of each logsnr (values outside the range go to the first/last bucket)."

@@ -45,6 +45,12 @@ class ResBlock(nn.Module):
         self.channelwise = nn.Sequential(nn.Linear(c + c_skip, c * 4), nn.GELU(), GlobalResponseNorm(c * 4),
                                          nn.Dropout(dropout), nn.Linear(c * 4, c))
 
+    takes_control = True   # a ControlNet hint is added to the input of every ResBlock (StageC, cascade_nb.controlnet)
+    def memory_shape(self) -> dict:
+        "What the memory planner (`cascade_nb.memory`) needs to know about this block."
+        c = self.depthwise.in_channels
+        return dict(kind="C", c=c, c_skip=self.channelwise[0].in_features - c, dropout=self.channelwise[3].p)
+
     def forward(self, x, x_skip=None):
         h = self.norm(self.depthwise(x)).permute(0, 2, 3, 1)               # (B, H, W, C), a view
         if x_skip is not None: h = torch.cat([h, x_skip.permute(0, 2, 3, 1)], dim=-1)
@@ -78,6 +84,11 @@ class AttnBlock(nn.Module):
         self.attention = Attention2D(c, nhead, dropout)
         self.kv_mapper = nn.Sequential(nn.SiLU(), nn.Linear(c_cond, c))
 
+    def memory_shape(self) -> dict:
+        "What the memory planner (`cascade_nb.memory`) needs to know about this block."
+        lin = self.kv_mapper[1]
+        return dict(kind="A", c=lin.out_features, c_cond=lin.in_features, dropout=self.attention.attn.dropout)
+
     def forward(self, x, kv):
         B, C, H, W = x.shape
         kv = self.kv_mapper(kv)                                             # (B, S, C)
@@ -94,6 +105,10 @@ class FeedForwardBlock(nn.Module):
         self.channelwise = nn.Sequential(nn.Linear(c, c * 4), nn.GELU(), GlobalResponseNorm(c * 4),
                                          nn.Dropout(dropout), nn.Linear(c * 4, c))
 
+    def memory_shape(self) -> dict:
+        "What the memory planner (`cascade_nb.memory`) needs to know about this block."
+        return dict(kind="F", c=self.channelwise[0].in_features, dropout=self.channelwise[3].p)
+
     def forward(self, x):
         return x + self.channelwise(self.norm(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
@@ -105,6 +120,10 @@ class TimestepBlock(nn.Module):
         self.mapper = nn.Linear(c_timestep, c * 2)
         self.conds = tuple(conds)
         for name in self.conds: setattr(self, f"mapper_{name}", nn.Linear(c_timestep, c * 2))
+
+    def memory_shape(self) -> dict:
+        "What the memory planner (`cascade_nb.memory`) needs to know about this block."
+        return dict(kind="T", c=self.mapper.out_features // 2)
 
     def forward(self, x, t):
         t = t.chunk(len(self.conds) + 1, dim=1)

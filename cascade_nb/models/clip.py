@@ -11,7 +11,7 @@ from pathlib import Path
 from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
-from ..core import frozen, seeded
+from ..core import frozen, seeded, seeded_rand
 
 # %% auto #0
 __all__ = ['CLIP_TEXT_MODEL', 'CLIP_IMAGE_MODEL', 'CLIP_MAX_LENGTH', 'CLIP_MEAN', 'CLIP_STD', 'sample_tokenizer_dir',
@@ -129,5 +129,5 @@ def clip_conditions(tokenizer, text_model, captions: Sequence[str], image_model=
 def drop_captions(captions: Sequence[str], p: float, generator: torch.Generator | None = None) -> list[str]:
     "Replace each caption by '' with probability `p` (classifier-free guidance training)."
     if not 0 <= p <= 1: raise ValueError(f"drop_captions: p must be in [0, 1], got {p}")
-    drop = torch.rand(len(captions), generator=generator) < p
+    drop = seeded_rand(len(captions), generator) < p
     return ["" if d else str(c) for c, d in zip(captions, drop.tolist())]

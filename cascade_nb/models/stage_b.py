@@ -11,8 +11,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config
-from ..gdf.samplers import seeded_randn
+from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config, seeded_rand, seeded_randn
 from .blocks import LayerNorm2d, TimestepBlock
 from .stage_c import StageC
 
@@ -138,14 +137,14 @@ def random_effnet_size(h: int, w: int, factor_range: tuple = (0.5, 1.), multiple
                        generator: torch.Generator | None = None) -> tuple[int, int]:
     "(h', w') = (h, w) scaled by one f ~ U(factor_range), floored to a multiple of `multiple` (at least one)."
     lo, hi = factor_range
-    f = lo + (hi - lo) * torch.rand((), generator=generator).item()
+    f = lo + (hi - lo) * seeded_rand((), generator).item()
     return tuple(max(multiple, int(s * f) // multiple * multiple) for s in (h, w))
 
 def effnet_condition(encode: Callable, images01: torch.Tensor, p_drop: float = 0.1, factor_range: tuple = (0.5, 1.),
                      multiple: int = 32, c_latent: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
     "Stage B's training `effnet` condition: encode(images downscaled by U(factor_range)), zeros for a p_drop fraction."
     size = random_effnet_size(*images01.shape[-2:], factor_range, multiple, generator)
-    keep = torch.rand(images01.shape[0], generator=generator) >= p_drop                     # (B,) on the CPU
+    keep = seeded_rand(images01.shape[0], generator) >= p_drop                     # (B,) on the CPU
     if not keep.any():                                                                      # EfficientNet: /32
         return images01.new_zeros(images01.shape[0], c_latent, size[0] // 32, size[1] // 32)
     small = images01[keep.to(images01.device)]

@@ -16,7 +16,8 @@ from .blocks import (LayerNorm2d, ResBlock, AttnBlock, FeedForwardBlock, Timeste
                                       UpDownBlock2d)
 
 # %% auto #0
-__all__ = ['STAGE_C_PRESETS', 'r_embedding', 'StageC', 'save_stage_c', 'load_stage_c']
+__all__ = ['STAGE_C_PRESETS', 'r_embedding', 'stage_c_block', 'level_switch', 'stage_c_down_path', 'stage_c_up_path',
+           'stage_c_init_', 'StageC', 'run_level', 'unet_levels', 'save_stage_c', 'load_stage_c']
 
 # %% ../../nbs/21_models.stage_c.ipynb #dccfa4b4
 def r_embedding(r: torch.Tensor, c_r: int = 64, max_positions: int = 10000) -> torch.Tensor:
@@ -35,6 +36,71 @@ def _as_batch(v, like: torch.Tensor) -> torch.Tensor:
     v = torch.as_tensor(v, dtype=torch.float32, device=like.device)
     return v.expand(like.shape[0]) if v.ndim == 0 else v.reshape(like.shape[0])
 
+#| export
+def stage_c_block(letter: str, c: int, c_cond: int, c_r: int, nhead: int, kernel_size: int, dropout: float,
+                  self_attn: bool, t_conds, c_skip: int = 0, level_config=None) -> nn.Module:
+    "One block of a level from its letter: C ResBlock, T TimestepBlock, A AttnBlock, F FeedForwardBlock."
+    if letter == 'C': return ResBlock(c, c_skip, kernel_size=kernel_size, dropout=dropout)
+    if letter == 'A': return AttnBlock(c, c_cond, nhead, self_attn=self_attn, dropout=dropout)
+    if letter == 'F': return FeedForwardBlock(c, dropout=dropout)
+    if letter == 'T': return TimestepBlock(c, c_r, conds=t_conds)
+    raise ValueError(f"StageC: unknown block letter {letter!r} in level_config {level_config}; use C, T, A or F")
+
+def level_switch(c_from: int, c_to: int, mode: str, switch_level, i: int) -> nn.Module:
+    "Between two levels: a stride-2 (transposed) conv, or with `switch_level` an `UpDownBlock2d` (Stage B)."
+    if switch_level is None:  # a real resolution change
+        conv = nn.Conv2d if mode == 'down' else nn.ConvTranspose2d
+        return conv(c_from, c_to, kernel_size=2, stride=2)
+    return UpDownBlock2d(c_from, c_to, mode=mode, enabled=switch_level[i])
+
+# %% ../../nbs/21_models.stage_c.ipynb #325bbe7e
+def stage_c_down_path(c_hidden, blocks, block_repeat, level_config, make_block, switch_level):
+    "(blocks, downscalers, repeat mappers) of the down levels, one `nn.ModuleList` each."
+    down_blocks, downscalers, repeat_mappers = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+    for i in range(len(c_hidden)):
+        downscalers.append(nn.Identity() if i == 0 else nn.Sequential(
+            LayerNorm2d(c_hidden[i - 1], elementwise_affine=False, eps=1e-6),
+            level_switch(c_hidden[i - 1], c_hidden[i], 'down', switch_level, i - 1)))
+        down_blocks.append(nn.ModuleList(make_block(l, i) for _ in range(blocks[i]) for l in level_config[i]))
+        repeat_mappers.append(nn.ModuleList(nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1) for _ in range(block_repeat[i] - 1)))
+    return down_blocks, downscalers, repeat_mappers
+
+def stage_c_up_path(c_hidden, blocks, block_repeat, level_config, make_block, switch_level):
+    "(blocks, upscalers, repeat mappers) of the up levels, deepest first; `blocks`/`block_repeat` are listed deepest first."
+    n = len(c_hidden)
+    up_blocks, upscalers, repeat_mappers = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
+    for i in reversed(range(n)):
+        upscalers.append(nn.Identity() if i == 0 else nn.Sequential(
+            LayerNorm2d(c_hidden[i], elementwise_affine=False, eps=1e-6),
+            level_switch(c_hidden[i], c_hidden[i - 1], 'up', switch_level, i - 1)))
+        skip = c_hidden[i] if i < n - 1 else 0   # the first block of every level but the deepest takes the skip
+        up_blocks.append(nn.ModuleList(make_block(l, i, c_skip=skip if j == k == 0 else 0)
+                                       for j in range(blocks[::-1][i]) for k, l in enumerate(level_config[i])))
+        repeat_mappers.append(nn.ModuleList(nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1) for _ in range(block_repeat[::-1][i] - 1)))
+    return up_blocks, upscalers, repeat_mappers
+
+# %% ../../nbs/21_models.stage_c.ipynb #aefac148
+@torch.no_grad()
+def stage_c_init_(model):
+    "In place, the reference's init of a StageC (xavier, N(0, .02) CLIP mappers, zero output conv, zero TimestepBlocks, scaled MLP outputs)."
+    if any(p.is_meta for p in model.parameters()): return
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):   # as the reference: not ConvTranspose2d
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None: nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.MultiheadAttention):  # its Linear layout is a fused (3C, C) matrix
+            nn.init.xavier_uniform_(m.in_proj_weight); nn.init.zeros_(m.in_proj_bias)
+    for mapper in model._cond_mappers(): nn.init.normal_(mapper.weight, std=0.02)
+    nn.init.xavier_uniform_(model.embedding[1].weight, gain=0.02)
+    nn.init.zeros_(model.clf[1].weight)
+    scale = math.sqrt(1 / sum(model.config['blocks'][0]))
+    for block in model.modules():
+        if isinstance(block, (ResBlock, FeedForwardBlock)): block.channelwise[-1].weight.mul_(scale)
+        elif isinstance(block, TimestepBlock):
+            for lin in block.modules():
+                if isinstance(lin, nn.Linear): nn.init.zeros_(lin.weight)
+
+# %% ../../nbs/21_models.stage_c.ipynb #7aadbdf3
 class StageC(nn.Module):
     "Stable Cascade's Stage C: a text-conditional diffusion prior over 16×24×24 EfficientNet latents (Würstchen v3)."
     def __init__(self, c_in=16, c_out=16, c_r=64, patch_size=1, c_cond=2048, c_hidden=(2048, 2048), nhead=(32, 32),
@@ -66,65 +132,21 @@ class StageC(nn.Module):
                                        nn.Conv2d(c_in * patch_size ** 2, c_hidden[0], kernel_size=1),
                                        LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6))
 
-        def make_block(letter, i, c_skip=0):
-            c = c_hidden[i]
-            if letter == 'C': return ResBlock(c, c_skip, kernel_size=kernel_size, dropout=dropout[i])
-            if letter == 'A': return AttnBlock(c, c_cond, nhead[i], self_attn=self_attn[i], dropout=dropout[i])
-            if letter == 'F': return FeedForwardBlock(c, dropout=dropout[i])
-            if letter == 'T': return TimestepBlock(c, c_r, conds=t_conds)
-            raise ValueError(f"StageC: unknown block letter {letter!r} in level_config {level_config}; use C, T, A or F")
-
-        def level_switch(c_from, c_to, mode, i):
-            if switch_level is None:  # a real resolution change
-                conv = nn.Conv2d if mode == 'down' else nn.ConvTranspose2d
-                return conv(c_from, c_to, kernel_size=2, stride=2)
-            return UpDownBlock2d(c_from, c_to, mode=mode, enabled=switch_level[i])
-
-        self.down_blocks, self.down_downscalers, self.down_repeat_mappers = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
-        for i in range(n):
-            self.down_downscalers.append(nn.Identity() if i == 0 else nn.Sequential(
-                LayerNorm2d(c_hidden[i - 1], elementwise_affine=False, eps=1e-6),
-                level_switch(c_hidden[i - 1], c_hidden[i], 'down', i - 1)))
-            self.down_blocks.append(nn.ModuleList(make_block(l, i) for _ in range(blocks[0][i]) for l in level_config[i]))
-            self.down_repeat_mappers.append(nn.ModuleList(
-                nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1) for _ in range(block_repeat[0][i] - 1)))
-
-        self.up_blocks, self.up_upscalers, self.up_repeat_mappers = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
-        for i in reversed(range(n)):
-            self.up_upscalers.append(nn.Identity() if i == 0 else nn.Sequential(
-                LayerNorm2d(c_hidden[i], elementwise_affine=False, eps=1e-6),
-                level_switch(c_hidden[i], c_hidden[i - 1], 'up', i - 1)))
-            skip = c_hidden[i] if i < n - 1 else 0   # the first block of every level but the deepest takes the skip
-            self.up_blocks.append(nn.ModuleList(
-                make_block(l, i, c_skip=skip if j == k == 0 else 0)
-                for j in range(blocks[1][::-1][i]) for k, l in enumerate(level_config[i])))
-            self.up_repeat_mappers.append(nn.ModuleList(
-                nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1) for _ in range(block_repeat[1][::-1][i] - 1)))
+        make = lambda letter, i, c_skip=0: stage_c_block(letter, c_hidden[i], c_cond, c_r, nhead[i], kernel_size, dropout[i],
+                                                         self_attn[i], t_conds, c_skip, level_config)
+        self.down_blocks, self.down_downscalers, self.down_repeat_mappers = stage_c_down_path(
+            c_hidden, blocks[0], block_repeat[0], level_config, make, switch_level)
+        self.up_blocks, self.up_upscalers, self.up_repeat_mappers = stage_c_up_path(
+            c_hidden, blocks[1], block_repeat[1], level_config, make, switch_level)
 
         self.clf = nn.Sequential(LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6),
                                  nn.Conv2d(c_hidden[0], c_out * patch_size ** 2, kernel_size=1),
                                  nn.PixelShuffle(patch_size))
         self.init_weights()
 
-    @torch.no_grad()
     def init_weights(self):
-        "The reference's init (xavier, N(0, .02) CLIP mappers, zero output conv, zero TimestepBlocks, scaled MLP outputs)."
-        if any(p.is_meta for p in self.parameters()): return
-        for m in self.modules():
-            if isinstance(m, (nn.Conv2d, nn.Linear)):   # as the reference: not ConvTranspose2d
-                nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None: nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.MultiheadAttention):  # its Linear layout is a fused (3C, C) matrix
-                nn.init.xavier_uniform_(m.in_proj_weight); nn.init.zeros_(m.in_proj_bias)
-        for mapper in self._cond_mappers(): nn.init.normal_(mapper.weight, std=0.02)
-        nn.init.xavier_uniform_(self.embedding[1].weight, gain=0.02)
-        nn.init.zeros_(self.clf[1].weight)
-        scale = math.sqrt(1 / sum(self.config['blocks'][0]))
-        for block in self.modules():
-            if isinstance(block, (ResBlock, FeedForwardBlock)): block.channelwise[-1].weight.mul_(scale)
-            elif isinstance(block, TimestepBlock):
-                for lin in block.modules():
-                    if isinstance(lin, nn.Linear): nn.init.zeros_(lin.weight)
+        "The reference's init (see `stage_c_init_`)."
+        stage_c_init_(self)
 
     def _cond_mappers(self) -> tuple[nn.Module, ...]:
         "The conditioning mappers the init draws from N(0, 0.02) (a subclass with other conditions names its own)."
@@ -158,21 +180,7 @@ class StageC(nn.Module):
         return block(*args)
 
     def _run_level(self, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
-        for rep in range(len(repeat_mappers) + 1):
-            for k, block in enumerate(blocks):
-                if isinstance(block, ResBlock):
-                    hint = next(cnet, None)
-                    if hint is not None:
-                        x = x + F.interpolate(hint.to(x.dtype), size=x.shape[-2:], mode='bilinear', align_corners=True)
-                    block_skip = skip if k == 0 else None
-                    if block_skip is not None and block_skip.shape[-2:] != x.shape[-2:]:
-                        x = F.interpolate(x.float(), block_skip.shape[-2:], mode='bilinear', align_corners=True).to(x.dtype)
-                    x = self._run(block, x, block_skip)
-                elif isinstance(block, AttnBlock): x = self._run(block, x, clip)
-                elif isinstance(block, TimestepBlock): x = self._run(block, x, r_embed)
-                else: x = self._run(block, x)
-            if rep < len(repeat_mappers): x = repeat_mappers[rep](x)
-        return x
+        return run_level(self, x, blocks, repeat_mappers, r_embed, clip, cnet, skip)
 
     def forward(self, x, r, clip_text, clip_text_pooled, clip_img=None, cnet=None, **kwargs):
         "Predict the target for latents x (B, c_in, H, W) at noise level r (B,); `kwargs` may hold the t_conds (sca, crp)."
@@ -189,19 +197,42 @@ class StageC(nn.Module):
 
     def _levels(self, x, r_embed, clip, cnet=None) -> torch.Tensor:
         "Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips, `clf`."
-        x = x.contiguous(memory_format=torch.channels_last)   # (B, C, H, W) stored as (B, H, W, C)
-        if x.dtype == torch.float16:   # fp16 weights or fp16 autocast
-            warnings.warn(f"{type(self).__name__} in float16: its activations overflow fp16 (max 65504); "
-                          "use bfloat16 or float32")
-        r_embed, clip, cnet = r_embed.to(x.dtype), clip.to(x.dtype), iter(cnet if cnet is not None else ())
-        level_outputs = []
-        for blocks, downscaler, repmap in zip(self.down_blocks, self.down_downscalers, self.down_repeat_mappers):
-            x = self._run_level(downscaler(x), blocks, repmap, r_embed, clip, cnet)
-            level_outputs.insert(0, x)                                          # deepest first
-        x = level_outputs[0]
-        for i, (blocks, upscaler, repmap) in enumerate(zip(self.up_blocks, self.up_upscalers, self.up_repeat_mappers)):
-            x = upscaler(self._run_level(x, blocks, repmap, r_embed, clip, cnet, skip=level_outputs[i] if i > 0 else None))
-        return self.clf(x).contiguous()
+        return unet_levels(self, x, r_embed, clip, cnet)
+
+# %% ../../nbs/21_models.stage_c.ipynb #74109758
+def run_level(model, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
+    "One level of `model` (a StageC): its blocks, `len(repeat_mappers) + 1` times."
+    for rep in range(len(repeat_mappers) + 1):
+        for k, block in enumerate(blocks):
+            if isinstance(block, ResBlock):
+                hint = next(cnet, None)
+                if hint is not None:
+                    x = x + F.interpolate(hint.to(x.dtype), size=x.shape[-2:], mode='bilinear', align_corners=True)
+                block_skip = skip if k == 0 else None
+                if block_skip is not None and block_skip.shape[-2:] != x.shape[-2:]:
+                    x = F.interpolate(x.float(), block_skip.shape[-2:], mode='bilinear', align_corners=True).to(x.dtype)
+                x = model._run(block, x, block_skip)
+            elif isinstance(block, AttnBlock): x = model._run(block, x, clip)
+            elif isinstance(block, TimestepBlock): x = model._run(block, x, r_embed)
+            else: x = model._run(block, x)
+        if rep < len(repeat_mappers): x = repeat_mappers[rep](x)
+    return x
+
+def unet_levels(model, x, r_embed, clip, cnet=None) -> torch.Tensor:
+    "Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips, `clf`."
+    x = x.contiguous(memory_format=torch.channels_last)   # (B, C, H, W) stored as (B, H, W, C)
+    if x.dtype == torch.float16:   # fp16 weights or fp16 autocast
+        warnings.warn(f"{type(model).__name__} in float16: its activations overflow fp16 (max 65504); "
+                      "use bfloat16 or float32")
+    r_embed, clip, cnet = r_embed.to(x.dtype), clip.to(x.dtype), iter(cnet if cnet is not None else ())
+    level_outputs = []
+    for blocks, downscaler, repmap in zip(model.down_blocks, model.down_downscalers, model.down_repeat_mappers):
+        x = model._run_level(downscaler(x), blocks, repmap, r_embed, clip, cnet)
+        level_outputs.insert(0, x)                                          # deepest first
+    x = level_outputs[0]
+    for i, (blocks, upscaler, repmap) in enumerate(zip(model.up_blocks, model.up_upscalers, model.up_repeat_mappers)):
+        x = upscaler(model._run_level(x, blocks, repmap, r_embed, clip, cnet, skip=level_outputs[i] if i > 0 else None))
+    return model.clf(x).contiguous()
 
 # %% ../../nbs/21_models.stage_c.ipynb #a5f646b7
 STAGE_C_PRESETS = {

@@ -1,0 +1,62 @@
+"""The package's import graph, read from the source (module-level and function-level imports alike): no cycles, and
+no module imports one whose notebook comes later in the reading order (nbs/NN_*.ipynb sorted by name)."""
+import ast, re
+from pathlib import Path
+from conftest import ROOT
+
+PKG = ROOT / "cascade_nb"
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+MODULES = {module_name(p): p for p in PKG.rglob("*.py") if p.name != "_modidx.py"}
+
+def imports_of(name: str) -> set[str]:
+    "Every cascade_nb module `name` imports anywhere in its source (functions included)."
+    path, out = MODULES[name], set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import): targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else: continue
+        for t in targets:
+            while t and t not in MODULES: t = t.rpartition(".")[0]   # `import cascade_nb.x.y as z` → the module
+            if t and t != name and t != "cascade_nb": out.add(t)
+    return out
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+def find_cycle(graph):
+    state, stack = {}, []
+    def visit(m):
+        state[m] = "open"; stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open": return stack[stack.index(n):] + [n]
+            if n not in state and (c := visit(n)): return c
+        state[m] = "done"; stack.pop()
+    for m in sorted(graph):
+        if m not in state and (c := visit(m)): return c
+
+def test_graph_sees_function_level_imports():
+    assert "cascade_nb.models.stage_c" in GRAPH["cascade_nb.modes"]   # imported inside build_generator only
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+def test_no_import_cycles():
+    assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH))
+
+def notebook_of(name: str) -> str | None:
+    "The notebook a module is exported from (its 'File to edit' header), or None for hand-written modules."
+    m = re.search(r"File to edit: (?:\.\./)+nbs/(\S+)\.ipynb", MODULES[name].read_text()[:2000])
+    return m.group(1) if m else None
+
+def test_reading_order_is_import_order():
+    late = [(m, n) for m, deps in GRAPH.items() for n in deps
+            if notebook_of(m) and notebook_of(n) and notebook_of(n) > notebook_of(m)]
+    assert not late, "modules importing a later notebook's module: " + ", ".join(
+        f"{m} ({notebook_of(m)}) -> {n} ({notebook_of(n)})" for m, n in late)
