@@ -472,7 +472,7 @@ RECOMMENDED = {
 def main(argv=None):
     """Estimate the peak GPU memory of a training run, and what to change to fit a budget.
 
-    python -m cascade_nb.memory CONFIG.yaml [key=value ...] [--budget 24] [--world-size N] [--fsdp] [--cpu-offload]
+    python -m cascade_nb.memory CONFIG.yaml [key=value ...] [--budget 24] [--world-size N] [--fsdp] [--shard-size G] [--cpu-offload]
     """
     p = argparse.ArgumentParser(prog="cascade_nb.memory", description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="training YAML (official StableCascade keys or cascade_nb's)")
@@ -480,11 +480,12 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=None, help="GB per GPU to fit; prints the cheapest changes that fit")
     p.add_argument("--world-size", type=int, default=1, help="number of GPUs (processes)")
     p.add_argument("--fsdp", action="store_true", help="FSDP sharding of weights, gradients and optimizer state")
+    p.add_argument("--shard-size", type=int, default=None, help="with --fsdp: HSDP, sharded over G GPUs (a node), replicated across groups")
     p.add_argument("--cpu-offload", action="store_true", help="with --fsdp: weights, gradients and optimizer state on CPU")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, training=False)
-        plan = plan_memory(cfg, args.world_size, args.fsdp, args.cpu_offload)
+        plan = plan_memory(cfg, args.world_size, args.fsdp, args.cpu_offload, args.shard_size)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -12,10 +12,11 @@ def metric_rows(tmp, name):
 
 def test_compiled_run_trains_saves_and_resumes_like_eager(tmp_path):
     run = ["updates=4", "save_every=2", "batch_size=4", "lr=1e-3"]
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}   # no compile worker pool on a small CI machine
     run_cli(DRIVER, *demo_args(tmp_path, "eager", *run))
-    res = run_cli(DRIVER, "--kill-in-commit", "4", *demo_args(tmp_path, "comp", *run, "compile=true"), check=False)
+    res = run_cli(DRIVER, "--kill-in-commit", "4", *demo_args(tmp_path, "comp", *run, "compile=true"), env=env, check=False)
     assert res.returncode == -signal.SIGKILL and info(tmp_path, "comp")["update"] == 2, res.stdout[-3000:] + res.stderr[-3000:]
-    run_cli(DRIVER, *demo_args(tmp_path, "comp", *run, "compile=true"))        # resumes at update 2 from the sharded state
+    run_cli(DRIVER, *demo_args(tmp_path, "comp", *run, "compile=true"), env=env)  # resumes at update 2 from the sharded state
     assert info(tmp_path, "comp")["update"] == 4
     eager = {r["update"]: r["loss"] for r in metric_rows(tmp_path, "eager")}
     rows = metric_rows(tmp_path, "comp")

@@ -135,20 +135,25 @@ COMPILED_BLOCKS = (ResBlock, AttnBlock, TimestepBlock, FeedForwardBlock)
 
 _compiled_forwards: dict = {}
 
+def _training_compiled(forward, **compile_kwargs):
+    "`forward` compiled for steps with gradients; sampling and validation (no_grad) run it eagerly, with no graphs of their own."
+    compiled = torch.compile(forward, **compile_kwargs)
+    def run(self, *args, **kwargs): return (compiled if torch.is_grad_enabled() else forward)(self, *args, **kwargs)
+    return run
+
 def compile_blocks(model: nn.Module, dynamic: bool = True, **compile_kwargs) -> int:
-    "Compile the `forward` of each repeated block of `model` in place, one compiled function per block type; returns how many."
+    "Compile the training `forward` of each repeated block of `model` in place, one compiled function per block type; returns how many."
     n = 0
     for m in model.modules():
         cls = next((c for c in type(m).__mro__ if c in COMPILED_BLOCKS), None)
         if cls is None or isinstance(m.__dict__.get("forward"), types.MethodType): continue   # not a block / done
         key = (cls, dynamic, tuple(sorted(compile_kwargs.items())))
-        if key not in _compiled_forwards: _compiled_forwards[key] = torch.compile(cls.forward, dynamic=dynamic, **compile_kwargs)
+        if key not in _compiled_forwards: _compiled_forwards[key] = _training_compiled(cls.forward, dynamic=dynamic, **compile_kwargs)
         m.forward = types.MethodType(_compiled_forwards[key], m)   # a bound method: deepcopy rebinds it to the copy
         n += 1
     return n
 
 def compile_seconds() -> float:
     "Seconds torch.compile has spent compiling in this process so far (dynamo + inductor)."
-    from torch._dynamo.utils import compile_times
-    times = compile_times(repr="raw")
-    return float(sum(times.get("_compile.compile_inner", [])))
+    from torch._dynamo.utils import compilation_time_metrics
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
