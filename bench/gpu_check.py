@@ -75,7 +75,7 @@ def check_step(S, device, dry):
         model = build(S["preset"], device).train()
         opt = make_optimizer(model.parameters(), "adamw", device)
         t0 = time.perf_counter()
-        if compiled: compile_blocks(model, backend="aot_eager") if dry else compile_blocks(model)   # dry: dynamo only
+        if compiled: compile_blocks(model, backend="eager") if dry else compile_blocks(model)   # dry: dynamo tracing only
         train_steps(model, opt, S["step_batch"], S["side"], device, 2)
         warm = time.perf_counter() - t0
         dt = train_steps(model, opt, S["step_batch"], S["side"], device, S["iters"])

@@ -3,7 +3,7 @@ so the script is known to work before the few minutes of GPU time it is written 
 from conftest import ROOT, run_cli
 
 def test_gpu_check_dry_run_prints_every_measurement():
-    res = run_cli(ROOT / "bench" / "gpu_check.py", "--dry-run", env={"OMP_NUM_THREADS": "1"})
+    res = run_cli(ROOT / "bench" / "gpu_check.py", "--dry-run", env={"OMP_NUM_THREADS": "1"}, timeout=1200)   # ~1 min of CPU
     lines = [l for l in res.stdout.splitlines() if l.startswith("gpu_check ")]
     for start in ("gpu_check step tiny eager", "gpu_check step tiny compiled", "gpu_check memory tiny official, batch 1",
                   "gpu_check memory tiny checkpointing + 8-bit AdamW + bf16 weights", "gpu_check memory tiny LoRA r4",

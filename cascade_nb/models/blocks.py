@@ -135,13 +135,21 @@ COMPILED_BLOCKS = (ResBlock, AttnBlock, TimestepBlock, FeedForwardBlock)
 
 _compiled_forwards: dict = {}
 
+def _mark_buckets(x: torch.Tensor):
+    "Batch and (for images) height and width vary between aspect-ratio buckets: compile them as symbolic sizes."
+    for d in ((0, 2, 3) if x.ndim == 4 else (0,)): torch._dynamo.maybe_mark_dynamic(x, d)
+
 def _training_compiled(forward, **compile_kwargs):
     "`forward` compiled for steps with gradients; sampling and validation (no_grad) run it eagerly, with no graphs of their own."
     compiled = torch.compile(forward, **compile_kwargs)
-    def run(self, *args, **kwargs): return (compiled if torch.is_grad_enabled() else forward)(self, *args, **kwargs)
+    def run(self, *args, **kwargs):
+        if not torch.is_grad_enabled(): return forward(self, *args, **kwargs)
+        for a in args:
+            if isinstance(a, torch.Tensor): _mark_buckets(a)
+        return compiled(self, *args, **kwargs)
     return run
 
-def compile_blocks(model: nn.Module, dynamic: bool = True, **compile_kwargs) -> int:
+def compile_blocks(model: nn.Module, dynamic: bool | None = None, **compile_kwargs) -> int:
     "Compile the training `forward` of each repeated block of `model` in place, one compiled function per block type; returns how many."
     n = 0
     for m in model.modules():
