@@ -15,7 +15,8 @@ if __name__ == "__main__" and not __package__ and "__file__" in globals():
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded
+from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, frozen, seeded, enable_tf32
+from .models.blocks import compile_blocks, compile_seconds
 from .config import Config, load_config, save_config, ConfigError, cli_parser, parse_cli, cli_errors, error_line
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDPMSampler, DDIMSampler, LCMSampler
@@ -383,6 +384,7 @@ def train(cfg: Config) -> dict:
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
     device, is_main = acc.device, acc.is_main_process
+    enable_tf32()   # fp32 matmuls/convolutions on tensor cores (CUDA); no effect on CPU
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     info = run_dir.info()   # None for a new run
     _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), saved_config=str(out_dir/"config.yaml")),  # before overwriting
@@ -399,7 +401,7 @@ def train(cfg: Config) -> dict:
     ema = None
     if t.ema_start_iters is not None and mode.supports_ema:
         ema = copy.deepcopy(net).requires_grad_(False).eval().to("cpu" if t.ema_on_cpu else device)
-    if cfg.model.compile: net = torch.compile(net)
+    if cfg.model.compile: compile_blocks(net)   # regional: each block type compiled once; module tree (state-dict keys) unchanged
     acc.print(f"{t.mode} training of {type(generator).__name__} {cfg.model.model_version}: {human_count(count_params(net))} parameters, "
               f"{human_count(count_params(net, trainable_only=True))} trainable; {acc.num_processes} process(es) on {device}, "
               f"mixed precision {acc.mixed_precision}")
@@ -528,6 +530,7 @@ def train(cfg: Config) -> dict:
                  "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": sched.get_last_lr()[0],
                  "images_per_s": cfg.data.batch_size * len(losses) / t.grad_accum_steps / dt,
                  "step_time_s": dt / (len(losses) / t.grad_accum_steps), "peak_memory_gb": _peak_memory_gb(device),
+                 **({"compile_time_s": compile_seconds()} if cfg.model.compile else {}),
                  **{f"skipped/{k}": v for k, v in skipped.items()}}
             losses, last_log = [], time.time()
             acc.log(m, step=state.update)
