@@ -12,7 +12,7 @@ import torch
 
 # %% auto #0
 __all__ = ['append_dims', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'save_safetensors_atomic', 'count_params',
-           'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device',
+           'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device', 'enable_tf32',
            'checkpoint_file', 'safetensors_header', 'save_with_config', 'load_safetensors_strict', 'load_with_config',
            'frozen', 'seeded', 'seeded_randn', 'seeded_rand', 'seeded_multinomial']
 
@@ -131,6 +131,13 @@ def default_device() -> torch.device:
     if torch.cuda.is_available(): return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(): return torch.device("mps")
     return torch.device("cpu")
+
+# %% ../nbs/00_core.ipynb #c0c3852d
+def enable_tf32(enabled: bool = True) -> None:
+    "Let CUDA fp32 matmuls and convolutions run in TF32 on tensor cores (no effect on CPU)."
+    mode = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = mode
+    torch.backends.cudnn.conv.fp32_precision = mode
 
 # %% ../nbs/00_core.ipynb #142b00c8
 def checkpoint_file(path, stem: str, lite: bool | None = None, dtype=None) -> Path:

@@ -17,11 +17,11 @@ from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
 
 
 # %% auto #0
-__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'OFFICIAL_3B', 'RECOMMENDED', 'Precision',
-           'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes', 'Activations',
-           'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes', 'calibration_models',
-           'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'plan_memory', 'official_config', 'Suggestion',
-           'suggest', 'format_suggestions', 'main']
+__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'ADAMW8BIT_FSDP', 'OFFICIAL_3B',
+           'RECOMMENDED', 'Precision', 'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes',
+           'Activations', 'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes',
+           'calibration_models', 'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'plan_memory',
+           'official_config', 'Suggestion', 'suggest', 'format_suggestions', 'main', 'stage_c_flops']
 
 # %% ../nbs/70_memory.ipynb #3acbc337
 GB = 10 ** 9
@@ -248,6 +248,9 @@ class MemoryPlan:
         return "\n".join(lines + [f"peak per GPU ≈ {self.peak_gb:.1f} GB"] * peak_line)
     def __str__(self): return self.table()
 
+ADAMW8BIT_FSDP = ("optimizer 'adamw8bit' cannot run under FSDP: bitsandbytes' 8-bit AdamW does not take FSDP2's sharded "
+                  "(DTensor) parameters; use optimizer: adamw (its state is sharded too) or drop FSDP")
+
 def _encoder_params(cfg: Config) -> dict[str, int]:
     "Parameters of the frozen models `train(cfg)` loads next to the generator."
     m, out = cfg.model, {}
@@ -265,10 +268,13 @@ def _encoder_params(cfg: Config) -> dict[str, int]:
     if m.previewer_checkpoint_path and m.latent_space != "pixels": out["previewer"] = FROZEN_PARAMS["previewer"]
     return out
 
-def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offload: bool = False) -> MemoryPlan:
-    "Estimate the peak memory per GPU of `train(cfg)` on `world_size` GPUs (FSDP sharding if `fsdp`), without allocating the model."
+def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offload: bool = False,
+                shard_size: int | None = None) -> MemoryPlan:
+    """Estimate the peak memory per GPU of `train(cfg)` on `world_size` GPUs (FSDP sharding if `fsdp`), without allocating
+    the model. HSDP: `shard_size` GPUs (a node) share one sharded copy, replicated across the `world_size / shard_size` groups."""
     from cascade_nb.train import per_process_batch
     m, t, d = cfg.model, cfg.train, cfg.data
+    if fsdp and t.optimizer == "adamw8bit": raise ConfigError(ADAMW8BIT_FSDP)
     gen = meta_generator(cfg)
     n_gen = sum(p.numel() for p in gen.parameters())
     amp = (t.mixed_precision or "bf16") == "bf16"
@@ -278,17 +284,27 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     batch = per_process_batch(d.batch_size, world_size, t.grad_accum_steps)
     side = d.image_size // 32 if m.latent_space != "pixels" else d.image_size
     ck = m.gradient_checkpointing
-    shard = world_size if fsdp else 1
+    shard = (shard_size or world_size) if fsdp else 1
+    if world_size % shard: raise ConfigError(f"shard_size {shard_size} does not divide world_size {world_size}")
+    upcast = fsdp and amp   # accelerate's FSDP2 prepare: trainable parameters become fp32 master weights
     rows, notes = {}, []
 
     # what trains, as the registered mode declares it: the generator (full), adapters (LoRA), a ControlNet ...
     mode = TRAINING_MODES[t.mode]
     n_train, train_b, wgrads, mode_rows = mode.memory_terms(cfg, gen, batch=batch, side=side, prec=prec)
+    if upcast: train_b = max(train_b, 4)                        # trained parameters are fp32 master weights under FSDP2 + bf16
     gen_label = "generator weights" if mode.trains_generator else "generator weights (frozen)"
     offload = fsdp and cpu_offload
-    rows[gen_label] = 0 if offload else n_gen * wb // shard
+    rows[gen_label] = 0 if offload else n_gen * (train_b if mode.trains_generator else wb) // shard
     if not mode.trains_generator: rows[f"{t.mode} weights"] = 0 if offload else n_train * train_b // shard
     rows["gradients"] = 0 if offload else n_train * train_b // shard
+    if upcast and mode.trains_generator and wb == 2:
+        notes.append("FSDP with bf16 mixed precision: accelerate upcasts the trained weights to fp32 before sharding, so "
+                     "dtype=bfloat16 saves nothing here and the released weights are fp32")
+    if fsdp and t.grad_accum_steps > 1:   # no_sync: FSDP2 keeps each block's full gradient in the compute dtype
+        rows["gradients"] = n_train * (2 if amp else train_b)
+        notes.append(f"grad_accum_steps={t.grad_accum_steps} under FSDP: gradients stay unsharded (full size) between "
+                     "micro-steps and are reduce-scattered only at the last one")
     opt_b = 2 if t.optimizer == "adamw8bit" else 2 * train_b
     rows[f"optimizer state ({t.optimizer})"] = 0 if offload else n_train * opt_b // shard
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
@@ -311,7 +327,8 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     if t.mixed_precision is None: notes.append("mixed_precision unset: assuming bf16 autocast, as configs/accelerate/*.yaml launch")
     parts = [f"{t.mode} {m.model_version} ({human_count(n_gen)} generator, {human_count(n_train)} trainable)",
              f"weights {m.dtype or 'float32'}", "bf16 autocast" if amp else "no autocast", t.optimizer,
-             f"batch {batch}/GPU @{d.image_size}", f"{world_size} GPU{'s' if world_size > 1 else ''}" + (" FSDP" if fsdp else "")]
+             f"batch {batch}/GPU @{d.image_size}", f"{world_size} GPU{'s' if world_size > 1 else ''}"
+             + (f" HSDP ({shard} per shard group)" if fsdp and shard < world_size else " FSDP" if fsdp else "")]
     return MemoryPlan(rows, notes, ", ".join(parts))
 
 # %% ../nbs/70_memory.ipynb #226c63e1
@@ -341,15 +358,17 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
     if t.mixed_precision == "no": yield "bf16 autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
     if not mode.trains_generator and m.dtype != "bfloat16": yield "frozen generator in bf16 (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     if not m.gradient_checkpointing: yield "gradient checkpointing", {"gradient_checkpointing": True}, world_size, fsdp
-    if t.optimizer != "adamw8bit": yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
+    if t.optimizer != "adamw8bit" and not fsdp: yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
     if m.frozen_dtype != "bfloat16": yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
     if t.ema_start_iters is not None and mode.supports_ema and not t.ema_on_cpu: yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
-    if mode.trains_generator and m.dtype != "bfloat16": yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
-    for n in (2, 4, 8):
-        if n > world_size or (n == world_size and not fsdp): yield f"FSDP over {n} GPUs", {}, n, True
+    upcast = fsdp and t.mixed_precision != "no"   # FSDP2 keeps trained weights in fp32 under mixed precision
+    if mode.trains_generator and m.dtype != "bfloat16" and not upcast: yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
+    for n in (2, 4, 8):   # FSDP takes plain AdamW: bitsandbytes' 8-bit AdamW cannot step DTensor shards
+        if n > world_size or (n == world_size and not fsdp): yield f"FSDP over {n} GPUs (AdamW)", {"optimizer": "adamw"}, n, True
 
 def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = False) -> list[Suggestion]:
-    "Options applied cumulatively in order of cost until the plan fits `budget_gb`; the last step fits unless none does."
+    """Options applied cumulatively in order of cost until the plan fits `budget_gb`; the last step fits unless none does.
+    An option that would not lower the peak is skipped; FSDP steps switch to plain AdamW (8-bit AdamW cannot run under FSDP)."""
     from cascade_nb.config import config_from_dict
     from cascade_nb.train import per_process_batch
     micro = per_process_batch(cfg.data.batch_size, world_size, cfg.train.grad_accum_steps)
@@ -358,21 +377,27 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
     def plan_for(ov, ws, fs):
         c = config_from_dict({**base, **ov}, training=False)
         return c, plan_memory(c, ws, fs)
+    if fsdp and cfg.train.optimizer == "adamw8bit":   # not a memory option: the trainer refuses the combination
+        overrides = {"optimizer": "adamw"}
+        steps.append(Suggestion("AdamW (8-bit AdamW cannot run under FSDP)", dict(overrides), ws, fs, plan_for(overrides, ws, fs)[1]))
     c, plan = plan_for(overrides, ws, fs)
-    if plan.peak_gb <= budget_gb: return [Suggestion("fits as is", {}, ws, fs, plan)]
+    if plan.peak_gb <= budget_gb: return steps or [Suggestion("fits as is", {}, ws, fs, plan)]
     for label, ov, n, f in _options(cfg, world_size, fsdp):
-        overrides = {**overrides, **ov}
-        if n != ws: overrides["batch_size"] = micro * n * c.train.grad_accum_steps   # keep the batch per GPU
-        ws, fs = n, f
-        c, plan = plan_for(overrides, ws, fs)
+        ov = {**overrides, **ov}
+        if n != ws: ov["batch_size"] = micro * n * c.train.grad_accum_steps   # keep the batch per GPU
+        c_new, plan_new = plan_for(ov, n, f)
+        if plan_new.peak >= plan.peak: continue   # e.g. FSDP over 2 GPUs giving up 8-bit AdamW: try the next option
+        overrides, ws, fs, c, plan = ov, n, f, c_new, plan_new
         steps.append(Suggestion(label, dict(overrides), ws, fs, plan))
         if plan.peak_gb <= budget_gb: return steps
     accum = c.train.grad_accum_steps
-    while micro > 1:   # last resort: a smaller batch per GPU, same global batch
+    while micro > 1:   # last resort: a smaller batch per GPU, same global batch (under FSDP it costs full-size gradients)
         micro, accum = micro // 2, accum * 2
-        overrides = {**overrides, "grad_accum_steps": accum, "batch_size": micro * ws * accum}
-        c, plan = plan_for(overrides, ws, fs)
-        steps.append(Suggestion(f"batch {micro}/GPU × {accum} accumulation steps", dict(overrides), ws, fs, plan))
+        ov = {**overrides, "grad_accum_steps": accum, "batch_size": micro * ws * accum}
+        c_new, plan_new = plan_for(ov, ws, fs)
+        if plan_new.peak >= plan.peak: continue
+        c, plan = c_new, plan_new
+        steps.append(Suggestion(f"batch {micro}/GPU × {accum} accumulation steps", ov, ws, fs, plan))
         if plan.peak_gb <= budget_gb: return steps
     return steps
 
@@ -406,18 +431,19 @@ RECOMMENDED = {
 def main(argv=None):
     """Estimate the peak GPU memory of a training run, and what to change to fit a budget.
 
-    python -m cascade_nb.memory CONFIG.yaml [key=value ...] [--budget 24] [--world-size N] [--fsdp] [--cpu-offload]
+    python -m cascade_nb.memory CONFIG.yaml [key=value ...] [--budget 24] [--world-size N] [--fsdp] [--shard-size G] [--cpu-offload]
     """
     p = cli_parser("cascade_nb.memory", main.__doc__, config="training YAML (official StableCascade keys or cascade_nb's)")
     p.add_argument("--budget", type=float, default=None, help="GB per GPU to fit; prints the cheapest changes that fit")
     p.add_argument("--world-size", type=at_least(1), default=1, help="number of GPUs (processes)")
     p.add_argument("--fsdp", action="store_true", help="FSDP sharding of weights, gradients and optimizer state")
+    p.add_argument("--shard-size", type=int, default=None, help="with --fsdp: HSDP, sharded over G GPUs (a node), replicated across groups")
     p.add_argument("--cpu-offload", action="store_true", help="with --fsdp: weights, gradients and optimizer state on CPU")
     args = parse_cli(p, argv)
     with cli_errors():
         if args.budget is not None and not args.budget > 0: raise ConfigError(f"--budget {args.budget:g}: expected GB > 0")
         cfg = load_config(args.config, args.overrides, training=False)
-        plan = plan_memory(cfg, args.world_size, args.fsdp, args.cpu_offload)
+        plan = plan_memory(cfg, args.world_size, args.fsdp, args.cpu_offload, args.shard_size)
     print(plan.table(peak_line=args.budget is None))
     if args.budget is not None:   # the suggestions, then the peak line last, as without a budget
         steps = suggest(cfg, args.budget, args.world_size, args.fsdp)
@@ -427,3 +453,25 @@ def main(argv=None):
     return plan
 
 if __name__ == "__main__" and "__file__" in globals(): main()
+
+# %% ../nbs/70_memory.ipynb #d09133dd
+def stage_c_flops(model: nn.Module, batch: int, latent_side: int) -> int:
+    "Forward FLOPs of a StageC on `batch` × (c_in, latent_side, latent_side): 2 per multiply-add (×3 for a training step)."
+    from cascade_nb.models.blocks import ResBlock, AttnBlock, TimestepBlock, FeedForwardBlock
+    cfg = model.config
+    p, S = cfg["patch_size"], 77 + 2 * cfg["c_clip_seq"]
+    L, ch, cc = (latent_side // p) ** 2, cfg["c_hidden"], cfg["c_cond"]
+    f = L * cfg["c_in"] * p * p * ch[0] + L * ch[0] * cfg["c_out"] * p * p                       # embedding, clf
+    f += 77 * cfg["c_clip_text"] * cc + (cfg["c_clip_text_pooled"] + cfg["c_clip_img"]) * cc * cfg["c_clip_seq"]
+    between = [*model.down_downscalers, *model.up_upscalers, *model.down_repeat_mappers, *model.up_repeat_mappers]
+    f += sum(m.weight.numel() * L for b in between for m in b.modules() if isinstance(m, nn.Conv2d))   # 1×1, same side
+    for b in model.modules():
+        if isinstance(b, ResBlock):
+            c, k = b.depthwise.in_channels, b.depthwise.kernel_size[0]
+            f += L * c * k * k + L * b.channelwise[0].in_features * 4 * c + L * 4 * c * c
+        elif isinstance(b, AttnBlock):
+            c, T = b.kv_mapper[1].out_features, S + (L if b.self_attn else 0)
+            f += S * b.kv_mapper[1].in_features * c + 2 * L * c * c + 2 * T * c * c + 2 * L * T * c
+        elif isinstance(b, FeedForwardBlock): f += 8 * L * b.channelwise[0].in_features ** 2
+        elif isinstance(b, TimestepBlock): f += sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear))
+    return 2 * batch * f

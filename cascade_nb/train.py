@@ -17,7 +17,8 @@ if __name__ == "__main__" and not __package__ and "__file__" in globals():
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn
+from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn, enable_tf32
+from .models.blocks import compile_blocks, compile_seconds
 from .config import Config, load_config, save_config, ConfigError, cli_parser, parse_cli, cli_errors, error_line
 from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
                               EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
@@ -250,7 +251,8 @@ def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped:
          "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr, "ema_beta": ema_beta,
          "samples_seen": run.state.samples_seen,
          "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
-         "peak_memory_gb": _peak_memory_gb(acc.device), **{f"skipped/{k}": v for k, v in skipped.items()}}
+         "peak_memory_gb": _peak_memory_gb(acc.device), **({"compile_time_s": compile_seconds()} if cfg.model.compile else {}),
+         **{f"skipped/{k}": v for k, v in skipped.items()}}
     acc.log(m, step=run.state.update)
     if acc.is_main_process:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": run.state.update, **m}) + "\n")
@@ -335,6 +337,7 @@ def train(cfg: Config) -> dict:
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
     check_optimizer(t.optimizer, acc.distributed_type)   # fail before building anything
     device, is_main = acc.device, acc.is_main_process
+    enable_tf32()   # fp32 matmuls/convolutions on tensor cores (CUDA); no effect on CPU
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     info = run_dir.info()   # None for a new run
     _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), saved_config=str(out_dir/"config.yaml")),  # before overwriting
@@ -351,7 +354,7 @@ def train(cfg: Config) -> dict:
     ema = None
     if t.ema_start_iters is not None and mode.supports_ema:
         ema = copy.deepcopy(net).requires_grad_(False).eval().to("cpu" if t.ema_on_cpu else device)
-    if cfg.model.compile: net = torch.compile(net)
+    if cfg.model.compile: compile_blocks(net)   # regional: each block type compiled once; module tree (state-dict keys) unchanged
     acc.print(f"{t.mode} training of {type(generator).__name__} {cfg.model.model_version}: {human_count(count_params(net))} parameters, "
               f"{human_count(count_params(net, trainable_only=True))} trainable; {acc.num_processes} process(es) on {device}, "
               f"mixed precision {acc.mixed_precision}")

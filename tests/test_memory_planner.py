@@ -74,3 +74,19 @@ def test_controlnet_count_matches_the_module():
     cfg = official_config(controlnet_filter="CannyFilter", controlnet_blocks=[0, 4, 8, 12, 51, 55, 59, 63])
     with torch.device("meta"): n = sum(p.numel() for p in ControlNet(1, 2048, (0, 4, 8, 12, 51, 55, 59, 63)).parameters())
     assert plan_memory(cfg).rows["controlnet weights"] == n * 4     # the trainer keeps the ControlNet in fp32
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+@pytest.mark.parametrize("world_size,fsdp", [(1, False), (2, True), (8, True)])
+def test_suggestions_never_combine_adamw8bit_with_fsdp(optimizer, world_size, fsdp):
+    for budget in (80, 40, 24, 12, 6):
+        for s in suggest(official_config(batch_size=8, optimizer=optimizer), budget, world_size, fsdp):
+            assert not (s.fsdp and (s.overrides.get("optimizer") or optimizer) == "adamw8bit"), (budget, s.label, s.overrides)
+            assert "adamw8bit" not in s.plan.summary or not s.fsdp
+
+def test_adamw8bit_with_fsdp_is_refused():
+    from cascade_nb.config import ConfigError
+    with pytest.raises(ConfigError, match="cannot run under FSDP"):
+        plan_memory(official_config(optimizer="adamw8bit"), 8, fsdp=True)
+    res = run_cli("-m", "cascade_nb.memory", ROOT / "configs" / "demo.yaml", "optimizer=adamw8bit", "--world-size", "2",
+                  "--fsdp", check=False)
+    assert res.returncode == 2 and "cannot run under FSDP" in res.stderr

@@ -9,8 +9,12 @@
 --fsdp-cpu           run accelerate's FSDP2 path on CPU processes (gloo). accelerate only enables FSDP on GPUs, so
                      this flips its state to FSDP after it initialised: the trainer then runs the same prepare
                      (fully_shard per block), sharded save_state/load_state (torch.distributed.checkpoint) and
-                     get_state_dict as on GPUs. Test-only: it relies on accelerate internals.
+                     get_state_dict as on GPUs, with the FSDP settings of --fsdp-config (default: the shipped
+                     configs/accelerate/fsdp.yaml). Test-only: it relies on accelerate internals.
+--fsdp-config PATH   the accelerate launch config whose fsdp_config --fsdp-cpu applies
 --report-shards      print the fraction of the generator's parameters each process holds locally
+--report-memory      print this process's bytes of weights (by dtype), gradients (largest after any backward, FSDP2's
+                     unsharded accumulation buffers included), optimizer state and EMA, as one JSON line
 """
 import argparse, os, signal, sys
 from pathlib import Path
@@ -26,7 +30,9 @@ p.add_argument("--nan-from", type=int)
 p.add_argument("--nan-once", type=int)
 p.add_argument("--check-ddp-sync", action="store_true")
 p.add_argument("--fsdp-cpu", action="store_true")
+p.add_argument("--fsdp-config", default=str(Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"))
 p.add_argument("--report-shards", action="store_true")
+p.add_argument("--report-memory", action="store_true")
 args, rest = p.parse_known_args()
 
 if args.kill_in_commit is not None:
@@ -46,20 +52,27 @@ if args.nan_from is not None or args.nan_once is not None:
         return loss, raw, d
     M.diffusion_loss = diffusion_loss
 
+def launch_env(config_file):
+    "The environment `accelerate launch --config_file CONFIG` gives its workers (FSDP_* settings and the like)."
+    from accelerate.commands.launch import launch_command_parser, _validate_launch_command
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    a = launch_command_parser().parse_args(["--config_file", str(config_file), "--main_process_ip", "127.0.0.1", "x.py"])
+    return prepare_multi_gpu_env(_validate_launch_command(a)[0])
+
 if args.fsdp_cpu:
     import accelerate.accelerator as A
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    # the FSDP settings of the shipped launch config, as accelerate launch passes them on a GPU machine
+    os.environ.update({k: v for k, v in launch_env(args.fsdp_config).items() if k.startswith("FSDP_")})
     _init = A.Accelerator.__init__
     def __init__(self, *a, **kw):
-        kw["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="SHARDED_STATE_DICT",
-            transformer_cls_names_to_wrap=["ResBlock", "AttnBlock", "TimestepBlock"],
-            reshard_after_forward=True, cpu_ram_efficient_loading=False)
+        kw["fsdp_plugin"] = FullyShardedDataParallelPlugin()   # reads the FSDP_* variables
         _init(self, *a, **kw)
         if self.state.distributed_type == DistributedType.MULTI_CPU:   # what accelerate does on GPUs
             from accelerate.state import PartialState
             PartialState().distributed_type = DistributedType.FSDP     # AcceleratorState re-syncs from it
             self.state.distributed_type = DistributedType.FSDP
+            if self.state.mixed_precision != "no": kw["fsdp_plugin"].set_mixed_precision(self.state.mixed_precision)
             self.state.fsdp_plugin = kw["fsdp_plugin"]
     A.Accelerator.__init__ = __init__
 
@@ -72,6 +85,47 @@ if args.report_shards:
         total = sum(p.numel() for p in model.parameters())
         print(f"\nrank {self.process_index}: holds {local / total:.3f} of {total} parameters", flush=True)
         return _free0(self, *objects)
+    Accelerator.free_memory = free_memory
+
+if args.report_memory:
+    import json
+    from accelerate import Accelerator
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts if t is not None)
+    def grad_bytes(model):
+        "Gradients held now: the parameters' (sharded) .grad plus FSDP2's unsharded gradients of no_sync micro-steps."
+        n = nbytes(p.grad for p in model.parameters())
+        for m in model.modules():
+            state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+            group = state._fsdp_param_group if state is not None else None
+            for fp in (group.fsdp_params if group is not None else ()):
+                n += nbytes([fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None, fp.unsharded_accumulated_grad])
+        return n
+    seen = {"gradients": 0}
+    _prepare = Accelerator.prepare
+    def prepare(self, *objs, **kw):   # weights right after wrapping (later, FSDP may hold a module unsharded)
+        out = _prepare(self, *objs, **kw)
+        model = self._models[0]
+        seen["trainable_dtypes"] = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+        seen["weights"] = nbytes(model.parameters())
+        return out
+    Accelerator.prepare = prepare
+    _backward = Accelerator.backward
+    def backward(self, loss, **kw):
+        _backward(self, loss, **kw)
+        seen["gradients"] = max(seen["gradients"], grad_bytes(self._models[0]))
+    Accelerator.backward = backward
+    runs, _Run = [], T.Run   # the trainer's Run record holds the EMA (nothing is registered with accelerate)
+    T.Run = lambda *a, **kw: runs.append(r := _Run(*a, **kw)) or r
+    _free1 = Accelerator.free_memory
+    def free_memory(self, *objects):
+        opt = self._optimizers[0].optimizer
+        ema = [runs[-1].ema] if runs and runs[-1].ema is not None else []
+        report = dict(rank=self.process_index, **seen, optimizer=nbytes(v for st in opt.state.values() for k, v in st.items()
+                                                                   if torch.is_tensor(v) and v.ndim > 0),
+                      ema=nbytes(ema[0].parameters()) if ema else 0)
+        print("memory-report " + json.dumps(report), flush=True)
+        return _free1(self, *objects)
     Accelerator.free_memory = free_memory
 
 if args.check_ddp_sync:   # compare weights across processes just before the trainer releases the DDP wrapper

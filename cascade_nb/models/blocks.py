@@ -6,14 +6,15 @@ Docs: https://cascade-nb.github.io/cascade_nb/models.blocks.html.md"""
 
 # %% ../../nbs/20_models.blocks.ipynb #acd3be5b
 from __future__ import annotations
+import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..core import append_dims
 
 # %% auto #0
-__all__ = ['LayerNorm2d', 'GlobalResponseNorm', 'ResBlock', 'Attention2D', 'AttnBlock', 'FeedForwardBlock', 'TimestepBlock',
-           'UpDownBlock2d']
+__all__ = ['COMPILED_BLOCKS', 'LayerNorm2d', 'GlobalResponseNorm', 'ResBlock', 'Attention2D', 'AttnBlock', 'FeedForwardBlock',
+           'TimestepBlock', 'UpDownBlock2d', 'compile_blocks', 'compile_seconds']
 
 # %% ../../nbs/20_models.blocks.ipynb #1ea897f6
 class LayerNorm2d(nn.LayerNorm):
@@ -146,3 +147,40 @@ class UpDownBlock2d(nn.Module):
     def forward(self, x):
         for block in self.blocks: x = block(x)
         return x
+
+# %% ../../nbs/20_models.blocks.ipynb #a89ef77e
+COMPILED_BLOCKS = (ResBlock, AttnBlock, TimestepBlock, FeedForwardBlock)
+"The repeated block types `compile_blocks` compiles (subclasses too, e.g. FSDP2's wrapped classes)."
+
+_compiled_forwards: dict = {}
+
+def _mark_buckets(x: torch.Tensor):
+    "Batch and (for images) height and width vary between aspect-ratio buckets: compile them as symbolic sizes."
+    for d in ((0, 2, 3) if x.ndim == 4 else (0,)): torch._dynamo.maybe_mark_dynamic(x, d)
+
+def _training_compiled(forward, **compile_kwargs):
+    "`forward` compiled for steps with gradients; sampling and validation (no_grad) run it eagerly, with no graphs of their own."
+    compiled = torch.compile(forward, **compile_kwargs)
+    def run(self, *args, **kwargs):
+        if not torch.is_grad_enabled(): return forward(self, *args, **kwargs)
+        for a in args:
+            if isinstance(a, torch.Tensor): _mark_buckets(a)
+        return compiled(self, *args, **kwargs)
+    return run
+
+def compile_blocks(model: nn.Module, dynamic: bool | None = None, **compile_kwargs) -> int:
+    "Compile the training `forward` of each repeated block of `model` in place, one compiled function per block type; returns how many."
+    n = 0
+    for m in model.modules():
+        cls = next((c for c in type(m).__mro__ if c in COMPILED_BLOCKS), None)
+        if cls is None or isinstance(m.__dict__.get("forward"), types.MethodType): continue   # not a block / done
+        key = (cls, dynamic, tuple(sorted(compile_kwargs.items())))
+        if key not in _compiled_forwards: _compiled_forwards[key] = _training_compiled(cls.forward, dynamic=dynamic, **compile_kwargs)
+        m.forward = types.MethodType(_compiled_forwards[key], m)   # a bound method: deepcopy rebinds it to the copy
+        n += 1
+    return n
+
+def compile_seconds() -> float:
+    "Seconds torch.compile has spent compiling in this process so far (dynamo + inductor)."
+    from torch._dynamo.utils import compilation_time_metrics
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
