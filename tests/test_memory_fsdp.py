@@ -63,4 +63,5 @@ def test_multi_node_config_is_hsdp(monkeypatch):
                        "--parallelism_config_dp_replicate_size", "4", "--parallelism_config_dp_shard_size", "8")
     assert (slurm["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], slurm["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("4", "8")
     sbatch = (ROOT / "configs" / "slurm" / "train_multinode.sbatch").read_text()
-    assert "--parallelism_config_dp_replicate_size $SLURM_NNODES --parallelism_config_dp_shard_size $GPUS_PER_NODE" in sbatch
+    assert 'HSDP="--parallelism_config_dp_replicate_size $SLURM_NNODES --parallelism_config_dp_shard_size $GPUS_PER_NODE"' in sbatch
+    assert "LAUNCH_CONFIG:-configs/accelerate/multi_node.yaml" in sbatch

@@ -105,7 +105,9 @@ def test_slurm_script_saves_on_sigterm_to_every_process(tmp_path):
     for name, text in [("srun", SRUN), ("scontrol", SCONTROL)]:
         (bin_dir / name).write_text(text); (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "127.0.0.1",
-           "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1", "MASTER_PORT": str(free_port())}
+           "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1", "MASTER_PORT": str(free_port()),
+           # CPU processes: multi_node.yaml's HSDP needs GPUs (accelerate refuses a ParallelismConfig on MULTI_CPU)
+           "LAUNCH_CONFIG": str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")}
     proc = start(["bash", ROOT / "configs" / "slurm" / "train_multinode.sbatch",
                   *demo_args(tmp_path, "slurm", *LONG, "num_workers=1", "batch_size=8", "mixed_precision=no")], env=env)
     tracked = wait_until_training(proc, tmp_path, "slurm")
