@@ -246,6 +246,11 @@ class CheckpointConfig:
     save_every: int = 2000                # checkpoint + sample grid every N updates
     backup_every: int = 20000             # keep a copy with a _{N}k suffix every N updates
     val_every: Optional[int] = None       # validation loss every N updates (needs val_webdataset_path)
+    eval_every: Optional[int] = None      # sample metrics (cascade_nb.eval) every N updates; None: off
+    eval_captions: Union[int, list[str]] = 16  # N captions spread over the reference data, or the captions themselves
+    eval_metrics: list[str] = field(default_factory=lambda: ["retrieval"])  # 'retrieval', 'fid', 'kid', 'clip_score'
+    eval_reference: Optional[Union[str, list[str]]] = None  # images samples are compared with; None: the training data
+    best_metric: Optional[str] = None     # e.g. 'retrieval/top1': keep *_best.safetensors by it instead of val loss
 
 @dataclass
 class LogConfig:
@@ -473,6 +478,7 @@ def _check(cfg: Config, where: str, training: bool):
                          ("image_size", d, 8), ("save_every", cfg.checkpoint, 1), ("backup_every", cfg.checkpoint, 1)]:
         v = getattr(sec, key)
         need(v > lo if key == "lr" else v >= lo, f"key '{key}': {v!r} must be {'>' if key == 'lr' else '>='} {lo}")
+    if cfg.checkpoint.eval_every is not None: need(cfg.checkpoint.eval_every >= 1, f"key 'eval_every': {cfg.checkpoint.eval_every!r} must be >= 1")
     for key in ("caption_dropout", "image_embed_prob", "bucketeer_random_ratio"):
         need(0 <= getattr(d, key) <= 1, f"key '{key}': {getattr(d, key)!r} must be a probability in [0, 1]")
     if t.ema_beta is not None: need(0 <= t.ema_beta < 1, f"key 'ema_beta': {t.ema_beta!r} must be in [0, 1)")
