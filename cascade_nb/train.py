@@ -425,6 +425,10 @@ def train(cfg: Config) -> dict:
     state, rng = TrainState(), RNGState(t.seed * 1000 + acc.process_index, device)
     acc.register_for_checkpointing(state, rng, gdf)   # gdf: adaptive loss-weight / schedule buckets (empty for P2)
     if ema is not None: acc.register_for_checkpointing(ema)
+    evaluator = None
+    if ck.eval_every:   # fixed-caption sample metrics (cascade_nb.eval), built now so a bad metric fails before training
+        from cascade_nb.eval import Evaluator, eval_step
+        evaluator = Evaluator(cfg); acc.register_for_checkpointing(evaluator)
 
     # --- data: this process's share of the stream, fast-forwarded to the data position on resume
     cache_check = {}
@@ -543,11 +547,13 @@ def train(cfg: Config) -> dict:
             acc.log({"val_loss": vl}, step=state.update)
             best = vl < state.best_val_loss
             if best: state.best_val_loss = vl
-            released = mode.released(acc, net) if best else {}
+            released = mode.released(acc, net) if best and not ck.best_metric else {}   # best_metric: eval_step keeps *_best
             if is_main:
                 for name, sd in released.items(): save_safetensors_atomic(sd, run_dir.path/f"{name}_best.safetensors")
                 with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
             acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
+        if evaluator is not None and state.update % ck.eval_every == 0:
+            eval_step(evaluator, acc, mode, gdf, net, ema, state.update, metrics_path, run_dir, out_dir)
         stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
             save()
