@@ -323,7 +323,7 @@ RANGES: dict[str, Range] = dict(
     lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1, weight_decay=AT_LEAST_0,  # train
     adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE, seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0,
     ema_iters=AT_LEAST_1, ema_beta=DECAY, max_nan_steps=AT_LEAST_1,
-    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,  # checkpoint
+    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1, eval_captions=AT_LEAST_1,  # checkpoint
     log_every=AT_LEAST_1,                                                                           # log
     rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,                                        # lora
     controlnet_blocks=AT_LEAST_0)                                                                   # controlnet
@@ -334,6 +334,7 @@ def check_range(key: str, value):
     r = RANGES.get(key)
     if r is None or value is None: return
     for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+        if isinstance(v, str): continue   # e.g. eval_captions: a count, or the captions themselves
         if v not in r:
             name = key if i is None else f"{key}[{i}]"
             raise ConfigError(f"key '{name}': {v!r} is out of range; expected {r}")
