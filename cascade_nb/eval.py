@@ -154,7 +154,7 @@ def sample_captions(mode, gdf, cfg: Config, captions: list[str], net=None, seed:
 
 # %% ../nbs/43_eval.ipynb #1238695b
 class Evaluator:
-    "Fixed captions, seed, reference set and metrics of a run's evaluation; tracks the best `best_metric` (checkpointed)."
+    "Fixed captions, seed, reference set and metrics of a run's evaluation; judges improvement of `best_metric` against a `TrainState`."
     def __init__(self, cfg: Config, metrics=None, captions=None, reference=None, seed: int = 0, best_metric=None, **sampling):
         ck = cfg.checkpoint
         specs = metrics if metrics is not None else ck.eval_metrics
@@ -170,18 +170,14 @@ class Evaluator:
         self.cfg, self.seed, self.sampling = cfg, seed, sampling   # sampling: sample_captions options (steps, cfg_scale, ...)
         self.ref_images, self.ref_captions = reference if reference is not None else reference_set(cfg, ck.eval_reference)
         self.captions = pick_captions(captions if captions is not None else ck.eval_captions, self.ref_captions)
-        self.best, self.best_update = None, None
 
-    def improved(self, results: dict, update: int) -> bool:
-        "Whether `results` beat the best `best_metric` so far (remembered if so)."
+    def improved(self, results: dict, state) -> bool:
+        "Whether `results` beat `state.best_metric_value` (a `TrainState`'s); if so, recorded there with `state.update`."
         if not self.best_metric: return False
-        v, goal = results[self.best_metric], self.goals[self.best_metric]
-        if self.best is not None and not (v > self.best if goal == "max" else v < self.best): return False
-        self.best, self.best_update = v, update
+        v, goal, best = results[self.best_metric], self.goals[self.best_metric], state.best_metric_value
+        if best is not None and not (v > best if goal == "max" else v < best): return False
+        state.best_metric_value, state.best_metric_update = v, state.update
         return True
-
-    def state_dict(self) -> dict: return {"best": self.best, "best_update": self.best_update}
-    def load_state_dict(self, d: dict): self.best, self.best_update = d["best"], d["best_update"]
 
 # %% ../nbs/43_eval.ipynb #98676b8e
 @torch.no_grad()
@@ -196,8 +192,9 @@ def evaluate_run(evaluator: Evaluator, mode, gdf, net=None, device="cpu") -> tup
     return out, samples
 
 # %% ../nbs/43_eval.ipynb #26a783d6
-def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, update: int, metrics_path, run_dir, out_dir) -> dict:
-    "One in-training evaluation (all processes): the EMA (else the generator) scored, logged, best weights kept."
+def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_path, run_dir, out_dir) -> dict:
+    "One in-training evaluation at `state.update` (all processes): the EMA (else the generator) scored, logged, best weights kept."
+    update = state.update
     from accelerate.utils import broadcast_object_list
     model = ema if ema is not None else acc.unwrap_model(net)
     was_training = model.training
@@ -206,7 +203,7 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, update: int, metri
     results = broadcast_object_list([results])[0]   # one decision everywhere, even with non-deterministic kernels
     logged = {f"eval/{k}": v for k, v in results.items()}
     acc.log(logged, step=update)
-    best = evaluator.improved(results, update)
+    best = evaluator.improved(results, state)   # best value and update recorded in `state` (a TrainState)
     released = mode.released(acc, net) if best else {}   # gathers full weights under FSDP: all processes
     if acc.is_main_process:
         with open(metrics_path, "a") as f: f.write(json.dumps({"update": update, **logged}) + "\n")
@@ -214,10 +211,10 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, update: int, metri
         for name, sd in released.items():
             fname = f"{name}_ema_best.safetensors" if ema is not None else f"{name}_best.safetensors"
             save_safetensors_atomic(ema.state_dict() if ema is not None else sd, run_dir.path/fname)
-            (run_dir.path/"best.json").write_text(json.dumps({"metric": evaluator.best_metric, "value": evaluator.best,
+            (run_dir.path/"best.json").write_text(json.dumps({"metric": evaluator.best_metric, "value": state.best_metric_value,
                                                               "update": update, "weights": fname}, indent=1) + "\n")
     acc.print(f"update {update}: eval " + ", ".join(f"{k} {v:.4g}" for k, v in results.items())
-              + (f" (best {evaluator.best_metric} {evaluator.best:.4g} at update {evaluator.best_update})" if evaluator.best_metric else ""))
+              + (f" (best {evaluator.best_metric} {state.best_metric_value:.4g} at update {state.best_metric_update})" if evaluator.best_metric else ""))
     return results
 
 def _save_eval_grid(evaluator: Evaluator, samples, path, n: int = 16):

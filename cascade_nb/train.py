@@ -428,7 +428,7 @@ def train(cfg: Config) -> dict:
     evaluator = None
     if ck.eval_every:   # fixed-caption sample metrics (cascade_nb.eval), built now so a bad metric fails before training
         from cascade_nb.eval import Evaluator, eval_step
-        evaluator = Evaluator(cfg); acc.register_for_checkpointing(evaluator)
+        evaluator = Evaluator(cfg)   # its best value lives in `state` (TrainState), checkpointed above
 
     # --- data: this process's share of the stream, fast-forwarded to the data position on resume
     cache_check = {}
@@ -553,7 +553,7 @@ def train(cfg: Config) -> dict:
                 with open(metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
             acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
         if evaluator is not None and state.update % ck.eval_every == 0:
-            eval_step(evaluator, acc, mode, gdf, net, ema, state.update, metrics_path, run_dir, out_dir)
+            eval_step(evaluator, acc, mode, gdf, net, ema, state, metrics_path, run_dir, out_dir)
         stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
             save()
