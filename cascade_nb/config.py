@@ -263,6 +263,11 @@ class CheckpointConfig:
     save_every: int = 2000                # checkpoint + sample grid every N updates
     backup_every: int = 20000             # keep a copy with a _{N}k suffix every N updates
     val_every: Optional[int] = None       # validation loss every N updates (needs val_webdataset_path)
+    eval_every: Optional[int] = None      # sample metrics (cascade_nb.eval) every N updates; None: off
+    eval_captions: Union[int, list[str]] = 16  # N captions spread over the reference data, or the captions themselves
+    eval_metrics: list[str] = field(default_factory=lambda: ["retrieval"])  # 'retrieval', 'fid', 'kid', 'clip_score'
+    eval_reference: Optional[Union[str, list[str]]] = None  # images samples are compared with; None: the training data
+    best_metric: Optional[str] = None     # e.g. 'retrieval/top1': keep *_best.safetensors by it instead of val loss
 
 # %% ../nbs/01_config.ipynb #58880a53
 @dataclass
@@ -334,7 +339,7 @@ RANGES: dict[str, Range] = dict(
     lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1, weight_decay=AT_LEAST_0,  # train
     adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE, seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0,
     ema_iters=AT_LEAST_1, ema_beta=DECAY, max_nan_steps=AT_LEAST_1,
-    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1,                           # checkpoint
+    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1, eval_captions=AT_LEAST_1,  # checkpoint
     log_every=AT_LEAST_1,                                                                           # log
     rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,                                        # lora
     controlnet_blocks=AT_LEAST_0)                                                                   # controlnet
@@ -345,6 +350,7 @@ def check_range(key: str, value):
     r = RANGES.get(key)
     if r is None or value is None: return
     for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+        if isinstance(v, str): continue   # e.g. eval_captions: a count, or the captions themselves
         if v not in r:
             name = key if i is None else f"{key}[{i}]"
             raise ConfigError(f"key '{name}': {v!r} is out of range; expected {r}")

@@ -43,8 +43,8 @@ def load_run(checkpoint_dir, ema: bool = True, device="cpu"):
 # %% ../nbs/42_sample.ipynb #8356ae43
 @torch.no_grad()
 def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None = None, cfg_scale: float | None = None,
-               sampler: str | None = None, seed: int = 0, size: int | None = None, device="cpu") -> torch.Tensor:
-    "Images in [0, 1], `n` per prompt, from a run loaded with `load_run`."
+               sampler: str | None = None, seed: int = 0, size: int | None = None, device="cpu", net=None) -> torch.Tensor:
+    "Images in [0, 1], `n` per prompt, from a run loaded with `load_run` (or from `net`, e.g. an EMA, with its conditioning)."
     captions = [p for p in prompts for _ in range(n)]
     size = size or cfg.data.image_size
     probe = torch.zeros(1, 3, size, size, device=device)
@@ -54,7 +54,7 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
     overrides = {k: v for k, v in dict(sample_steps=steps, sample_cfg=cfg_scale, sample_sampler=sampler).items() if v is not None}
     from dataclasses import replace
     cfg = replace(cfg, gdf=replace(cfg.gdf, **overrides))
-    x0 = sample_latents(mode.net, gdf, conds, mode.uncond(conds), shape, cfg, seed=seed, device=device)
+    x0 = sample_latents(net if net is not None else mode.net, gdf, conds, mode.uncond(conds), shape, cfg, seed=seed, device=device)
     return mode.space.decode(x0.float())
 
 # %% ../nbs/42_sample.ipynb #1f0b96b6

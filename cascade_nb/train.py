@@ -266,7 +266,7 @@ def validate(run: Run, val_batches) -> float:
     acc.log({"val_loss": vl}, step=state.update)
     best = vl < state.best_val_loss
     if best: state.best_val_loss = vl
-    released = run.mode.released(acc, run.net) if best else {}   # all processes (FSDP gathers)
+    released = run.mode.released(acc, run.net) if best and not run.cfg.checkpoint.best_metric else {}   # all processes (FSDP gathers); with best_metric, eval_step keeps *_best
     if acc.is_main_process:
         for name, sd in released.items(): save_safetensors_atomic(sd, run.run_dir.path/f"{name}_best.safetensors")
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
@@ -371,6 +371,10 @@ def train(cfg: Config) -> dict:
     params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
     state, rng = TrainState(), training_generator(t.seed, acc.process_index)   # CPU generator, one stream per process
     run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir)
+    evaluator = None
+    if ck.eval_every:   # fixed-caption sample metrics (cascade_nb.eval), built now so a bad metric fails before training
+        from cascade_nb.eval import Evaluator, eval_step
+        evaluator = Evaluator(cfg)   # its best value lives in `state` (TrainState), saved with the training state
 
     # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets (no pickle runs)
     if info is not None:
@@ -419,6 +423,8 @@ def train(cfg: Config) -> dict:
             bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
             if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
+        if evaluator is not None and state.update % ck.eval_every == 0:
+            eval_step(evaluator, acc, mode, gdf, net, ema, state, run.metrics_path, run_dir, out_dir)
         stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
             save(run)

@@ -68,6 +68,8 @@ class TrainState:
     nonfinite_streak: int = 0
     nonfinite_total: int = 0
     best_val_loss: float = math.inf
+    best_metric_value: float | None = None   # best `best_metric` of the in-training evaluation so far
+    best_metric_update: int | None = None    # the update it was reached at
     def state_dict(self) -> dict: return asdict(self)
     def load_state_dict(self, d: dict):
         for k, v in d.items(): setattr(self, k, v)

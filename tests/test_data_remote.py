@@ -59,7 +59,7 @@ def test_s3_missing_object_is_counted(s3):
 
 def test_training_reads_s3(s3, tmp_path):
     res = run_cli("-m", "cascade_nb.train", str(ROOT / "configs" / "demo.yaml"), f"webdataset_path={brace()}", "num_workers=0",
-                  "image_size=32", "batch_size=4", "log_every=1", "updates=2", "save_every=100", "experiment_id=s3",
+                  "image_size=32", "batch_size=4", "log_every=1", "updates=2", "save_every=100", "experiment_id=s3", "eval_every=null",
                   f"checkpoint_path={tmp_path}/ckpt", f"output_path={tmp_path}/out", env=s3, timeout=600)
     assert "update 2/2: loss" in res.stdout
 

@@ -104,4 +104,15 @@ def test_demo_images_tool(tmp_path):
     assert Image.open(tmp_path / "demo_grid.png").getpixel((0, 0))[:3] == (100, 0, 0)   # the last grid
     assert Image.open(tmp_path / "demo_progress.png").size == (40, 2 * (30 + 18))
     assert (tmp_path / "demo_loss.png").exists()
+    assert not (tmp_path / "demo_eval.png").exists()                                     # the run did not evaluate
+    import json, torch
+    from cascade_nb.training import save_sample_grid                                      # the trainer's eval grid format
+    save_sample_grid({"sample": torch.tensor([1., 0, 0]).view(1, 3, 1, 1).expand(3, 3, 16, 16),
+                      "data": torch.tensor([0., 0, 1]).view(1, 3, 1, 1).expand(3, 3, 16, 16)}, run / "eval_000400.png")
+    (run / "eval_000400.txt").write_text("red apple\nbanana\ncactus\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"update": 400, "eval/retrieval/top1": 0.5}) + "\n")
+    make_demo_images.main([str(run), "--images", str(tmp_path)])
+    ev = Image.open(tmp_path / "demo_eval.png").convert("RGB")
+    x, y = 2 * (16 * 4 + 24) + 12, 26                                                     # third caption's cell
+    assert ev.getpixel((x + 5, y + 5)) == (255, 0, 0) and ev.getpixel((x + 5, y + 64 + 2 + 5)) == (0, 0, 255)
     with pytest.raises(SystemExit, match="expected NNNNNN.png"): make_demo_images.main([str(tmp_path / "nothing"), "--images", str(tmp_path)])
