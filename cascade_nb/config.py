@@ -544,7 +544,8 @@ def import_modules(names, where: str = "config", search: str | os.PathLike | Non
 
 def resolve_mode(cfg: Config, where: str = "config") -> type:
     "The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks."
-    import_modules([*MODE_MODULES, *(cfg.train.imports or ())], where, Path(cfg.source).parent if cfg.source else None)
+    hook_modules = ("cascade_nb.eval",) if cfg.checkpoint.eval_every else ()   # registers its training hook
+    import_modules([*MODE_MODULES, *hook_modules, *(cfg.train.imports or ())], where, Path(cfg.source).parent if cfg.source else None)
     t = cfg.train
     if t.mode is None: t.mode = next((n for n, c in TRAINING_MODES.items() if c.selected_by(cfg)), "full")
     if t.mode not in TRAINING_MODES:

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
 from .core import save_safetensors_atomic
+from .training import training_hook
 from .sample import load_run, sample_run
 from .train import _SAMPLERS
 
 # %% auto #0
 __all__ = ['METRICS', 'pixel_features', 'retrieval_ranks', 'retrieval_scores', 'register_metric', 'FID', 'KID', 'CLIPScore',
            'Retrieval', 'reference_set', 'pick_captions', 'sample_captions', 'Evaluator', 'evaluate_run', 'eval_step',
-           'main']
+           'InTrainingEvaluation', 'main']
 
 # %% ../nbs/43_eval.ipynb #826a2171
 def pixel_features(images01: torch.Tensor, size: int = 16) -> torch.Tensor:
@@ -226,6 +227,17 @@ def _save_eval_grid(evaluator: Evaluator, samples, path, n: int = 16):
     if all(c in first for c in caps): rows["data"] = evaluator.ref_images[[first[c] for c in caps]]
     save_sample_grid(rows, path)
     Path(path).with_suffix(".txt").write_text("\n".join(caps) + "\n")
+
+# %% ../nbs/43_eval.ipynb #e1a0c005
+@training_hook("eval")
+class InTrainingEvaluation:
+    "The trainer's hook: `eval_step` every `eval_every` updates; built before training, so a bad metric fails first."
+    def __init__(self, cfg: Config): self.every, self.evaluator = cfg.checkpoint.eval_every, Evaluator(cfg)
+    @classmethod
+    def enabled(cls, cfg: Config) -> bool: return bool(cfg.checkpoint.eval_every)
+    def after_update(self, run):
+        if run.state.update % self.every == 0:
+            eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path, run.run_dir, run.out_dir)
 
 # %% ../nbs/43_eval.ipynb #19c64264
 def _parser() -> argparse.ArgumentParser:

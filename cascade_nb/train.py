@@ -25,7 +25,7 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError,
+from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 
@@ -371,10 +371,7 @@ def train(cfg: Config) -> dict:
     params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
     state, rng = TrainState(), training_generator(t.seed, acc.process_index)   # CPU generator, one stream per process
     run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir)
-    evaluator = None
-    if ck.eval_every:   # fixed-caption sample metrics (cascade_nb.eval), built now so a bad metric fails before training
-        from cascade_nb.eval import Evaluator, eval_step
-        evaluator = Evaluator(cfg)   # its best value lives in `state` (TrainState), saved with the training state
+    hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]   # e.g. cascade_nb.eval's evaluation; built before training
 
     # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets (no pickle runs)
     if info is not None:
@@ -423,8 +420,7 @@ def train(cfg: Config) -> dict:
             bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
             if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
-        if evaluator is not None and state.update % ck.eval_every == 0:
-            eval_step(evaluator, acc, mode, gdf, net, ema, state, run.metrics_path, run_dir, out_dir)
+        for hook in hooks: hook.after_update(run)
         stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
             save(run)

@@ -14,9 +14,9 @@ from torch import nn
 from .core import atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header
 
 # %% auto #0
-__all__ = ['RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'NonFiniteLossError',
-           'check_finite', 'RunDirError', 'RunDir', 'training_generator', 'save_training_state', 'load_training_state',
-           'check_checkpoint_files', 'save_sample_grid']
+__all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'training_hook',
+           'NonFiniteLossError', 'check_finite', 'RunDirError', 'RunDir', 'training_generator', 'save_training_state',
+           'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_training.ipynb #adc89fbf
 class LRSchedule:
@@ -73,6 +73,17 @@ class TrainState:
     def state_dict(self) -> dict: return asdict(self)
     def load_state_dict(self, d: dict):
         for k, v in d.items(): setattr(self, k, v)
+
+# %% ../nbs/40_training.ipynb #e1a0c002
+TRAINING_HOOKS: dict[str, type] = {}
+"Classes `Hook(cfg)` with a classmethod `enabled(cfg)` and `after_update(run)`, by name (see `training_hook`)."
+
+def training_hook(name: str):
+    "Class decorator: register a hook the trainer builds when `enabled(cfg)` and calls after every update."
+    def register(cls):
+        TRAINING_HOOKS[name] = cls
+        return cls
+    return register
 
 # %% ../nbs/40_training.ipynb #eeea79fc
 class NonFiniteLossError(RuntimeError):
