@@ -1,5 +1,5 @@
 "Shared pytest setup: repository paths, quiet threads, and helpers to run the package's CLIs and load tools/ scripts."
-import importlib.util, os, subprocess, sys
+import importlib.util, os, socket, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -24,3 +24,8 @@ def run_cli(*args, cwd=ROOT, env=None, timeout=600, check=True):
     if check and res.returncode != 0:
         raise AssertionError(f"command failed ({res.returncode}): {' '.join(map(str, args))}\n--- stdout\n{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-4000:]}")
     return res
+
+def free_port() -> int:
+    "A port no one listens on now (other test runs may launch multi-process jobs at the same time: no fixed port)."
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0)); return sock.getsockname()[1]

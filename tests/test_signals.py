@@ -4,15 +4,11 @@ DataLoader workers), the `accelerate launch` process, or every process of a 2-no
 import os, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
-from conftest import ROOT
+from conftest import free_port, ROOT
 from test_train import demo_args, info
 from cascade_nb.launch import descendants
 
 LONG = ["updates=400", "save_every=300", "log_every=1"]
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
 def start(cmd, env=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}

@@ -4,7 +4,7 @@ import json, os, random, re, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 from safetensors.torch import load_file
-from conftest import ROOT, run_cli
+from conftest import free_port, ROOT, run_cli
 from official_configs import OFFICIAL_CONFIGS
 
 DRIVER = ROOT / "tests" / "train_driver.py"
@@ -110,11 +110,6 @@ def test_nonfinite_losses(tmp_path):
     res = run_cli(DRIVER, "--nan-once", "2", *demo_args(tmp_path, "nan1", "updates=4", "save_every=4"))
     assert "update skipped" in res.stdout
     assert info(tmp_path, "nan1")["nonfinite_total"] == 1
-
-def free_port() -> int:
-    "A port no one listens on now (other test runs may launch 2-process jobs at the same time: no fixed port)."
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
 def _launch_2proc(*args, check=True):
     return run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",

@@ -1,22 +1,35 @@
 """What a run's state depends on, across processes and resumes: the lr (and EMA beta, cadence) is a function of the
 update count only, whatever the process count and accumulation; every rank resumes its own random stream; a checkpoint
 folder never runs pickled code; validation agrees on every rank."""
-import json
+import json, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, free_port
 from test_train import DRIVER, demo_args, info, weights, assert_identical, _launch_2proc as launch_2proc
 
 def metrics(tmp, name):
     return [json.loads(l) for l in (Path(tmp) / "out" / name / "metrics.jsonl").read_text().splitlines()]
 
+def launch_2machines(*args):
+    "Two machines of one process each over the loopback address: accelerate's multi-node launch, machine_rank 0 and 1."
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("IN_TEST", None)
+    cmd = lambda rank: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                        str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"), "--num_machines", "2", "--num_processes", "2",
+                        "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                        str(DRIVER), *map(str, args)]
+    procs = [subprocess.Popen(cmd(r), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+
 def test_lr_and_ema_beta_depend_on_updates_only(tmp_path):
-    "1 process, 2 processes, and both with grad_accum_steps=2: the same lr, EMA beta and save cadence at every update."
+    "1 process, 2 processes, both with grad_accum_steps=2, and 2 machines: the same lr, EMA beta and save cadence at every update."
     run = ["updates=6", "save_every=3", "batch_size=8", "warmup_updates=3", "lr_schedule=cosine", "ema_start_iters=2"]
     runs = {"p1": lambda n: run_cli(DRIVER, *demo_args(tmp_path, n, *run)),
             "p2": lambda n: launch_2proc(*demo_args(tmp_path, n, *run)),
             "p1_acc2": lambda n: run_cli(DRIVER, *demo_args(tmp_path, n, *run, "grad_accum_steps=2")),
-            "p2_acc2": lambda n: launch_2proc(*demo_args(tmp_path, n, *run, "grad_accum_steps=2"))}
+            "p2_acc2": lambda n: launch_2proc(*demo_args(tmp_path, n, *run, "grad_accum_steps=2")),
+            "2machines": lambda n: launch_2machines(*demo_args(tmp_path, n, *run))}
     logged = {}
     for name, go in runs.items():
         go(name)
