@@ -14,7 +14,7 @@ from .config import Config, ConfigError
 from .core import save_safetensors_atomic
 from .training import training_hook
 from .sample import load_run, sample_run
-from .train import _SAMPLERS
+from .gdf.samplers import SAMPLERS
 
 # %% auto #0
 __all__ = ['METRICS', 'pixel_features', 'retrieval_ranks', 'retrieval_scores', 'register_metric', 'FID', 'KID', 'CLIPScore',
@@ -249,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default=None, help="reference images (data source; default: the run's eval_reference or training data)")
     p.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=float, default=None, help="CFG scale (default: the run's sample_cfg)")
-    p.add_argument("--sampler", choices=sorted(_SAMPLERS), default=None, help="sampler (default: the run's sample_sampler)")
+    p.add_argument("--sampler", choices=sorted(SAMPLERS), default=None, help="sampler (default: the run's sample_sampler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")

@@ -13,7 +13,8 @@ from .config import config_from_dict, ConfigError, cli_parser, parse_cli, cli_er
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
 from .train import (build_text_encoder, build_latent_space, build_training_mode,
-                              sample_latents, _SAMPLERS)
+                              sample_latents)
+from .gdf.samplers import SAMPLERS
 
 # %% auto #0
 __all__ = ['load_run', 'sample_run', 'main']
@@ -67,7 +68,7 @@ def main(argv=None):
     p.add_argument("--n", type=at_least(1), default=4, help="images per prompt")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: the run's sample_cfg)")
-    p.add_argument("--sampler", choices=sorted(_SAMPLERS), default=None)
+    p.add_argument("--sampler", choices=sorted(SAMPLERS), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="samples")
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")

@@ -35,13 +35,13 @@ __all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batc
            'log_metrics', 'validate', 'check_optimizer', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
-_SAMPLERS = SAMPLERS   # the registry in cascade_nb.gdf.samplers (old name, imported by cascade_nb.sample)
+_SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
 
 @torch.no_grad()
 def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
     rng = torch.Generator().manual_seed(seed)   # on the CPU: the same noise on every device
-    *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=_SAMPLERS[cfg.gdf.sample_sampler](),
+    *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=SAMPLERS[cfg.gdf.sample_sampler](),
                           timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=training_shift(cfg), device=device,
                           generator=rng)
     return last.x0
