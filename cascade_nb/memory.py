@@ -457,7 +457,6 @@ if __name__ == "__main__" and "__file__" in globals(): main()
 # %% ../nbs/70_memory.ipynb #d09133dd
 def stage_c_flops(model: nn.Module, batch: int, latent_side: int) -> int:
     "Forward FLOPs of a StageC on `batch` × (c_in, latent_side, latent_side): 2 per multiply-add (×3 for a training step)."
-    from cascade_nb.models.blocks import ResBlock, AttnBlock, TimestepBlock, FeedForwardBlock
     cfg = model.config
     p, S = cfg["patch_size"], 77 + 2 * cfg["c_clip_seq"]
     L, ch, cc = (latent_side // p) ** 2, cfg["c_hidden"], cfg["c_cond"]
@@ -465,13 +464,5 @@ def stage_c_flops(model: nn.Module, batch: int, latent_side: int) -> int:
     f += 77 * cfg["c_clip_text"] * cc + (cfg["c_clip_text_pooled"] + cfg["c_clip_img"]) * cc * cfg["c_clip_seq"]
     between = [*model.down_downscalers, *model.up_upscalers, *model.down_repeat_mappers, *model.up_repeat_mappers]
     f += sum(m.weight.numel() * L for b in between for m in b.modules() if isinstance(m, nn.Conv2d))   # 1×1, same side
-    for b in model.modules():
-        if isinstance(b, ResBlock):
-            c, k = b.depthwise.in_channels, b.depthwise.kernel_size[0]
-            f += L * c * k * k + L * b.channelwise[0].in_features * 4 * c + L * 4 * c * c
-        elif isinstance(b, AttnBlock):
-            c, T = b.kv_mapper[1].out_features, S + (L if b.self_attn else 0)
-            f += S * b.kv_mapper[1].in_features * c + 2 * L * c * c + 2 * T * c * c + 2 * L * T * c
-        elif isinstance(b, FeedForwardBlock): f += 8 * L * b.channelwise[0].in_features ** 2
-        elif isinstance(b, TimestepBlock): f += sum(m.weight.numel() for m in b.modules() if isinstance(m, nn.Linear))
+    f += sum(b.flops(L, S) for b in model.modules() if hasattr(b, "level_input"))   # each block counts itself
     return 2 * batch * f

@@ -48,6 +48,11 @@ class ResBlock(nn.Module):
                                          nn.Dropout(dropout), nn.Linear(c * 4, c))
 
     takes_control = True   # a ControlNet hint is added to the input of every ResBlock (StageC, cascade_nb.controlnet)
+    level_input = "skip"   # the second input StageC's level loop (`run_level`) passes: the encoder's skip (or None)
+    def flops(self, L: int, S: int) -> int:
+        "Multiply-adds of one forward, per sample, on `L` image tokens (`S` conditioning tokens: unused here)."
+        c, k = self.depthwise.in_channels, self.depthwise.kernel_size[0]
+        return L * c * k * k + L * self.channelwise[0].in_features * 4 * c + L * 4 * c * c
     def memory_shape(self) -> dict:
         "What the memory planner (`cascade_nb.memory`) needs to know about this block."
         c = self.depthwise.in_channels
@@ -86,6 +91,13 @@ class AttnBlock(nn.Module):
         self.attention = Attention2D(c, nhead, dropout)
         self.kv_mapper = nn.Sequential(nn.SiLU(), nn.Linear(c_cond, c))
 
+    level_input = "clip"   # StageC's level loop passes the mapped CLIP conditioning tokens
+    def flops(self, L: int, S: int) -> int:
+        "Multiply-adds per sample: map S conditioning tokens, q/out projections, k/v of T tokens, QKᵀ and AV."
+        lin = self.kv_mapper[1]
+        c, T = lin.out_features, S + (L if self.self_attn else 0)
+        return S * lin.in_features * c + 2 * L * c * c + 2 * T * c * c + 2 * L * T * c
+
     def memory_shape(self) -> dict:
         "What the memory planner (`cascade_nb.memory`) needs to know about this block."
         lin = self.kv_mapper[1]
@@ -107,6 +119,9 @@ class FeedForwardBlock(nn.Module):
         self.channelwise = nn.Sequential(nn.Linear(c, c * 4), nn.GELU(), GlobalResponseNorm(c * 4),
                                          nn.Dropout(dropout), nn.Linear(c * 4, c))
 
+    level_input = None     # image tokens only
+    def flops(self, L: int, S: int) -> int: return 8 * L * self.channelwise[0].in_features ** 2   # two c×4c matmuls
+
     def memory_shape(self) -> dict:
         "What the memory planner (`cascade_nb.memory`) needs to know about this block."
         return dict(kind="F", c=self.channelwise[0].in_features, dropout=self.channelwise[3].p)
@@ -122,6 +137,10 @@ class TimestepBlock(nn.Module):
         self.mapper = nn.Linear(c_timestep, c * 2)
         self.conds = tuple(conds)
         for name in self.conds: setattr(self, f"mapper_{name}", nn.Linear(c_timestep, c * 2))
+
+    level_input = "r_embed"   # StageC's level loop passes the noise-level (and extra conditions') embedding
+    def flops(self, L: int, S: int) -> int:   # the mappers run once per sample, not per token
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
 
     def memory_shape(self) -> dict:
         "What the memory planner (`cascade_nb.memory`) needs to know about this block."
