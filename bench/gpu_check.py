@@ -137,7 +137,7 @@ def check_lora(S, device, dry):
     memory_line("LoRA r4 '.attn' bf16 checkpointed (reference: ~45 GB)", cfg, S, device)
 
 def check_sampling(S, device, dry, models=None):
-    from cascade_nb.pipeline import CascadePipeline, write_tiny_checkpoints
+    from cascade_nb.inference import CascadePipeline, write_tiny_checkpoints
     with tempfile.TemporaryDirectory() as tmp:
         d, what = (Path(models), "real weights") if models else (write_tiny_checkpoints(tmp), "tiny-twin weights")
         pipe = CascadePipeline.from_dir(d, device=device, **({} if models else dict(stage_c="tiny", stage_b="tiny")))

@@ -10,7 +10,7 @@ each saves for backward (the term that sets peak training memory; unique tensor 
 import argparse, statistics, time
 import torch
 from cascade_nb.models.stage_c import StageC
-from cascade_nb.interop import stage_c_to_diffusers, DiffusersStageC
+from cascade_nb.interop_c import stage_c_to_diffusers, DiffusersStageC
 from cascade_nb.memory import saved_bytes
 
 CONFIGS = {  # name: (StageC.from_preset overrides, batch, latent size)

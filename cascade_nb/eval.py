@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
 from .core import save_safetensors_atomic
-from .training import training_hook
+from .run_state import training_hook
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 
@@ -220,7 +220,7 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
 
 def _save_eval_grid(evaluator: Evaluator, samples, path, n: int = 16):
     "Samples of the first `n` captions above the reference image of each caption (when it has one); captions beside."
-    from cascade_nb.training import save_sample_grid
+    from cascade_nb.run_state import save_sample_grid
     first = {c: i for i, c in reversed(list(enumerate(evaluator.ref_captions)))}
     caps = evaluator.captions[:n]
     rows = {"sample": samples[:n]}

@@ -10,7 +10,7 @@ import argparse, re, sys
 from pathlib import Path
 from .core import atomic_write
 from .config import cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line
-from .pipeline import CascadePipeline, to_pil
+from .inference import CascadePipeline, to_pil
 
 # %% auto #0
 __all__ = ['STAGE_FILES', 'slug', 'make_parser', 'check_models_dir', 'main']

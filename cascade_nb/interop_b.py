@@ -1,4 +1,4 @@
-"""Stage B ↔ diffusers' `StableCascadeUNet` (decoder configuration): config and weight converters both ways with identical outputs, built on the key rules of `cascade_nb.interop`.
+"""Stage B ↔ diffusers' `StableCascadeUNet` (decoder configuration): config and weight converters both ways with identical outputs, built on the key rules of `cascade_nb.interop_c`.
 
 Docs: https://cascade-nb.github.io/cascade_nb/interop_b.html.md"""
 
@@ -8,7 +8,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/interop_b.html.md"""
 from __future__ import annotations
 import torch
 import torch.nn as nn
-from .interop import (STAGE_B_RENAMES, official_to_diffusers, diffusers_to_official, model_from_diffusers,
+from .interop_c import (STAGE_B_RENAMES, official_to_diffusers, diffusers_to_official, model_from_diffusers,
                                 model_to_diffusers, check_diffusers_conds, check_stable_cascade_unet, DiffusersModel,
                                 stage_c_config_to_diffusers, stage_c_config_from_diffusers)
 from .models.stage_b import StageB

@@ -25,7 +25,7 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 

@@ -33,7 +33,7 @@ def test_config_path_that_is_a_folder_or_not_text(tmp_path):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from cascade_nb.pipeline import write_tiny_checkpoints
+    from cascade_nb.inference import write_tiny_checkpoints
     return write_tiny_checkpoints(tmp_path_factory.mktemp("ckpt") / "models")
 
 GEN = ("--height", "128", "--width", "96", "--steps-c", "2", "--steps-b", "2", "--device", "cpu")

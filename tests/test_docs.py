@@ -106,7 +106,7 @@ def test_demo_images_tool(tmp_path):
     assert (tmp_path / "demo_loss.png").exists()
     assert not (tmp_path / "demo_eval.png").exists()                                     # the run did not evaluate
     import json, torch
-    from cascade_nb.training import save_sample_grid                                      # the trainer's eval grid format
+    from cascade_nb.run_state import save_sample_grid                                      # the trainer's eval grid format
     save_sample_grid({"sample": torch.tensor([1., 0, 0]).view(1, 3, 1, 1).expand(3, 3, 16, 16),
                       "data": torch.tensor([0., 0, 1]).view(1, 3, 1, 1).expand(3, 3, 16, 16)}, run / "eval_000400.png")
     (run / "eval_000400.txt").write_text("red apple\nbanana\ncactus\n")

@@ -7,7 +7,7 @@ ARGS = ("--height", "128", "--width", "96", "--steps-c", "2", "--steps-b", "2", 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from cascade_nb.pipeline import write_tiny_checkpoints
+    from cascade_nb.inference import write_tiny_checkpoints
     return write_tiny_checkpoints(tmp_path_factory.mktemp("ckpt") / "models")
 
 def test_generate_writes_and_prints_images(models, tmp_path):

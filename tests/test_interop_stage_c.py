@@ -3,7 +3,7 @@ import pytest, torch
 pytest.importorskip("diffusers")
 from diffusers import StableCascadeUNet
 from cascade_nb.models.stage_c import StageC, save_stage_c, load_stage_c
-from cascade_nb.interop import (official_to_diffusers, diffusers_to_official, stage_c_config_to_diffusers,
+from cascade_nb.interop_c import (official_to_diffusers, diffusers_to_official, stage_c_config_to_diffusers,
                                 stage_c_from_diffusers, stage_c_to_diffusers, DiffusersStageC)
 
 def _tiny_unet(seed=0):

@@ -40,7 +40,7 @@ def test_peft_loads_the_adapter_onto_the_diffusers_twin(tmp_path):
     pytest.importorskip("diffusers")
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
     from safetensors.torch import load_file
-    from cascade_nb.interop import stage_c_to_diffusers, DiffusersStageC
+    from cascade_nb.interop_c import stage_c_to_diffusers, DiffusersStageC
     base, adapted = _models((".attn", "kv_mapper"))
     x, r, c = _inputs()
     save_peft_adapter(lora_state_dict(adapted), tmp_path / "adapter")

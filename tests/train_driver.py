@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import cascade_nb.train as T
 import cascade_nb.modes as M
-from cascade_nb.training import RunDir
+from cascade_nb.run_state import RunDir
 
 p = argparse.ArgumentParser()
 p.add_argument("--kill-in-commit", type=int)
