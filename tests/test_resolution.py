@@ -74,6 +74,25 @@ def test_resume_on_either_side_of_the_switch_is_bit_identical(tmp_path, referenc
     assert_identical(weights(tmp_path, "res", "generator_ema"), weights(ref, "ref", "generator_ema"))
     assert [r["loss"] for r in metrics(tmp_path, "res")] == [r["loss"] for r in metrics(ref, "ref")]
 
+def _mode_args(tmp, mode):
+    "A tiny run of `mode` whose first two updates are at the smaller side; (CLI args, latent sides expected per update)."
+    switch = "resolution_schedule=[[0, 8], [2, 16]]"
+    if mode == "controlnet":
+        from test_controlnet_train import cnet_args, SIMPLE
+        return cnet_args(tmp, mode, "controlnet_c_3b_canny.yaml", *SIMPLE, "image_size=16", switch), [8, 8, 16, 16]
+    extra = {"lora": ["module_filters=['.attn']", "rank=2"],
+             "stage_b": ["stage=b", "model_overrides={}", "stage_a_checkpoint_path=tiny", "effnet_checkpoint_path=tiny", "batch_size=2",
+                         "image_size=128", "resolution_schedule=[[0, 64], [2, 128]]"]}[mode]   # Stage A latents: side / 4
+    return demo_args(tmp, mode, "image_size=16", switch, *extra), [8, 8, 16, 16] if mode == "lora" else [16, 16, 32, 32]
+
+@pytest.mark.parametrize("mode", ["lora", "controlnet", "stage_b"])
+def test_every_mode_crosses_the_switch(tmp_path, sides_trained, mode):
+    args, want = _mode_args(tmp_path, mode)
+    cfg = load_config(args[0], [*args[1:], "updates=4", "save_every=4"])
+    sides_trained.clear()
+    assert train(cfg)["update"] == 4
+    assert (cfg.train.mode, [s[-1] for s in sides_trained]) == ({"stage_b": "full"}.get(mode, mode), want)
+
 def test_two_process_ddp_across_the_switch(tmp_path):
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "image_size=16", "resolution_schedule=[[0, 8], [2, 16]]",
                                                        "updates=4", "save_every=2", "batch_size=8"))
