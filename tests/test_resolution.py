@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 import cascade_nb.modes as M
 from cascade_nb.config import load_config
-from cascade_nb.training import TRAINING_HOOKS
-from cascade_nb.train import train
+from cascade_nb.train import train, TRAINING_HOOKS   # the hook registry the trainer reads
 from test_train import demo_args, info, weights, assert_identical, _launch_2proc
 
 SCHEDULE = ["image_size=16", "resolution_schedule=[[0, 8], [4, 16]]", "updates=8", "save_every=8"]
