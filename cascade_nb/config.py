@@ -211,6 +211,7 @@ class DataConfig:
     webdataset_path: Union[str, list[str]] = REQUIRED  # folder, tar(s), brace pattern, list, pipe:/s3:// URL
     allow_pipe_sources: bool = False     # run pipe:CMD sources (shell commands); off so a YAML cannot run code
     image_size: int = 768                 # side of the square training image (bucket area = image_size**2)
+    resolution_schedule: Optional[list[tuple[int, int]]] = None  # [[update, side], ...]: train at `side` from `update` on; largest = image_size
     multi_aspect_ratio: Optional[list[Fraction]] = None  # e.g. [1/1, 1/2, 3/4]; reciprocals are added
     batch_size: int = 32                  # GLOBAL batch: split over processes and accumulation steps
     dataset_filters: Optional[list[DatasetFilter]] = None  # [[key, 'lambda v: ...'], ...] on the sample JSON
@@ -335,7 +336,7 @@ RANGES: dict[str, Range] = dict(
     shift=POSITIVE, offset_noise=AT_LEAST_0, sample_cfg=AT_LEAST_0, sample_steps=AT_LEAST_1,       # gdf
     image_size=Range(8), batch_size=AT_LEAST_1, caption_dropout=PROBABILITY, image_embed_prob=PROBABILITY,  # data
     bucketeer_random_ratio=PROBABILITY, shuffle_buffer=AT_LEAST_0, num_workers=AT_LEAST_0, prefetch_factor=AT_LEAST_1,
-    val_batches=AT_LEAST_1,
+    val_batches=AT_LEAST_1, resolution_schedule=(AT_LEAST_0, Range(8)),
     lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1, weight_decay=AT_LEAST_0,  # train
     adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE, seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0,
     ema_iters=AT_LEAST_1, ema_beta=DECAY, max_nan_steps=AT_LEAST_1,
@@ -343,7 +344,7 @@ RANGES: dict[str, Range] = dict(
     log_every=AT_LEAST_1,                                                                           # log
     rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,                                        # lora
     controlnet_blocks=AT_LEAST_0)                                                                   # controlnet
-"The valid range of every numeric config key (list/tuple keys: of each element)."
+"The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field of each entry)."
 
 def check_range(key: str, value):
     "Raise `ConfigError` naming key, value and expected range when `value` (or an element of it) is outside `RANGES[key]`."
@@ -351,9 +352,9 @@ def check_range(key: str, value):
     if r is None or value is None: return
     for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
         if isinstance(v, str): continue   # e.g. eval_captions: a count, or the captions themselves
-        if v not in r:
-            name = key if i is None else f"{key}[{i}]"
-            raise ConfigError(f"key '{name}': {v!r} is out of range; expected {r}")
+        name = key if i is None else f"{key}[{i}]"
+        for j, x, rj in zip(range(len(r)), v, r) if isinstance(r, tuple) else [(None, v, r)]:   # entries of several fields
+            if x not in rj: raise ConfigError(f"key '{name if j is None else f'{name}[{j}]'}': {x!r} is out of range; expected {rj}")
 
 # %% ../nbs/01_config.ipynb #724f67a2
 def _type_name(tp) -> str:
@@ -557,6 +558,22 @@ def resolve_mode(cfg: Config, where: str = "config") -> type:
     except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
     return TRAINING_MODES[t.mode]
 
+# %% ../nbs/01_config.ipynb #34de7e48
+def _check_resolution_schedule(cfg: Config, need):
+    "`resolution_schedule`: [update, side] entries from update 0 on, strictly increasing, within the run, largest side = image_size."
+    s, d, key, eg = cfg.data.resolution_schedule, cfg.data, "key 'resolution_schedule'", "e.g. [[0, 256], [10000, 512]]"
+    need(s, f"{key}: [] is empty; expected [[0, side], [update, side], ...] ({eg}) or null")
+    need(s[0][0] == 0, f"{key}: the first entry {list(s[0])} starts at update {s[0][0]}; expected 0 (the side of the first updates), {eg}")
+    for prev, cur in zip(s, s[1:]):
+        need(cur[0] > prev[0], f"{key}: entry {list(cur)} does not start after {list(prev)}; expected strictly increasing updates, {eg}")
+    need(s[-1][0] < cfg.train.updates, f"{key}: entry {list(s[-1])} would never train: the run's updates are 0 to "
+                                       f"{cfg.train.updates - 1} (updates: {cfg.train.updates})")
+    big = max(side for _, side in s)
+    need(big == d.image_size, f"{key}: its largest side {big} must equal image_size ({d.image_size}), the side the data pipeline "
+                              f"crops and buckets at and validation, evaluation and the memory plan use; set image_size: {big}")
+    need(cfg.model.latent_space != "cached", f"{key} needs images: latents cached by `python -m cascade_nb.data cache` have one "
+                                             "fixed size (latent_space: cached); train from the images (latent_space: effnet)")
+
 # %% ../nbs/01_config.ipynb #8dddb117
 def _check(cfg: Config, where: str, training: bool):
     def need(cond, msg):
@@ -581,6 +598,7 @@ def _check(cfg: Config, where: str, training: bool):
     for key in ("caption_dropout", "image_embed_prob", "bucketeer_random_ratio"):
         need(0 <= getattr(d, key) <= 1, f"key '{key}': {getattr(d, key)!r} must be a probability in [0, 1]")
     if t.ema_beta is not None: need(0 <= t.ema_beta < 1, f"key 'ema_beta': {t.ema_beta!r} must be in [0, 1)")
+    if d.resolution_schedule is not None: _check_resolution_schedule(cfg, need)
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
     if d.captions_getter is None: d.captions_getter = CaptionsGetter()

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
-import argparse, contextlib, copy, gc, importlib.util, json, resource, signal, sys, time, warnings
+import argparse, contextlib, copy, gc, importlib.util, inspect, json, resource, signal, sys, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +28,13 @@ from .gdf.samplers import SAMPLERS
 from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
+from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
 
 # %% auto #0
-__all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag', 'die_with_parent', 'batch_stream',
-           'training_data', 'Run', 'build_optimizer', 'save', 'load_checkpoint', 'resume', 'run_info', 'log_samples',
-           'log_metrics', 'validate', 'check_optimizer', 'train', 'plot_metrics', 'main']
+__all__ = ['LATENT_COMPRESSION', 'sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag',
+           'die_with_parent', 'batch_stream', 'training_data', 'Run', 'build_optimizer', 'save', 'load_checkpoint',
+           'resume', 'run_info', 'log_samples', 'log_metrics', 'validate', 'size_rule', 'check_resolution_schedule',
+           'at_resolution', 'check_optimizer', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -252,7 +254,9 @@ def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped:
          "samples_seen": run.state.samples_seen,
          "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
          "peak_memory_gb": _peak_memory_gb(acc.device), **({"compile_time_s": compile_seconds()} if cfg.model.compile else {}),
-         **{f"skipped/{k}": v for k, v in skipped.items()}}
+         **{f"skipped/{k}": v for k, v in skipped.items()},
+         **({"image_size": resolution_at(cfg.data.resolution_schedule, run.state.update - 1, cfg.data.image_size)}
+            if cfg.data.resolution_schedule else {})}   # the side of the last update
     acc.log(m, step=run.state.update)
     if acc.is_main_process:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": run.state.update, **m}) + "\n")
@@ -272,6 +276,42 @@ def validate(run: Run, val_batches) -> float:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
     acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
     return vl
+
+# %% ../nbs/41_train.ipynb #9a0af018
+LATENT_COMPRESSION = {"pixels": 1, "effnet": 32, "stage_a": 4}
+"Image side / latent side of each latent space (the EfficientNet encoder: 768 → 24; Stage A: 1024 → 256)."
+
+def size_rule(cfg: Config) -> tuple[int, int]:
+    "(multiple, minimum) of an image side the generator trains on: compression × patch size, times 2^(levels − 1)."
+    m = cfg.model
+    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls, STAGE_B_PRESETS as presets
+    else: from cascade_nb.models.stage_c import StageC as cls, STAGE_C_PRESETS as presets
+    arch = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}, **presets[m.model_version], **m.model_overrides}
+    space = "stage_a" if m.stage == "b" else "pixels" if m.latent_space == "pixels" else "effnet"
+    multiple = LATENT_COMPRESSION[space] * arch["patch_size"]
+    return multiple, multiple * 2 ** (len(arch["c_hidden"]) - 1)
+
+def check_resolution_schedule(cfg: Config):
+    "Refuse a `resolution_schedule` side (or one of its aspect buckets) the model cannot take, naming the entry and the sides that work."
+    multiple, minimum = size_rule(cfg) if cfg.data.resolution_schedule else (1, 1)
+    for start, side in cfg.data.resolution_schedule or ():
+        where = f"{cfg.source or 'config'}: key 'resolution_schedule': entry {[start, side]}"
+        try: buckets = bucket_sizes(side, cfg.data.multi_aspect_ratio)
+        except ValueError as e: raise ConfigError(f"{where}: {e}") from None
+        for hw in buckets:
+            if min(hw) >= minimum and hw[0] % multiple == 0 and hw[1] % multiple == 0: continue
+            ok = sorted({max(minimum, side // multiple * multiple), max(minimum, -(-side // multiple) * multiple)})
+            what = f"side {side}" if hw == (side, side) else f"its bucket {hw[0]}×{hw[1]}"
+            raise ConfigError(f"{where}: {what} does not suit the model: image sides must be multiples of {multiple} (latent "
+                              f"compression × patch size) and at least {minimum} (each level halves the latent); e.g. "
+                              f"{' or '.join(map(str, ok))}")
+
+def at_resolution(batch: dict, cfg: Config, update: int, device) -> dict:
+    "`batch` at the side of update `update` (`resolution_schedule`): its images moved to `device` and scaled down there."
+    side = resolution_at(cfg.data.resolution_schedule, update, cfg.data.image_size)
+    if side == cfg.data.image_size or "images" not in batch: return batch
+    bucket = bucket_at(batch.get("bucket") or tuple(batch["images"].shape[-2:]), side, cfg.data.multi_aspect_ratio)
+    return {**batch, "images": resize_cover(batch["images"].to(device, non_blocking=True), bucket), "bucket": bucket}
 
 # %% ../nbs/41_train.ipynb #2b7518f7
 def _trackers(cfg: Config):
@@ -330,6 +370,7 @@ def train(cfg: Config) -> dict:
     from cascade_nb.data.sources import format_skips
     stop = StopFlag().install()   # first: a signal during setup still ends in a save at the first update boundary
     ck, t = cfg.checkpoint, cfg.train
+    check_resolution_schedule(cfg)   # sides the model can take: before anything is built
 
     # --- setup: processes, devices, precision, tracking
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum_steps,
@@ -393,7 +434,7 @@ def train(cfg: Config) -> dict:
     for _ in bar:
         lr_now = set_lr(opt, base_lrs, lr_at, state.update)   # a function of the update count only
         for _micro in range(t.grad_accum_steps):
-            batch = next(stream); state.batches_drawn += 1
+            batch = at_resolution(next(stream), cfg, state.update, device); state.batches_drawn += 1   # resolution_schedule
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
             x0, conds = mode.encode(batch, device, training=True, rng=rng)
             with acc.accumulate(net):

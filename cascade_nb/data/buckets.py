@@ -17,7 +17,7 @@ from .sources import SkipCounter, _worker_seed
 # %% auto #0
 __all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'bucket_sizes', 'saliency_map', 'saliency_center', 'closest_bucket',
            'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket', 'BucketResize',
-           'collate_samples', 'BucketBatcher']
+           'collate_samples', 'BucketBatcher', 'resolution_at', 'bucket_at', 'resize_cover']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
 def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[int, int], ...]:
@@ -193,3 +193,26 @@ class BucketBatcher:
                 if group: yield self._emit(group)
         if self.counter is not None and (tail := self.counter.take()):   # skips after the last batch: not silent either
             warnings.warn(f"data: skipped after this reader's last batch: {tail}")
+
+# %% ../../nbs/31_data.buckets.ipynb #1c5fbf44
+def resolution_at(schedule, update: int, default: int) -> int:
+    "The image side of update `update` (0-based): the side of the last `[start, side]` entry with start <= update; `default` without a schedule."
+    side = default
+    for start, s in schedule or ():
+        if start <= update: side = s
+    return side
+
+def bucket_at(bucket, side: int, ratios=None) -> tuple[int, int]:
+    "The bucket that `bucket` (H, W), made at `image_size`, becomes at image side `side`: the one of `bucket_sizes(side, ratios)` closest in ratio."
+    return closest_bucket(*bucket, bucket_sizes(side, ratios))
+
+def resize_cover(images: torch.Tensor, size) -> torch.Tensor:
+    "(B, C, h, w) images → (B, C, H, W) on their device: antialiased bilinear to cover `size`, centre crop; uint8 stays uint8."
+    (H, W), (h, w) = tuple(size), tuple(images.shape[-2:])
+    if (h, w) == (H, W): return images
+    scale = max(H / h, W / w)
+    sh, sw = max(H, round(h * scale)), max(W, round(w * scale))
+    x = F.interpolate(images.float(), size=(sh, sw), mode="bilinear", antialias=True, align_corners=False)
+    top, left = (sh - H) // 2, (sw - W) // 2
+    x = x[..., top:top + H, left:left + W]                                   # (B, C, H, W)
+    return (x.round().clamp(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else x.to(images.dtype)).contiguous()
