@@ -377,7 +377,7 @@ def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
             if f.default is REQUIRED: raise ValueError(f"config section {name!r}: key {f.name!r} cannot be REQUIRED (check it in the mode's check_config)")
             if _numeric(hints[f.name]) and f.name not in rs: raise ValueError(f"config section {name!r}: numeric key {f.name!r} needs a range")
         if set(rs) - {f.name for f in fields(cls)}: raise ValueError(f"config section {name!r}: ranges for unknown keys {sorted(set(rs) - {f.name for f in fields(cls)})}")
-        for k in [k for k, s in KEY_SECTION.items() if s == name]: del KEY_SECTION[k], RANGES[k]   # re-registration replaces
+        for k in [k for k, s in KEY_SECTION.items() if s == name]: del KEY_SECTION[k]; RANGES.pop(k, None)   # re-registration replaces
         SECTIONS[name], SECTION_MODES[name] = cls, tuple(modes)
         KEY_SECTION.update({f.name: name for f in fields(cls)}); RANGES.update(rs)
         return cls
@@ -564,7 +564,7 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
 # %% ../nbs/01_config.ipynb #b41ceb2e
 TRAINING_MODES: dict[str, type] = {}
 "Training modes by name (`mode:` in a config), filled by `cascade_nb.modes.training_mode`."
-MODE_MODULES = ("cascade_nb.modes", "cascade_nb.lora", "cascade_nb.controlnet")
+MODE_MODULES = ("cascade_nb.modes", "cascade_nb.distill", "cascade_nb.lora", "cascade_nb.controlnet")
 "The modules that register the built-in modes (imported when a config is validated, like a config's `imports:`)."
 
 def import_modules(names, where: str = "config", search: str | os.PathLike | None = None):
