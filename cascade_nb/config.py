@@ -640,6 +640,7 @@ def dump_config(cfg: Config) -> str:
     "The resolved config as YAML text: flat official-style keys grouped under one comment per section."
     d, parts = cfg.to_yaml_dict(), []
     for sec, cls in SECTIONS.items():
+        if SECTION_MODES.get(sec) and cfg.train.mode not in SECTION_MODES[sec]: continue   # another mode's keys: all defaults
         block = {f.name: d[f.name] for f in fields(cls)}
         parts.append(f"# --- {sec}: {cls.__doc__}\n" + yaml.dump(block, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))
     return "\n".join(parts)
