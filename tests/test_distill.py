@@ -1,5 +1,5 @@
 """The distillation modes (cascade_nb.distill) through the real trainer: each mode trains from a tiny teacher, a run
-stopped and resumed releases exactly what an uninterrupted run releases, lcm runs on 2 DDP processes (gloo), and a
+stopped and resumed releases exactly what an uninterrupted run releases, each runs on 2 DDP processes (gloo), and a
 student samples through the sample CLI with its own sampler, steps and CFG."""
 import json, os, signal
 from pathlib import Path
@@ -48,9 +48,9 @@ def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
     from cascade_nb.config import load_config
     from cascade_nb.train import train
     from cascade_nb.training import TRAINING_HOOKS
-    run = lambda tmp, *kv: train(load_config(DEMO, overrides(tmp, "s", teacher, mode, "updates=4", "save_every=4", *kv)))
+    run = lambda tmp, *kv: train(load_config(DEMO, overrides(tmp, "s", teacher, mode, "updates=3", "save_every=3", *kv)))
     ref = run(tmp_path / "ref")
-    assert ref["update"] == 4 and type(ref["mode"]).name == mode
+    assert ref["update"] == 3 and type(ref["mode"]).name == mode
     TRAINING_HOOKS["test_stop"] = StopAt
     try:
         StopAt.n = 2
@@ -58,7 +58,7 @@ def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
     finally:
         StopAt.n = None; del TRAINING_HOOKS["test_stop"]
     assert json.loads((tmp_path / "stopped" / "ck" / "s" / "info.json").read_text())["update"] == 2
-    assert run(tmp_path / "stopped")["update"] == 4      # resumed from update 2
+    assert run(tmp_path / "stopped")["update"] == 3      # resumed from update 2
     a, b = released(tmp_path / "ref", "s"), released(tmp_path / "stopped", "s")
     assert set(a) == ({"generator.safetensors", "generator_ema.safetensors"} if mode == "lcm" else {"generator.safetensors"})
     for f in a:
@@ -68,13 +68,14 @@ def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
     if mode != "distill": assert a["generator.safetensors"].keys() == teacher_sd.keys()
     assert not torch.equal(a["generator.safetensors"]["clf.1.weight"], teacher_sd["clf.1.weight"])   # the student trained
 
-def test_lcm_two_process_ddp(tmp_path, teacher):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_process_ddp(tmp_path, teacher, mode):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
                   "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync", DEMO,
-                  *overrides(tmp_path, "ddp", teacher, "lcm", "updates=2", "save_every=2", "batch_size=8"), env={"OMP_NUM_THREADS": "1"})
-    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]   # student and target network
+                  *overrides(tmp_path, "ddp", teacher, mode, "updates=1", "save_every=1", "batch_size=8"), env={"OMP_NUM_THREADS": "1"})
+    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]   # lcm: student and target network
     info = json.loads((tmp_path / "ck" / "ddp" / "info.json").read_text())
-    assert info["num_processes"] == 2 and info["update"] == 2
+    assert info["num_processes"] == 2 and info["update"] == 1
 
 def test_student_samples_with_its_own_sampler(tmp_path, teacher, capsys):
     "The sample CLI on an lcm student: the run's LCM sampler, 4 steps and CFG 1, unless the command line overrides them."
