@@ -16,12 +16,12 @@ import yaml
 # %% auto #0
 __all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'TIMESTEP_SAMPLINGS', 'SAMPLERS',
            'SECTIONS', 'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES',
-           'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter',
-           'caption_identity', 'caption_from_json', 'register_caption_getter', 'CaptionsGetter', 'ModelConfig',
-           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig', 'LoraConfig', 'ControlNetConfig',
-           'Range', 'check_range', 'coerce', 'Config', 'config_from_dict', 'load_config', 'import_modules',
-           'resolve_mode', 'dump_config', 'save_config', 'cli_parser', 'parse_cli', 'error_line', 'cli_errors',
-           'at_least', 'output_dir', 'readable_weights']
+           'BUILTIN_SECTIONS', 'SECTION_MODES', 'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter',
+           'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'register_caption_getter',
+           'CaptionsGetter', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig',
+           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config',
+           'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config', 'save_config',
+           'cli_parser', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'output_dir', 'readable_weights']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -356,6 +356,34 @@ def check_range(key: str, value):
         for j, x, rj in zip(range(len(r)), v, r) if isinstance(r, tuple) else [(None, v, r)]:   # entries of several fields
             if x not in rj: raise ConfigError(f"key '{name if j is None else f'{name}[{j}]'}': {x!r} is out of range; expected {rj}")
 
+# %% ../nbs/01_config.ipynb #fa44a1ec
+BUILTIN_SECTIONS = tuple(SECTIONS)
+"The sections every config has; those after them in `SECTIONS` were registered by modes."
+SECTION_MODES: dict[str, tuple[str, ...]] = {}
+"The modes that use each registered section (empty: any mode)."
+
+def _numeric(tp) -> bool:
+    "Does annotation `tp` hold numbers (int/float, optionally inside Optional, Union, list or tuple)?"
+    if tp in (int, float): return True
+    return any(_numeric(a) for a in typing.get_args(tp) if a is not type(None)) and typing.get_origin(tp) is not dict
+
+def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
+    "Class decorator: register dataclass `cls` as config section `name`, its numeric keys checked against `ranges`."
+    def register(cls):
+        if name in BUILTIN_SECTIONS or name in KEY_SECTION: raise ValueError(f"config section {name!r}: the name is taken")
+        hints, rs = typing.get_type_hints(cls), dict(ranges or {})
+        for f in fields(cls):
+            owner = KEY_SECTION.get(f.name, name)
+            if owner != name: raise ValueError(f"config section {name!r}: key {f.name!r} already belongs to section {owner!r}")
+            if f.default is REQUIRED: raise ValueError(f"config section {name!r}: key {f.name!r} cannot be REQUIRED (check it in the mode's check_config)")
+            if _numeric(hints[f.name]) and f.name not in rs: raise ValueError(f"config section {name!r}: numeric key {f.name!r} needs a range")
+        if set(rs) - {f.name for f in fields(cls)}: raise ValueError(f"config section {name!r}: ranges for unknown keys {sorted(set(rs) - {f.name for f in fields(cls)})}")
+        for k in [k for k, s in KEY_SECTION.items() if s == name]: del KEY_SECTION[k]; RANGES.pop(k, None)   # re-registration replaces
+        SECTIONS[name], SECTION_MODES[name] = cls, tuple(modes)
+        KEY_SECTION.update({f.name: name for f in fields(cls)}); RANGES.update(rs)
+        return cls
+    return register
+
 # %% ../nbs/01_config.ipynb #724f67a2
 def _type_name(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -436,6 +464,14 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     controlnet: ControlNetConfig = field(default_factory=ControlNetConfig)
     source: Optional[str] = None  # the file it was loaded from
+    mode_sections: dict[str, Any] = field(default_factory=dict)  # sections registered by modes (`config_section`), by name
+
+    def __getattr__(self, name):
+        "A registered mode section by name (`cfg.distill`), like a built-in one."
+        sections = self.__dict__.get("mode_sections", {})
+        if name in sections: return sections[name]
+        if name in SECTIONS: return SECTIONS[name]()   # registered after this config was built: its defaults
+        raise AttributeError(f"{type(self).__name__!r} has no section or attribute {name!r}")
 
     def flat(self) -> dict[str, Any]:
         "All keys in one flat dict, values in their Python form."
@@ -495,6 +531,10 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     for item in overrides:
         k, v = _parse_override(item)
         values[k] = (v, "override")
+    imports = values.get("imports", (None, where))   # modules that register modes (and their config sections) come first
+    try: imports = coerce(imports[0], Optional[list[str]], "imports") or []
+    except ConfigError as e: raise ConfigError(f"{imports[1]}: {e}") from None
+    import_modules([*MODE_MODULES, *imports], where, Path(source).parent if source else None)
     sections = {s: {} for s in SECTIONS}
     for k, (v, src) in values.items():
         if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
@@ -503,7 +543,8 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
             sections[KEY_SECTION[k]][k] = coerce(v, tp, k)
             check_range(k, sections[KEY_SECTION[k]][k])
         except ConfigError as e: raise ConfigError(f"{src}: {e}") from None
-    cfg = Config(**{s: SECTIONS[s](**kw) for s, kw in sections.items()}, source=source)
+    built = {s: SECTIONS[s](**kw) for s, kw in sections.items()}
+    cfg = Config(**{s: built.pop(s) for s in BUILTIN_SECTIONS}, mode_sections=built, source=source)
     _check(cfg, where, training)
     return cfg
 
@@ -524,7 +565,7 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
 # %% ../nbs/01_config.ipynb #b41ceb2e
 TRAINING_MODES: dict[str, type] = {}
 "Training modes by name (`mode:` in a config), filled by `cascade_nb.modes.training_mode`."
-MODE_MODULES = ("cascade_nb.modes", "cascade_nb.lora", "cascade_nb.controlnet")
+MODE_MODULES = ("cascade_nb.modes", "cascade_nb.distill", "cascade_nb.lora", "cascade_nb.controlnet")
 "The modules that register the built-in modes (imported when a config is validated, like a config's `imports:`)."
 
 def import_modules(names, where: str = "config", search: str | os.PathLike | None = None):
@@ -591,6 +632,12 @@ def _check(cfg: Config, where: str, training: bool):
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
     need(m.model_version in presets, f"key 'model_version': {m.model_version!r} is not a Stage {m.stage.upper()} preset; expected one of {presets}")
     resolve_mode(cfg, where)
+    for sec, modes in SECTION_MODES.items():
+        if not modes or t.mode in modes: continue
+        default = SECTIONS[sec]()
+        for f in fields(default):
+            need(getattr(getattr(cfg, sec), f.name) == getattr(default, f.name),
+                 f"key '{f.name}' belongs to section '{sec}', which mode '{t.mode}' does not use (modes: {', '.join(modes)})")
     for key, sec, lo in [("lr", t, 0), ("batch_size", d, 1), ("updates", t, 1), ("grad_accum_steps", t, 1),
                          ("image_size", d, 8), ("save_every", cfg.checkpoint, 1), ("backup_every", cfg.checkpoint, 1)]:
         v = getattr(sec, key)
@@ -611,6 +658,7 @@ def dump_config(cfg: Config) -> str:
     "The resolved config as YAML text: flat official-style keys grouped under one comment per section."
     d, parts = cfg.to_yaml_dict(), []
     for sec, cls in SECTIONS.items():
+        if SECTION_MODES.get(sec) and cfg.train.mode not in SECTION_MODES[sec]: continue   # another mode's keys: all defaults
         block = {f.name: d[f.name] for f in fields(cls)}
         parts.append(f"# --- {sec}: {cls.__doc__}\n" + yaml.dump(block, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))
     return "\n".join(parts)

@@ -11,6 +11,7 @@ from pathlib import Path
 from .core import atomic_write
 from .config import cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line
 from .inference import CascadePipeline, to_pil
+from .gdf.samplers import SAMPLERS
 
 # %% auto #0
 __all__ = ['STAGE_FILES', 'slug', 'make_parser', 'check_models_dir', 'main']
@@ -34,6 +35,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--shift-c", type=float, default=2.0)
     p.add_argument("--steps-b", type=at_least(1), default=10); p.add_argument("--cfg-b", type=float, default=1.1)
     p.add_argument("--stage-c", choices=("3.6B", "1B"), default=None, help="Stage C preset (default: inferred)")
+    p.add_argument("--stage-c-weights", default=None, help="a Stage C .safetensors or a training run directory (e.g. a distilled "
+                   "student) used instead of --models' stage_c*")
+    p.add_argument("--sampler-c", choices=sorted(SAMPLERS), default="ddpm", help="Stage C sampler (lcm for an LCM student, "
+                   "e.g. --steps-c 4 --cfg-c 1)")
     p.add_argument("--stage-b", choices=("3B", "700M"), default=None, help="Stage B preset (default: inferred)")
     p.add_argument("--text-encoder", default=None, help="CLIP text encoder dir or hub id (default: models/text_encoder or bigG)")
     p.add_argument("--image-encoder", default=None, help="CLIP image encoder dir or hub id (for --image)")
@@ -52,11 +57,12 @@ def _save_png(image, path: Path):
 STAGE_FILES = {"stage_c": "prior", "stage_b": "decoder", "stage_a": "vqgan"}
 "The stages a models folder must hold: official `{stem}*.safetensors` or the diffusers subfolder."
 
-def check_models_dir(models) -> Path:
-    "Check a models folder before anything is loaded (or downloaded): every stage present, every official file readable."
+def check_models_dir(models, skip=()) -> Path:
+    "Check a models folder before anything is loaded (or downloaded): every stage present (but `skip`), every official file readable."
     d = Path(models)
     if not d.is_dir(): raise FileNotFoundError(2, "--models is not a directory", str(d))
     for stem, sub in STAGE_FILES.items():
+        if stem in skip: continue
         files = sorted(d.glob(f"{stem}*.safetensors"))
         if not files and not (d/sub/"config.json").is_file():
             raise FileNotFoundError(2, f"no {stem}*.safetensors and no diffusers {sub}/ in --models (nothing is downloaded "
@@ -73,15 +79,21 @@ def main(argv=None) -> int:
         out_dir = output_dir(args.out)          # a file, or not writable: said now, not after the sampling
         for f in (args.image, args.init_image):
             if f is not None and not Path(f).is_file(): raise FileNotFoundError(2, "no such image file", f)
-        check_models_dir(args.models)
+        if args.stage_c_weights is not None:
+            w = Path(args.stage_c_weights)
+            if w.is_dir() and not (w/"info.json").exists(): raise FileNotFoundError(2, "--stage-c-weights: not a weights file or a run directory (no info.json)", str(w))
+            if not w.is_dir(): readable_weights(w)
+        check_models_dir(args.models, skip=("stage_c",) if args.stage_c_weights else ())
         pipe = CascadePipeline.from_dir(args.models, stage_c=args.stage_c, stage_b=args.stage_b,
                                         text_encoder=args.text_encoder, image_encoder=args.image_encoder,
-                                        device=args.device, dtype=args.dtype, offload=args.offload)
+                                        device=args.device, dtype=args.dtype, offload=args.offload,
+                                        stage_c_weights=args.stage_c_weights)
         load = lambda f: None if f is None else Image.open(f).convert("RGB")
         out = pipe.run(args.prompts, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                        steps_c=args.steps_c, cfg_c=args.cfg_c, shift_c=args.shift_c, steps_b=args.steps_b,
                        cfg_b=args.cfg_b, seed=args.seed, images_per_prompt=args.n, image=load(args.image),
-                       init_image=load(args.init_image), t_start=args.t_start, previews=not args.no_previews)
+                       init_image=load(args.init_image), t_start=args.t_start, previews=not args.no_previews,
+                       sampler_c=args.sampler_c)
     except (ValueError, OSError) as e:   # missing/corrupt files, bad option values: one line, no traceback
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2

@@ -17,12 +17,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .core import default_device, resolve_dtype, to_uint8, seeded_randn
 from .gdf.presets import stage_c_gdf, stage_b_gdf, SAMPLING_DEFAULTS
+from .gdf.samplers import SAMPLERS
 from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode_image, load_clip_tokenizer,
                                     load_clip_text_model, load_clip_image_model)
 
 # %% auto #0
 __all__ = ['COMPRESSION_C', 'COMPRESSION_A', 'latent_sizes', 'pipeline_dtype', 'to_tensor01', 'to_pil', 'CascadeOutput',
-           'dir_sources', 'expand_prompts', 'ModelStore', 'CascadePipeline', 'img2img_start', 'write_tiny_checkpoints']
+           'stage_c_weights_loader', 'dir_sources', 'expand_prompts', 'ModelStore', 'CascadePipeline', 'img2img_start',
+           'write_tiny_checkpoints']
 
 # %% ../nbs/50_inference.ipynb #263bdaf2
 COMPRESSION_C = 42.67  # image pixels per Stage C latent pixel (1024 / 24)
@@ -97,6 +99,15 @@ def _stage_loader(d: Path, stem: str, subfolder: str, load_official: Callable, d
     if any(d.glob(f'{stem}*.safetensors')): return load_official
     if (d / subfolder / 'config.json').is_file(): return lambda: _from_diffusers_dir(d / subfolder, subfolder, dtype, device)
     raise FileNotFoundError(f"CascadePipeline.from_dir: no {stem}*.safetensors and no diffusers {subfolder}/ in {d}")
+
+def stage_c_weights_loader(path, preset: str | None, dtype, device) -> Callable:
+    "A loader for a Stage C from a weights file (official or cascade_nb's) or a training run directory (its released weights, EMA first)."
+    path = Path(path)
+    if path.is_dir():
+        from cascade_nb.sample import run_generator
+        return lambda: run_generator(path, device=device)[1].to(dtype)
+    from cascade_nb.models.stage_c import load_stage_c
+    return lambda: load_stage_c(path, preset=preset, dtype=dtype, device=device)
 
 def dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype) -> dict:
     "The pipeline's models in a directory (official checkpoints or diffusers folders), as lazy loaders, and the tokenizer."
@@ -175,12 +186,14 @@ class CascadePipeline(ModelStore):
 
     @classmethod
     def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
-                 image_encoder=None, device=None, dtype=None, offload: bool = False) -> CascadePipeline:
-        "Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders (prior/, decoder/, vqgan/)."
+                 image_encoder=None, device=None, dtype=None, offload: bool = False, stage_c_weights=None) -> CascadePipeline:
+        """Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders (prior/, decoder/, vqgan/);
+        `stage_c_weights` (a file or a training run directory, e.g. a distilled student) replaces the directory's Stage C."""
         device = torch.device(device) if device is not None else default_device()
         dtype = pipeline_dtype(device, dtype)
-        return cls(**dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype),
-                   device=device, dtype=dtype, offload=offload)
+        sources = dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype)
+        if stage_c_weights is not None: sources["stage_c"] = stage_c_weights_loader(stage_c_weights, stage_c, dtype, device)
+        return cls(**sources, device=device, dtype=dtype, offload=offload)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[dict, dict]:
@@ -188,8 +201,8 @@ class CascadePipeline(ModelStore):
         with self.use('text_model') as text_model:
             return encode_text(self.tokenizer, text_model, prompts), encode_text(self.tokenizer, text_model, negative_prompts)
 
-    def _sample(self, gdf, model, cond, uncond, shape, steps, cfg, shift, generator, t_start=1.0, x_init=None) -> torch.Tensor:
-        run = gdf.sample(_in_dtype(model, self.dtype), cond, shape, uncond, timesteps=steps, cfg=cfg, shift=shift,
+    def _sample(self, gdf, model, cond, uncond, shape, steps, cfg, shift, generator, t_start=1.0, x_init=None, sampler="ddpm") -> torch.Tensor:
+        run = gdf.sample(_in_dtype(model, self.dtype), cond, shape, uncond, timesteps=steps, cfg=cfg, shift=shift, sampler=SAMPLERS[sampler](),
                          cfg_rho=SAMPLING_DEFAULTS['stage_c']['cfg_rho'], t_start=t_start, x_init=x_init,
                          device=self.device, generator=generator)
         for step in run: pass
@@ -198,8 +211,8 @@ class CascadePipeline(ModelStore):
     @torch.no_grad()
     def sample_c(self, text: dict, text_u: dict, size: tuple[int, int], steps: int = 20, cfg: float | None = 4.0,
                  shift: float = 2.0, generator: torch.Generator | None = None, clip_img: torch.Tensor | None = None,
-                 t_start: float = 1.0, x_init: torch.Tensor | None = None, cnet=None) -> torch.Tensor:
-        "Stage C: (B, 16, h_c, w_c) latents for CLIP text conditions `text` (unconditional: `text_u`, zero image)."
+                 t_start: float = 1.0, x_init: torch.Tensor | None = None, cnet=None, sampler: str = "ddpm") -> torch.Tensor:
+        "Stage C: (B, 16, h_c, w_c) latents for CLIP text conditions `text` (unconditional: `text_u`, zero image); `sampler` from SAMPLERS."
         B = text['clip_text'].shape[0]
         with self.use('stage_c') as stage_c:
             config = getattr(stage_c, 'config', {})
@@ -208,7 +221,7 @@ class CascadePipeline(ModelStore):
             uncond = dict(text_u, clip_img=zeros_img)
             if cnet is not None: cond['cnet'] = uncond['cnet'] = list(cnet)   # the same hints in both CFG branches
             return self._sample(self.gdf_c, stage_c, cond, uncond, (B, config.get('c_out', 16), *size), steps, cfg,
-                                shift, generator, t_start, x_init)
+                                shift, generator, t_start, x_init, sampler)
 
     @torch.no_grad()
     def sample_b(self, latent_c: torch.Tensor, clip: torch.Tensor, clip_u: torch.Tensor, size: tuple[int, int],
@@ -225,7 +238,7 @@ class CascadePipeline(ModelStore):
     def run(self, prompts, negative_prompt="", height: int = 1024, width: int = 1024, steps_c: int = 20,
             cfg_c: float | None = 4.0, shift_c: float = 2.0, steps_b: int = 10, cfg_b: float | None = 1.1,
             shift_b: float = 1.0, seed: int | None = None, images_per_prompt: int = 1, image=None, init_image=None,
-            t_start: float = 1.0, cnet=None, previews: bool = True) -> CascadeOutput:
+            t_start: float = 1.0, cnet=None, previews: bool = True, sampler_c: str = "ddpm") -> CascadeOutput:
         "Generate images for `prompts` (a string or a list); see the notebook for every option."
         prompts, negs = expand_prompts(prompts, negative_prompt, images_per_prompt)
         B = len(prompts)
@@ -242,7 +255,7 @@ class CascadePipeline(ModelStore):
         x_init, steps = None, steps_c
         if init_image is not None:                                      # img2img
             x_init, steps = img2img_start(self, init_image, B, size_c, t_start, shift_c, steps_c, g)
-        latent_c = self.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet)
+        latent_c = self.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet, sampler_c)
         preview = None
         if previews and self.has('previewer'):
             with self.use('previewer') as previewer: preview = previewer(latent_c).clamp(0, 1).cpu()

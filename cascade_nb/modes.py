@@ -190,6 +190,10 @@ class TrainingMode:
     @classmethod
     def build(cls, cfg: Config, *models, **kw) -> "TrainingMode": return cls(cfg, *models, **kw)
     @classmethod
+    def inference(cls, cfg: Config, *models, **kw) -> "TrainingMode":
+        "The mode that samples a released run (e.g. a distilled student samples as a plain generator); default: `build`."
+        return cls.build(cfg, *models, **kw)
+    @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
         return MemoryTerms(sum(p.numel() for p in generator.parameters()), resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize)
 

@@ -17,11 +17,11 @@ from .train import (build_text_encoder, build_latent_space, build_training_mode,
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['load_run', 'sample_run', 'main']
+__all__ = ['run_generator', 'load_run', 'sample_run', 'main']
 
 # %% ../nbs/42_sample.ipynb #c1881518
-def load_run(checkpoint_dir, ema: bool = True, device="cpu"):
-    "(mode, gdf, cfg) of a training run directory, with the run's released generator weights (EMA when present)."
+def run_generator(checkpoint_dir, ema: bool = True, device="cpu"):
+    "(cfg, frozen generator, weights file) of a training run directory: its released generator (EMA when present)."
     from safetensors.torch import load_file
     from cascade_nb.train import build_generator
     run = Path(checkpoint_dir)
@@ -35,9 +35,14 @@ def load_run(checkpoint_dir, ema: bool = True, device="cpu"):
     if weights is None: raise FileNotFoundError(f"{run} has no generator_ema.safetensors or generator.safetensors yet")
     generator = build_generator(cfg)
     generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
-    generator = generator.to(device).eval().requires_grad_(False)
+    return cfg, generator.to(device).eval().requires_grad_(False), weights
+
+def load_run(checkpoint_dir, ema: bool = True, device="cpu"):
+    "(mode, gdf, cfg) of a training run directory, with the run's released generator weights (EMA when present)."
+    from cascade_nb.config import resolve_mode
+    cfg, generator, weights = run_generator(checkpoint_dir, ema, device)
     tok, text_model = build_text_encoder(cfg, device)
-    mode = build_training_mode(cfg, generator, tok, text_model, None, build_latent_space(cfg, device))
+    mode = resolve_mode(cfg).inference(cfg, generator, tok, text_model, None, build_latent_space(cfg, device))
     mode.weights_file = weights
     return mode, gdf_from_config(cfg.gdf), cfg
 

@@ -43,8 +43,9 @@ _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, ke
 def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
     rng = torch.Generator().manual_seed(seed)   # on the CPU: the same noise on every device
+    scale = None if cfg.gdf.sample_cfg == 1 else cfg.gdf.sample_cfg   # CFG 1 is the conditional prediction: one pass, not two
     *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=SAMPLERS[cfg.gdf.sample_sampler](),
-                          timesteps=cfg.gdf.sample_steps, cfg=cfg.gdf.sample_cfg, shift=training_shift(cfg), device=device,
+                          timesteps=cfg.gdf.sample_steps, cfg=scale, shift=training_shift(cfg), device=device,
                           generator=rng)
     return last.x0
 

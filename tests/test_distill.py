@@ -1,0 +1,100 @@
+"""The distillation modes (cascade_nb.distill) through the real trainer: each mode trains from a tiny teacher, a run
+stopped and resumed releases exactly what an uninterrupted run releases, each runs on 2 DDP processes (gloo), and a
+student samples through the sample CLI with its own sampler, steps and CFG."""
+import json, os, signal
+from pathlib import Path
+import pytest, torch
+from safetensors.torch import load_file
+from conftest import ROOT, run_cli, free_port
+
+DRIVER = ROOT / "tests" / "train_driver.py"
+DEMO = ROOT / "configs" / "demo.yaml"
+TINY = ["webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0", "batch_size=4", "tracker=none",
+        "log_every=1", "eval_every=null", "best_metric=null", "ema_start_iters=null", "sample_steps=2"]
+MODES = {"lcm": ["mode=lcm", "solver_steps=8", "cfg_scale=[1, 3]"],
+         "progressive": ["mode=progressive", "teacher_steps=4", "cfg_scale=2"],
+         "distill": ["mode=distill", "model_overrides={c_in: 3, c_out: 3, patch_size: 2, blocks: [[1, 1], [1, 1]]}"]}
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    "A tiny 'trained' Stage C weights file (random, with a non-zero output layer so that predictions differ)."
+    from cascade_nb.models.stage_c import StageC, save_stage_c
+    path = tmp_path_factory.mktemp("teacher") / "stage_c_tiny.safetensors"
+    torch.manual_seed(0)
+    model = StageC.from_preset("tiny", c_in=3, c_out=3, patch_size=2)
+    with torch.no_grad(): model.clf[1].weight.normal_(std=0.1)
+    save_stage_c(model, path)
+    return path
+
+def overrides(tmp, name, teacher, mode, *extra):
+    return [*TINY, *MODES[mode], f"teacher_checkpoint_path={teacher}", f"experiment_id={name}",
+            f"checkpoint_path={tmp}/ck", f"output_path={tmp}/out", *extra]
+
+def released(tmp, name) -> dict:
+    run = Path(tmp) / "ck" / name
+    return {f.name: load_file(str(f)) for f in sorted(run.glob("generator*.safetensors"))}
+
+class StopAt:
+    "A training hook that sends this process SIGTERM after update `n`: the trainer saves there and returns (as on pre-emption)."
+    n = None
+    def __init__(self, cfg): pass
+    @classmethod
+    def enabled(cls, cfg): return cls.n is not None
+    def after_update(self, run):
+        if run.state.update == self.n: os.kill(os.getpid(), signal.SIGTERM)
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.run_state import TRAINING_HOOKS
+    run = lambda tmp, *kv: train(load_config(DEMO, overrides(tmp, "s", teacher, mode, "updates=3", "save_every=3", *kv)))
+    ref = run(tmp_path / "ref")
+    assert ref["update"] == 3 and type(ref["mode"]).name == mode
+    TRAINING_HOOKS["test_stop"] = StopAt
+    try:
+        StopAt.n = 2
+        assert run(tmp_path / "stopped")["update"] == 2   # stopped after update 2, saved there
+    finally:
+        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
+    assert json.loads((tmp_path / "stopped" / "ck" / "s" / "info.json").read_text())["update"] == 2
+    assert run(tmp_path / "stopped")["update"] == 3      # resumed from update 2
+    a, b = released(tmp_path / "ref", "s"), released(tmp_path / "stopped", "s")
+    assert set(a) == ({"generator.safetensors", "generator_ema.safetensors"} if mode == "lcm" else {"generator.safetensors"})
+    for f in a:
+        diff = [k for k in a[f] if not torch.equal(a[f][k], b[f][k])]
+        assert not diff, f"{f}: {len(diff)} tensors differ after resume, e.g. {diff[:3]}"
+    teacher_sd = load_file(str(teacher))
+    if mode != "distill": assert a["generator.safetensors"].keys() == teacher_sd.keys()
+    assert not torch.equal(a["generator.safetensors"]["clf.1.weight"], teacher_sd["clf.1.weight"])   # the student trained
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_process_ddp(tmp_path, teacher, mode):
+    res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
+                  "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync", DEMO,
+                  *overrides(tmp_path, "ddp", teacher, mode, "updates=1", "save_every=1", "batch_size=8"), env={"OMP_NUM_THREADS": "1"})
+    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]   # lcm: student and target network
+    info = json.loads((tmp_path / "ck" / "ddp" / "info.json").read_text())
+    assert info["num_processes"] == 2 and info["update"] == 1
+
+def test_student_samples_with_its_own_sampler(tmp_path, teacher, capsys):
+    "The sample CLI on an lcm student: the run's LCM sampler, 4 steps and CFG 1, unless the command line overrides them."
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.sample import load_run, sample_run, main
+    train(load_config(DEMO, overrides(tmp_path, "lcm", teacher, "lcm", "updates=1", "save_every=1")))
+    run = tmp_path / "ck" / "lcm"
+    mode, gdf, cfg = load_run(run)
+    assert (cfg.gdf.sample_sampler, cfg.gdf.sample_steps, cfg.gdf.sample_cfg) == ("lcm", 4, 1.0)
+    own = sample_run(mode, gdf, cfg, ["red apple"], n=2, seed=3)
+    assert torch.equal(own, sample_run(mode, gdf, cfg, ["red apple"], n=2, seed=3, steps=4, sampler="lcm", cfg_scale=1.0))
+    assert not torch.equal(own, sample_run(mode, gdf, cfg, ["red apple"], n=2, seed=3, steps=2))
+    paths = main(["--checkpoint", run, "--prompt", "red apple", "--n", "2", "--out", tmp_path / "samples"])
+    assert len(paths) == 2 and "generator_ema.safetensors" in capsys.readouterr().out   # the target network, as any run's EMA
+
+def test_lcm_student_architecture_must_match_the_teacher(tmp_path, teacher):
+    from cascade_nb.config import load_config, ConfigError
+    from cascade_nb.train import train
+    cfg = load_config(DEMO, overrides(tmp_path, "bad", teacher, "lcm", "updates=1",
+                                      "model_overrides={c_in: 3, c_out: 3, patch_size: 2, blocks: [[1, 1], [1, 1]]}"))
+    with pytest.raises(ConfigError, match="starts the student from the teacher"): train(cfg)
