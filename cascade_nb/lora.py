@@ -581,3 +581,25 @@ class LoraTraining(TrainingMode):
         sd = lora_state_dict(net.generator)
         if net.text_model is not None: sd.update(token_state_dict(self.tokenizer, net.text_model))
         return {"lora": sd}
+
+    @classmethod
+    def base_generator(cls, cfg, run) -> nn.Module:
+        "The generator the run's adapters were trained on: its saved `generator_checkpoint_path`."
+        from dataclasses import replace
+        from cascade_nb.modes import build_generator
+        base = json.loads((Path(run)/"info.json").read_text())["config"].get("generator_checkpoint_path")
+        if not base: raise ValueError(f"{run}: its LoRA was trained on a randomly initialised generator (no generator_checkpoint_path), "
+                                      "so there is no base to sample it with")
+        if not Path(base).exists(): raise FileNotFoundError(f"{run}: the base generator its LoRA was trained on, {base}, is not here")
+        return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
+
+    @classmethod
+    def released_generator(cls, cfg, run, ema: bool = True):
+        "The base generator with the run's `lora.safetensors` merged in (a run that trained tokens: load it with `load_lora_file`)."
+        path = Path(run)/"lora.safetensors"
+        if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
+        if cfg.lora.train_tokens: raise ValueError(f"{run} trained tokens {list(cfg.lora.train_tokens)}: sample it with a pipeline and "
+                                                   "load_lora_file(path, stage_c, tokenizer, text_model), which adds them")
+        generator = cls.base_generator(cfg, run)
+        load_lora_file(path, generator)
+        return generator, path

@@ -194,6 +194,18 @@ class TrainingMode:
         "The mode that samples a released run (e.g. a distilled student samples as a plain generator); default: `build`."
         return cls.build(cfg, *models, **kw)
     @classmethod
+    def released_generator(cls, cfg: Config, run, ema: bool = True) -> tuple[nn.Module, "Path"]:
+        "(generator, weights file) a finished run samples with: its released `generator_ema`/`generator.safetensors`."
+        from pathlib import Path
+        from safetensors.torch import load_file
+        from cascade_nb.config import readable_weights
+        names = (["generator_ema.safetensors"] if ema else []) + ["generator.safetensors"]
+        weights = next((Path(run)/f for f in names if (Path(run)/f).exists()), None)
+        if weights is None: raise FileNotFoundError(f"{run} has no {' or '.join(names)} yet")
+        generator = build_generator(cfg)
+        generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
+        return generator, weights
+    @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
         return MemoryTerms(sum(p.numel() for p in generator.parameters()), resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize)
 

@@ -22,8 +22,7 @@ __all__ = ['run_generator', 'load_run', 'sample_run', 'main']
 # %% ../nbs/42_sample.ipynb #c1881518
 def run_generator(checkpoint_dir, ema: bool = True, device="cpu"):
     "(cfg, frozen generator, weights file) of a training run directory: its released generator (EMA when present)."
-    from safetensors.torch import load_file
-    from cascade_nb.train import build_generator
+    from cascade_nb.config import resolve_mode
     run = Path(checkpoint_dir)
     info_path = run/"info.json"
     if not info_path.exists():
@@ -31,10 +30,7 @@ def run_generator(checkpoint_dir, ema: bool = True, device="cpu"):
     try: saved = json.loads(info_path.read_text())["config"]
     except (ValueError, KeyError) as e: raise ValueError(f"{info_path} is not a readable run record ({e})") from None
     cfg = config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(info_path))
-    weights = next((run/f for f in (["generator_ema.safetensors"] if ema else []) + ["generator.safetensors"] if (run/f).exists()), None)
-    if weights is None: raise FileNotFoundError(f"{run} has no generator_ema.safetensors or generator.safetensors yet")
-    generator = build_generator(cfg)
-    generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
+    generator, weights = resolve_mode(cfg).released_generator(cfg, run, ema)   # the mode knows what its run released
     return cfg, generator.to(device).eval().requires_grad_(False), weights
 
 def load_run(checkpoint_dir, ema: bool = True, device="cpu"):

@@ -98,3 +98,29 @@ def test_lcm_student_architecture_must_match_the_teacher(tmp_path, teacher):
     cfg = load_config(DEMO, overrides(tmp_path, "bad", teacher, "lcm", "updates=1",
                                       "model_overrides={c_in: 3, c_out: 3, patch_size: 2, blocks: [[1, 1], [1, 1]]}"))
     with pytest.raises(ConfigError, match="starts the student from the teacher"): train(cfg)
+
+def test_lcm_lora_and_lora_runs_sample_through_the_cli(tmp_path, teacher, capsys):
+    """An LCM-LoRA run releases only lora.safetensors: the sample CLI (and so the pipeline and generate, which load runs the
+    same way) merges it into its base, the teacher. A plain LoRA run's base is its generator_checkpoint_path."""
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.sample import run_generator, main
+    from cascade_nb.models.stage_c import load_stage_c
+    from cascade_nb.lora import merge_lora
+    lora_keys = ["module_filters=[attention]", "rank=2"]
+    train(load_config(DEMO, overrides(tmp_path, "lcm_lora", teacher, "lcm", "updates=1", "save_every=1", *lora_keys)))
+    run = tmp_path / "ck" / "lcm_lora"
+    assert not list(run.glob("generator*.safetensors")) and (run / "lora.safetensors").exists()
+    cfg, generator, weights = run_generator(run)
+    assert weights.name == "lora.safetensors"
+    expected = merge_lora(load_stage_c(teacher).float(), load_file(str(run / "lora.safetensors")))
+    for k, v in expected.state_dict().items(): assert torch.equal(generator.state_dict()[k], v), k
+    assert main(["--checkpoint", run, "--prompt", "red apple", "--n", "1", "--out", tmp_path / "s1"])
+    assert "lora.safetensors" in capsys.readouterr().out
+    plain = [*TINY, "mode=lora", *lora_keys, f"generator_checkpoint_path={teacher}", "model_overrides={c_in: 3, c_out: 3, patch_size: 2}",
+             "experiment_id=lora", f"checkpoint_path={tmp_path}/ck", f"output_path={tmp_path}/out", "updates=1", "save_every=1"]
+    train(load_config(DEMO, plain))
+    cfg, generator, weights = run_generator(tmp_path / "ck" / "lora")
+    assert weights.name == "lora.safetensors"
+    base = load_stage_c(teacher).float()
+    assert any(not torch.equal(generator.state_dict()[k], v) for k, v in base.state_dict().items())   # the adapters are in
