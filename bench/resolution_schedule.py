@@ -11,7 +11,8 @@ generalisation). CPU time is this process's (time.process_time, one thread, data
 num_workers=0), counted from the first update, validation excluded. The target is the validation loss `final` reaches
 at its last update; the line printed compares the CPU seconds each run needs to first reach it:
 
-    python bench/resolution_schedule.py [--updates 300] [--switch 150] [--val-every 25] [--seed 0] [--order sched,final]
+    python bench/resolution_schedule.py [--updates 200] [--switch 100] [--val-every 20] [--seed 0] [--order sched,final]
+                                        [--sched-updates N]   # the scheduled run longer (its own cosine), e.g. equal CPU
 """
 import argparse, json, sys, tempfile, time
 from pathlib import Path
@@ -19,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 p = argparse.ArgumentParser()
-p.add_argument("--updates", type=int, default=300)
-p.add_argument("--switch", type=int, default=150)
-p.add_argument("--val-every", type=int, default=25)
+p.add_argument("--updates", type=int, default=200)
+p.add_argument("--switch", type=int, default=100)
+p.add_argument("--sched-updates", type=int, help="updates of the scheduled run (its own cosine); default --updates")
+p.add_argument("--val-every", type=int, default=20)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--order", default="sched,final")
 p.add_argument("--json", help="also write the validation curves here")
@@ -37,9 +39,10 @@ ARMS = {"final": [], "sched": [f"resolution_schedule=[[0, 16], [{args.switch}, 3
 
 def run(name, extra, tmp):
     "Train one arm; [(update, training CPU-s so far, validation loss)] at each validation."
+    updates = (args.sched_updates or args.updates) if name == "sched" else args.updates
     shards = load_config(DEMO, ["webdataset_path=x"]).data   # the demo's source, filters kept
     cfg = load_config(DEMO, [f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt", f"output_path={tmp}/out", "image_size=32",
-                             f"updates={args.updates}", f"save_every={args.updates}", "backup_every=1000000", f"seed={args.seed}",
+                             f"updates={updates}", f"save_every={updates}", "backup_every=1000000", f"seed={args.seed}",
                              "num_workers=0", "tracker=none", f"log_every={args.val_every}", "eval_every=null", "best_metric=null",
                              f"val_every={args.val_every}", "val_batches=2", *extra])
     cfg.data.val_webdataset_path = cfg.data.webdataset_path   # the 32 training emoji, at 32², in order
@@ -69,7 +72,8 @@ for n, c in curves.items():
     print(f"{n:5s} " + "  ".join(f"{u}:{v:.4f}@{cpu:.0f}s" for u, cpu, v in c))
 f_u, f_cpu = reach["final"]
 head = (f"resolution_schedule demo (32 emoji, batch 16, {args.updates} updates, seed {args.seed}): 32² throughout reaches "
-        f"val {target:.4f} at update {f_u} in {f_cpu:.0f} CPU-s; 16²→32² (switch at {args.switch}) ")
+        f"val {target:.4f} at update {f_u} in {f_cpu:.0f} CPU-s; 16²→32² (switch at {args.switch}"
+        + (f", {args.sched_updates} updates" if args.sched_updates else "") + ") ")
 if reach["sched"] is None:
     best = min(curves["sched"], key=lambda x: x[2])
     print(head + f"does not reach it (best {best[2]:.4f} at update {best[0]}, {best[1]:.0f} CPU-s; its last: "
