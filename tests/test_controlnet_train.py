@@ -1,10 +1,10 @@
 """ControlNet training through the real trainer CLI: the official ControlNet YAMLs at tiny size, exact resume after a
 kill, 2-process DDP, and a frozen generator."""
-import random, signal
+import signal
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
-from conftest import ROOT, run_cli
+from conftest import ROOT, free_port, run_cli
 from official_configs import OFFICIAL_CONFIGS
 from test_lora_train import pretrained_tiny, assert_identical, info
 
@@ -56,7 +56,7 @@ def test_controlnet_resume_after_kill_is_bit_identical(tmp_path):
 
 def test_controlnet_two_process_ddp(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
-                  "--main_process_port", str(29500 + random.randint(0, 400)), DRIVER, "--check-ddp-sync",
+                  "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync",
                   *cnet_args(tmp_path, "ddp", "controlnet_c_3b_canny.yaml", "updates=2", "save_every=2", "batch_size=8", *SIMPLE,
                             "controlnet_filter_params={resize: 32}"),
                   env={"OMP_NUM_THREADS": "1"})

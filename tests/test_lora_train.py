@@ -1,10 +1,10 @@
 """LoRA + token training through the real trainer CLI: the official LoRA YAML at tiny size, exact resume after a kill,
 2-process DDP, and a frozen base."""
-import json, random, signal
+import json, signal
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
-from conftest import ROOT, run_cli
+from conftest import ROOT, free_port, run_cli
 from official_configs import OFFICIAL_CONFIGS
 
 DRIVER = ROOT / "tests" / "train_driver.py"
@@ -70,7 +70,7 @@ def test_lora_resume_after_kill_is_bit_identical(tmp_path):
 
 def test_lora_two_process_ddp(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
-                  "--main_process_port", str(29500 + random.randint(0, 400)), DRIVER, "--check-ddp-sync",
+                  "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync",
                   *lora_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8"), env={"OMP_NUM_THREADS": "1"})
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
