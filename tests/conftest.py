@@ -38,7 +38,8 @@ def free_port() -> int:
 # Files whose tests each run notebooks, training subprocesses or a browser (the slowest of the last serial run: a
 # notebook 74 s, the lr test 63 s, the browser check 47 s, FSDP resume 41 s, compile 39 s); the rest keep their order.
 LONG_FIRST = ("test_notebooks.py", "test_train_state.py", "test_train.py", "test_signals.py", "test_compile.py",
-              "test_memory_fsdp.py", "test_gpu_check.py", "test_lora_train.py", "test_controlnet_train.py", "test_eval.py", "test_rundir.py")
+              "test_memory_fsdp.py", "test_gpu_check.py", "test_lora_train.py", "test_controlnet_train.py", "test_eval.py", "test_rundir.py",
+              "test_distill.py", "test_resolution.py")
 
 def _module_fixtures(item) -> list[str]:
     "Names of the module-scoped fixtures defined in the item's own test file that the item uses (directly or not)."
