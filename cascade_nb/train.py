@@ -25,14 +25,15 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError, TRAINING_HOOKS,
+from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, NonFiniteGuard, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 
 # %% auto #0
-__all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag', 'die_with_parent', 'batch_stream',
-           'training_data', 'Run', 'build_optimizer', 'save', 'load_checkpoint', 'resume', 'run_info', 'log_samples',
-           'log_metrics', 'validate', 'check_optimizer', 'train', 'plot_metrics', 'main']
+__all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag', 'die_with_parent',
+           'StopAgreement', 'batch_stream', 'training_data', 'Run', 'build_optimizer', 'save', 'load_checkpoint',
+           'resume', 'run_info', 'log_samples', 'log_metrics', 'validate', 'check_optimizer', 'train', 'plot_metrics',
+           'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -111,6 +112,27 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     if ok and os.getppid() != parent: os.kill(os.getpid(), sig)   # the parent died before the request: act now
     return ok
 
+# %% ../nbs/41_train.ipynb #dd62bb78
+class StopAgreement:
+    "Whether any process got a stop signal: a CPU all-reduce over a gloo group, started each update and read the next."
+    def __init__(self, stop: StopFlag, num_processes: int = 1):
+        import torch.distributed as dist
+        self.stop, self.pending = stop, None
+        self.group = dist.new_group(backend="gloo") if num_processes > 1 else None   # all processes call this together
+    def __call__(self) -> bool:
+        "Call once per update on every process; True on all of them once any had a signal (a round later)."
+        if self.group is None: return bool(self.stop)
+        import torch.distributed as dist
+        agreed = False
+        if self.pending is not None:
+            work, flag = self.pending; work.wait(); agreed = bool(flag[0])   # a CPU tensor: no device sync
+        flag = torch.tensor([float(bool(self.stop))])
+        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        return agreed
+    def close(self):
+        "Finish the round in flight (every process calls it, after the loop)."
+        if self.pending is not None: self.pending[0].wait(); self.pending = None
+
 # %% ../nbs/41_train.ipynb #1644821e
 def batch_stream(loader, skip: int = 0):
     "Yield batches from `loader` forever (epoch after epoch), after skipping the first `skip` (the data position)."
@@ -164,12 +186,11 @@ class Run:
     def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
 
 def build_optimizer(t, params, lr: float, device):
-    "AdamW (fused on CUDA) or bitsandbytes' 8-bit AdamW over `params`, with the config's betas, eps and weight decay."
+    "AdamW (fused: one kernel, and it skips a non-finite update on the device) or bitsandbytes' 8-bit AdamW over `params`."
     if t.optimizer == "adamw8bit":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, fused=True)
 
 # %% ../nbs/41_train.ipynb #3016ac91
 def save(run: Run):
@@ -387,6 +408,7 @@ def train(cfg: Config) -> dict:
 
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches
     mode.train_mode(net)   # only the trainable modules in train mode (a frozen generator keeps its dropout off)
+    guard, stop_agreed = NonFiniteGuard(opt, state, t.max_nan_steps), StopAgreement(stop, acc.num_processes)   # no host sync per update
     losses, last_log, skipped, batch = [], time.time(), {}, None
     interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
@@ -402,9 +424,8 @@ def train(cfg: Config) -> dict:
                                    shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
-                if grad_norm is not None and not check_finite(grad_norm, state, t.max_nan_steps):
-                    acc.print(f"update {state.update}: non-finite loss/gradients, update skipped ({state.nonfinite_total} so far)")
-                else: opt.step()
+                if grad_norm is not None: guard.step(grad_norm)   # skipped on the device when non-finite; counted in `guard`
+                else: opt.step()                                  # accumulating: accelerate's optimizer waits
                 opt.zero_grad(set_to_none=True)
                 state.micro_step += 1
             losses.append(loss.detach())
@@ -414,6 +435,10 @@ def train(cfg: Config) -> dict:
         if beta is not None: ema_update_(ema, acc.unwrap_model(net), beta)
         mode.after_update(state)
 
+        stop_now = stop_agreed()   # read before logging/saving: the counters below must be current for a save
+        if state.update % cfg.log.log_every == 0 or state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
+            if n := guard.check():   # the one read-back of the non-finite counts (raises on a diverged run)
+                acc.print(f"update {state.update}: non-finite loss/gradients, {n} update{'s' if n > 1 else ''} skipped ({state.nonfinite_total} so far)")
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
             m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
             losses, last_log = [], time.time()
@@ -421,7 +446,6 @@ def train(cfg: Config) -> dict:
             if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         for hook in hooks: hook.after_update(run)
-        stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
             save(run)
             if batch is not None and not stop_now: log_samples(run, batch)
@@ -429,6 +453,7 @@ def train(cfg: Config) -> dict:
             acc.print(f"received {stop.signal or 'a stop signal'}: saved update {state.update} to {run_dir.path}; exiting")
             break
 
+    stop_agreed.close()
     if is_main and run.metrics_path.exists(): plot_metrics(run.metrics_path, out_dir/"loss.png")
     acc.wait_for_everyone()
     net = acc.unwrap_model(net)

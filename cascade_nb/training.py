@@ -15,8 +15,8 @@ from .core import atomic_write_json, to_pil_grid, save_safetensors_atomic, safet
 
 # %% auto #0
 __all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'training_hook',
-           'NonFiniteLossError', 'check_finite', 'RunDirError', 'RunDir', 'training_generator', 'save_training_state',
-           'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
+           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDir', 'training_generator',
+           'save_training_state', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_training.ipynb #adc89fbf
 class LRSchedule:
@@ -101,6 +101,42 @@ def check_finite(loss: torch.Tensor, state: TrainState, max_streak: int) -> bool
                                  f"({state.nonfinite_total} in total): the run diverged. Lower `lr`, check the data, "
                                  f"or resume from the last checkpoint; raise `max_nan_steps` to tolerate more.")
     return False
+
+# %% ../nbs/40_training.ipynb #c5884d8e
+class NonFiniteGuard:
+    "Skip updates whose gradient norm is not finite, decided on the device (fused AdamW's `found_inf`); counts read at `check`."
+    def __init__(self, optimizer, state: TrainState, max_streak: int):
+        self.opt, self.state, self.max_streak = optimizer, state, max_streak
+        inner = getattr(optimizer, "optimizer", optimizer)   # accelerate's AcceleratedOptimizer wraps the torch one
+        self.inner = inner if getattr(inner, "_step_supports_amp_scaling", False) else None   # fused Adam/AdamW/SGD
+        self.counts = None   # (skipped since the last check, current streak, longest streak since the last check)
+
+    def step(self, grad_norm: torch.Tensor) -> None:
+        "Step the optimizer unless `grad_norm` is non-finite (no host sync when the optimizer takes `found_inf`)."
+        if self.inner is None:
+            if check_finite(grad_norm, self.state, self.max_streak): self.opt.step()
+            return
+        g = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        bad = (~torch.isfinite(g.detach().float())).float().reshape(())   # 0-dim, as the kernel's step counters
+        if self.counts is None: self.counts = torch.tensor([0., self.state.nonfinite_streak, self.state.nonfinite_streak], device=bad.device)
+        skipped, streak, worst = self.counts.unbind()
+        streak = (streak + 1) * bad
+        self.counts = torch.stack([skipped + bad, streak, torch.maximum(worst, streak)])
+        self.inner.found_inf = bad   # read by the fused kernel; weights, moments and step count stay as they were
+        self.opt.step()
+
+    def check(self) -> int:
+        "Read the counts back (one sync) into the `TrainState`; raise NonFiniteLossError on a long streak; updates skipped since the last check."
+        if self.counts is None: return 0
+        skipped, streak, worst = (int(v) for v in self.counts.tolist())
+        self.state.nonfinite_total += skipped
+        self.state.nonfinite_streak = streak
+        self.counts = torch.tensor([0., streak, streak], device=self.counts.device)
+        if worst >= self.max_streak:
+            raise NonFiniteLossError(f"{worst} non-finite losses in a row at update {self.state.update} "
+                                     f"({self.state.nonfinite_total} in total): the run diverged. Lower `lr`, check the data, "
+                                     f"or resume from the last checkpoint; raise `max_nan_steps` to tolerate more.")
+        return skipped
 
 # %% ../nbs/40_training.ipynb #70697275
 class RunDirError(RuntimeError):

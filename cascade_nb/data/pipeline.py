@@ -22,7 +22,7 @@ from .buckets import bucket_sizes, closest_bucket, pick_bucket, BucketResize, Bu
 __all__ = ['CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'default_max_pixels',
            'SampleDecoder', 'Shuffle', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder',
            'ImageTextDataset', 'resolve_crop', 'build_dataset', 'build_dataloader', 'dataloader_from_config',
-           'sum_skips', 'inspect_source']
+           'default_num_workers', 'sum_skips', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -210,6 +210,7 @@ class ImageTextDataset(wds.DataPipeline):
             if hasattr(stage, "set_epoch"): stage.set_epoch(epoch)
             elif hasattr(stage, "epoch"): stage.epoch = epoch
 
+
 def resolve_crop(crop: str, multi_aspect_ratio=None) -> str:
     "`auto`: the reference's choice, a saliency-centred crop for square configs and a random one inside aspect buckets."
     if crop == "auto": return "random" if multi_aspect_ratio else "smart"
@@ -244,11 +245,12 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
     return ds
 
 # %% ../../nbs/32_data.pipeline.ipynb #16f99a24
-def build_dataloader(source, batch_size: int, *, num_workers: int = 2, pin_memory: bool = False,
+def build_dataloader(source, batch_size: int, *, num_workers: int | None = None, pin_memory: bool = False,
                      prefetch_factor: int | None = 2, persistent_workers: bool = False,
                      multiprocessing_context=None, **dataset_kwargs) -> torch.utils.data.DataLoader:
     "A DataLoader over `build_dataset(source, batch_size, **dataset_kwargs)`; see `build_dataset` for the batch format."
     ds = build_dataset(source, batch_size, **dataset_kwargs)
+    if num_workers is None: num_workers = default_num_workers()
     from webdataset.utils import pytorch_worker_info
     world = pytorch_worker_info()[1] if dataset_kwargs.get("split_by_node", True) else 1   # readers sharing the shards
     if not ds.resampled and len(ds.shards) < world * max(num_workers, 1):
@@ -276,6 +278,14 @@ def dataloader_from_config(data, batch_size: int, seed: int = 0, **overrides) ->
               allow_pipe=getattr(data, "allow_pipe_sources", False),
               num_workers=data.num_workers, pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor, seed=seed)
     return build_dataloader(data.webdataset_path, batch_size, **{**kw, **overrides})
+
+# %% ../../nbs/32_data.pipeline.ipynb #6b33255a
+def default_num_workers(cpus: int | None = None, local_processes: int | None = None, most: int = 16) -> int:
+    "DataLoader workers for one training process: its share of the usable CPUs, less one for itself (1 ≤ n ≤ `most`)."
+    import os
+    if cpus is None: cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_processes is None: local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, min(most, cpus // max(local_processes, 1) - 1))
 
 # %% ../../nbs/32_data.pipeline.ipynb #fe7924e1
 def sum_skips(batches_or_counts, into: Counter | None = None) -> Counter:
