@@ -135,13 +135,22 @@ class StopAgreement:
 
 # %% ../nbs/41_train.ipynb #1644821e
 def batch_stream(loader, skip: int = 0):
-    "Yield batches from `loader` forever (epoch after epoch), after skipping the first `skip` (the data position)."
-    epoch, drawn = 0, 0
+    """Yield batches from `loader` forever (epoch after epoch), after skipping the first `skip` (the data position).
+    Skipped batches come undecoded (`fast_forward`); should one come after the skip (readers out of turn at the end
+    of a finite epoch), that epoch is read again without fast-forward, which gives the same batches."""
+    epoch, drawn, ds = 0, 0, loader.dataset
     while True:
-        if hasattr(loader.dataset, "set_epoch"): loader.dataset.set_epoch(epoch)
-        got = 0
+        if hasattr(ds, "set_epoch"): ds.set_epoch(epoch)
+        if hasattr(ds, "fast_forward"): ds.fast_forward(max(0, skip - drawn))
+        got, start = 0, drawn
         for batch in loader:
             got += 1; drawn += 1
+            if batch.get("fast_forwarded") and drawn > skip:   # out of turn: read this epoch again, decoding
+                ds.set_epoch(epoch); ds.fast_forward(0); got, drawn = 0, start
+                for batch in loader:
+                    got += 1; drawn += 1
+                    if drawn > skip: yield batch
+                break
             if drawn > skip: yield batch
         if got == 0: raise RuntimeError("the training data yielded no batch in a whole epoch: check `webdataset_path` "
                                         "(run `python -m cascade_nb.data inspect SOURCE`) and that batch_size fits the data")
