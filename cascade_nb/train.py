@@ -25,15 +25,15 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, NonFiniteGuard, RunDir, RunDirError, TRAINING_HOOKS,
+from .training import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, NonFiniteGuard, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 
 # %% auto #0
 __all__ = ['sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag', 'die_with_parent',
-           'StopAgreement', 'batch_stream', 'training_data', 'Run', 'build_optimizer', 'save', 'load_checkpoint',
-           'resume', 'run_info', 'log_samples', 'log_metrics', 'validate', 'check_optimizer', 'train', 'plot_metrics',
-           'main']
+           'StopAgreement', 'batch_stream', 'training_data', 'Run', 'build_optimizer', 'save', 'report_nonfinite',
+           'export_weights', 'load_checkpoint', 'resume', 'run_info', 'log_samples', 'log_metrics', 'validate',
+           'check_optimizer', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -211,24 +211,37 @@ def save(run: Run):
                           f"checkpoint (update {(run.run_dir.info() or {}).get('update', 'none')}) is kept") from None
 
 def _save(run: Run):
-    "The accelerate state and the loop's own (`save_training_state`) into a staging dir, committed by info.json; then the released weights."
+    """What resume needs first: the accelerate state (sharded under FSDP) and the loop's own, fsynced and committed by
+    info.json; only then the released weights (`export_weights`), whose gather and write a pre-emption may cut short."""
     acc, state, run_dir, is_main = run.acc, run.state, run.run_dir, run.acc.is_main_process
     acc.wait_for_everyone()
     staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
     acc.wait_for_everyone()
     acc.save_state(str(staging))
     save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema)
+    fsync_tree(staging)   # accelerate's files are not fsynced: on disk before info.json names them (each process, its node)
     acc.wait_for_everyone()
+    if is_main: run_dir.commit(staging, run_info(run))          # from here a SIGKILL resumes from this update
+    acc.wait_for_everyone()
+    export_weights(run)
+
+def report_nonfinite(run: Run, guard: NonFiniteGuard):
+    "Read the non-finite counts back (the one sync for them; raises on a diverged run) and say how many updates were skipped."
+    if n := guard.check():
+        run.acc.print(f"update {run.state.update}: non-finite loss/gradients, {n} update{'s' if n > 1 else ''} skipped ({run.state.nonfinite_total} so far)")
+
+def export_weights(run: Run):
+    "The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the main process."
+    acc, state = run.acc, run.state
     released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
     if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.state_dict()
-    if is_main:
+    if acc.is_main_process:
         ck = run.cfg.checkpoint
         backup = state.update % ck.backup_every == 0 and state.update > 0
         sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
         for name, sd in released.items():
-            save_safetensors_atomic(sd, run_dir.path/f"{name}.safetensors")
-            if sfx: save_safetensors_atomic(sd, run_dir.path/f"{name}{sfx}.safetensors")
-        run_dir.commit(staging, run_info(run))
+            save_safetensors_atomic(sd, run.run_dir.path/f"{name}.safetensors")
+            if sfx: save_safetensors_atomic(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
     acc.wait_for_everyone()
 
 def load_checkpoint(run: Run, state_dir):
@@ -444,18 +457,17 @@ def train(cfg: Config) -> dict:
         if beta is not None: ema_update_(ema, acc.unwrap_model(net), beta)
         mode.after_update(state)
 
-        stop_now = stop_agreed()   # read before logging/saving: the counters below must be current for a save
-        if state.update % cfg.log.log_every == 0 or state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
-            if n := guard.check():   # the one read-back of the non-finite counts (raises on a diverged run)
-                acc.print(f"update {state.update}: non-finite loss/gradients, {n} update{'s' if n > 1 else ''} skipped ({state.nonfinite_total} so far)")
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
+            report_nonfinite(run, guard)
             m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
             losses, last_log = [], time.time()
             bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
             if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         for hook in hooks: hook.after_update(run)
+        stop_now = stop_agreed()
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
+            report_nonfinite(run, guard)   # the saved counters must be current
             save(run)
             if batch is not None and not stop_now: log_samples(run, batch)
         if stop_now:

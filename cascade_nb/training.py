@@ -16,7 +16,7 @@ from .core import atomic_write_json, to_pil_grid, save_safetensors_atomic, safet
 # %% auto #0
 __all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'training_hook',
            'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDir', 'training_generator',
-           'save_training_state', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
+           'save_training_state', 'fsync_tree', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_training.ipynb #adc89fbf
 class LRSchedule:
@@ -286,6 +286,20 @@ def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, 
     save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()}, d/"gdf.safetensors")
     if ema is not None: save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors")
     atomic_write_json(d/"train_state.json", state.state_dict())
+
+# %% ../nbs/40_training.ipynb #4cdbda14
+def fsync_tree(path) -> int:
+    "fsync every file under `path`, then the folders (what a library wrote without fsync); the number of files."
+    path, n = Path(path), 0
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh: os.fsync(fh.fileno())
+            n += 1
+    for d in [path, *(d for d in path.rglob("*") if d.is_dir())]:
+        fd = os.open(d, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
+    return n
 
 # %% ../nbs/40_training.ipynb #bf2cb70f
 def _read(path: Path, read):
