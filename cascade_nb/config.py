@@ -222,7 +222,7 @@ class DataConfig:
     bucketeer_random_ratio: float = 0.05  # probability of a random aspect bucket instead of the closest
     resampled: bool = True                # infinite stream with shard resampling (reference) vs finite epochs
     shuffle_buffer: int = 1000            # sample shuffle buffer
-    num_workers: int = 2
+    num_workers: Optional[int] = None     # DataLoader workers per process; None: scaled to this process's CPUs (default_num_workers)
     pin_memory: bool = True
     prefetch_factor: Optional[int] = 2
     val_webdataset_path: Optional[Union[str, list[str]]] = None  # held-out data for the validation loss

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
-from .core import seeded_rand
+from .core import seeded_rand, images_to_device
 from .models.effnet import efficientnet_v2_features
 from .config import ConfigError
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
@@ -332,7 +332,7 @@ class ControlNetTraining(TrainingMode):
         if "images" not in batch:
             raise ValueError("ControlNet training needs the images of each batch (the filter runs on them), not cached latents only")
         g = rng if training else torch.Generator().manual_seed(0)   # sampling/validation never shift the run's stream
-        with torch.no_grad(): control, _ = self.filter(batch["images"].to(device).float(), generator=g)
+        with torch.no_grad(): control, _ = self.filter(images_to_device(batch["images"], device), generator=g)
         return control
 
     def encode(self, batch, device, training=True, rng=None):
@@ -351,7 +351,7 @@ class ControlNetTraining(TrainingMode):
 
     def preview_rows(self, batch, n: int = 8, size=None) -> dict:
         "{'control': RGB previews in [0, 1]} of the first `n` control images (a row for the sample grid)."
-        with torch.no_grad(): _, preview = self.filter(batch["images"][:n].float(), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(): _, preview = self.filter(images_to_device(batch["images"][:n], "cpu"), generator=torch.Generator().manual_seed(0))
         if size is not None: preview = F.interpolate(preview, size=size, mode="bilinear", align_corners=False)
         return {"control": preview.clamp(0, 1)}
 

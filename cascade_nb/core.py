@@ -14,7 +14,7 @@ import torch
 __all__ = ['append_dims', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'save_safetensors_atomic', 'count_params',
            'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device', 'enable_tf32',
            'checkpoint_file', 'safetensors_header', 'save_with_config', 'load_safetensors_strict', 'load_with_config',
-           'frozen', 'seeded', 'seeded_randn', 'seeded_rand', 'seeded_multinomial']
+           'frozen', 'seeded', 'seeded_randn', 'seeded_rand', 'seeded_multinomial', 'images_to_device']
 
 # %% ../nbs/00_core.ipynb #9463aab6
 def append_dims(v: torch.Tensor, like: torch.Tensor | int) -> torch.Tensor:
@@ -219,3 +219,9 @@ def seeded_rand(shape, generator: torch.Generator | None = None, device="cpu", d
 def seeded_multinomial(probs: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     "`n` indices drawn with replacement from `probs` by `generator`, on `probs`' device."
     return torch.multinomial(probs.to(_draw_on(generator, probs.device)), n, replacement=True, generator=generator).to(probs.device)
+
+# %% ../nbs/00_core.ipynb #a3fe86f6
+def images_to_device(images: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
+    "(B, 3, H, W) images on `device` as `dtype` in [0, 1]: uint8 are copied as bytes, then scaled there; floats just moved."
+    x = images.to(device, non_blocking=True)
+    return x.to(dtype).mul_(1 / 255) if x.dtype == torch.uint8 else x.to(dtype)

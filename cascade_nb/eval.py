@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
-from .core import save_safetensors_atomic
+from .core import save_safetensors_atomic, images_to_device
 from .run_state import training_hook
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
@@ -131,7 +131,7 @@ def reference_set(cfg: Config, source=None, max_images: int = 4096) -> tuple[tor
     data = dataclasses.replace(cfg.data, val_webdataset_path=source or cfg.data.webdataset_path, multi_aspect_ratio=None)
     images, captions = [], []
     for batch in dataloader_from_config(_val_data(dataclasses.replace(cfg, data=data)), 64, drop_last=False):
-        images.append(batch["images"].float()); captions += list(batch["captions"])
+        images.append(images_to_device(batch["images"], "cpu")); captions += list(batch["captions"])
         if len(captions) >= max_images: break
     if not captions: raise ConfigError(f"evaluation: the reference data {data.val_webdataset_path!r} yielded no image")
     return torch.cat(images)[:max_images], captions[:max_images]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from .core import save_safetensors_atomic, count_params, human_count, seeded_rand
+from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device
 from .config import ConfigError
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
@@ -554,13 +554,13 @@ class LoraTraining(TrainingMode):
         d = self.cfg.data
         with torch.no_grad():
             x0 = (batch["latents"].to(device).float() if "latents" in batch else
-                  self.space.encode(batch["images"].to(device).to(self.compute_dtype)).float())
+                  self.space.encode(images_to_device(batch["images"], device, self.compute_dtype)).float())
             captions = list(batch["captions"])
             if training and d.caption_dropout: captions = drop_captions(captions, d.caption_dropout, generator=rng)
             clip_img = x0.new_zeros(len(x0), 1, self.full.c_clip_img)
             if training and self.image_model is not None and "images" in batch and d.image_embed_prob:
                 mask = seeded_rand(len(x0), rng) < d.image_embed_prob
-                if mask.any(): clip_img[mask.to(device)] = encode_image(self.image_model, batch["images"][mask].to(device)).float()
+                if mask.any(): clip_img[mask.to(device)] = encode_image(self.image_model, images_to_device(batch["images"][mask], device)).float()
         return x0, {**self._token_conds(captions, device), "clip_img": clip_img}
 
     def trainable_modules(self, net) -> list:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn
+from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, images_to_device
 from typing import NamedTuple
 from .config import Config, ConfigError, TRAINING_MODES
 from .gdf.presets import training_shift
@@ -49,6 +49,9 @@ def build_text_encoder(cfg: Config, device=None, dtype=torch.float32):
     else:
         tok = load_clip_tokenizer(cfg.model.tokenizer_path or name)
         text_model = load_clip_text_model(name, device=device, dtype=dtype)
+    # eager attention: transformers' SDPA path asks the device whether the padding mask is all ones before every call
+    # (a host sync per batch); the numbers agree to ~1e-6 and 77 tokens cost nothing extra
+    text_model.set_attn_implementation("eager")
     return tok, text_model
 
 def build_image_encoder(cfg: Config, device=None, dtype=torch.float32):
@@ -136,7 +139,7 @@ def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None 
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
     "Batch → (x0 in the generator's space, CLIP conditions); caption dropout and image embeddings only when training."
     d = mode.cfg.data
-    images = batch["images"].to(device, non_blocking=True) if "images" in batch else None
+    images = images_to_device(batch["images"], device) if "images" in batch else None   # uint8 → float on the device
     with torch.no_grad():
         x0 = batch["latents"].to(device).float() if "latents" in batch else mode.space.encode(images.to(mode.compute_dtype)).float()
     # only training draws from the run's random stream, so sampling/validation never shift it (exact resume)
@@ -145,11 +148,11 @@ def stage_c_inputs(mode, batch, device, training=True, rng=None):
         if training and d.caption_dropout:
             drop = seeded_rand(len(x0), rng, device) < d.caption_dropout
             empty = conditions([""], mode.tokenizer, mode.text_model, mode.c_clip_img)
-            for k in conds: conds[k][drop] = empty[k].to(conds[k].dtype)
+            for k in conds: conds[k] = torch.where(drop.view(-1, 1, 1), empty[k].to(conds[k]), conds[k])   # no boolean index: no host sync
         conds["clip_img"] = x0.new_zeros(len(x0), 1, mode.c_clip_img)
         if training and d.image_embed_prob and "clip_img" in batch["text"]:   # cached CLIP image embeddings, as `conditions` samples them
             keep = seeded_rand(len(x0), rng, device) < d.image_embed_prob
-            conds["clip_img"][keep] = batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1)[keep]
+            conds["clip_img"] = torch.where(keep.view(-1, 1, 1), batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1), conds["clip_img"])
         return x0, conds
     conds = conditions(batch["captions"], mode.tokenizer, mode.text_model, mode.c_clip_img,
                        mode.image_model if training else None, images, d.caption_dropout if training else 0.,
@@ -273,7 +276,7 @@ class StageBTraining(FullTraining):
     def encode(self, batch, device, training=True, rng=None):
         from cascade_nb.models.stage_b import effnet_condition
         from cascade_nb.models.clip import encode_text, drop_captions
-        images = batch["images"].to(device, non_blocking=True)
+        images = images_to_device(batch["images"], device)
         captions = drop_captions(batch["captions"], self.cfg.data.caption_dropout, rng) if training else list(batch["captions"])
         with torch.no_grad():
             x0 = self.space.encode(images.to(self.compute_dtype)).float()

@@ -15,8 +15,8 @@ from .core import atomic_write_json, to_pil_grid, save_safetensors_atomic, safet
 
 # %% auto #0
 __all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'training_hook',
-           'NonFiniteLossError', 'check_finite', 'RunDirError', 'RunDir', 'training_generator', 'save_training_state',
-           'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
+           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDir', 'training_generator',
+           'save_training_state', 'fsync_tree', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 class LRSchedule:
@@ -101,6 +101,42 @@ def check_finite(loss: torch.Tensor, state: TrainState, max_streak: int) -> bool
                                  f"({state.nonfinite_total} in total): the run diverged. Lower `lr`, check the data, "
                                  f"or resume from the last checkpoint; raise `max_nan_steps` to tolerate more.")
     return False
+
+# %% ../nbs/40_run_state.ipynb #c5884d8e
+class NonFiniteGuard:
+    "Skip updates whose gradient norm is not finite, decided on the device (fused AdamW's `found_inf`); counts read at `check`."
+    def __init__(self, optimizer, state: TrainState, max_streak: int):
+        self.opt, self.state, self.max_streak = optimizer, state, max_streak
+        inner = getattr(optimizer, "optimizer", optimizer)   # accelerate's AcceleratedOptimizer wraps the torch one
+        self.inner = inner if getattr(inner, "_step_supports_amp_scaling", False) else None   # fused Adam/AdamW/SGD
+        self.counts = None   # (skipped since the last check, current streak, longest streak since the last check)
+
+    def step(self, grad_norm: torch.Tensor) -> None:
+        "Step the optimizer unless `grad_norm` is non-finite (no host sync when the optimizer takes `found_inf`)."
+        if self.inner is None:
+            if check_finite(grad_norm, self.state, self.max_streak): self.opt.step()
+            return
+        g = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        bad = (~torch.isfinite(g.detach().float())).float().reshape(())   # 0-dim, as the kernel's step counters
+        if self.counts is None: self.counts = torch.tensor([0., self.state.nonfinite_streak, self.state.nonfinite_streak], device=bad.device)
+        skipped, streak, worst = self.counts.unbind()
+        streak = (streak + 1) * bad
+        self.counts = torch.stack([skipped + bad, streak, torch.maximum(worst, streak)])
+        self.inner.found_inf = bad   # read by the fused kernel; weights, moments and step count stay as they were
+        self.opt.step()
+
+    def check(self) -> int:
+        "Read the counts back (one sync) into the `TrainState`; raise NonFiniteLossError on a long streak; updates skipped since the last check."
+        if self.counts is None: return 0
+        skipped, streak, worst = (int(v) for v in self.counts.tolist())
+        self.state.nonfinite_total += skipped
+        self.state.nonfinite_streak = streak
+        self.counts = torch.tensor([0., streak, streak], device=self.counts.device)
+        if worst >= self.max_streak:
+            raise NonFiniteLossError(f"{worst} non-finite losses in a row at update {self.state.update} "
+                                     f"({self.state.nonfinite_total} in total): the run diverged. Lower `lr`, check the data, "
+                                     f"or resume from the last checkpoint; raise `max_nan_steps` to tolerate more.")
+        return skipped
 
 # %% ../nbs/40_run_state.ipynb #70697275
 class RunDirError(RuntimeError):
@@ -250,6 +286,20 @@ def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, 
     save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()}, d/"gdf.safetensors")
     if ema is not None: save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors")
     atomic_write_json(d/"train_state.json", state.state_dict())
+
+# %% ../nbs/40_run_state.ipynb #4cdbda14
+def fsync_tree(path) -> int:
+    "fsync every file under `path`, then the folders (what a library wrote without fsync); the number of files."
+    path, n = Path(path), 0
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh: os.fsync(fh.fileno())
+            n += 1
+    for d in [path, *(d for d in path.rglob("*") if d.is_dir())]:
+        fd = os.open(d, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
+    return n
 
 # %% ../nbs/40_run_state.ipynb #bf2cb70f
 def _read(path: Path, read):

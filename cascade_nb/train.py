@@ -25,16 +25,17 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, NonFiniteGuard, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
 
 # %% auto #0
 __all__ = ['LATENT_COMPRESSION', 'sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag',
-           'die_with_parent', 'batch_stream', 'training_data', 'Run', 'build_optimizer', 'save', 'load_checkpoint',
-           'resume', 'run_info', 'log_samples', 'log_metrics', 'validate', 'size_rule', 'check_resolution_schedule',
-           'at_resolution', 'check_optimizer', 'train', 'plot_metrics', 'main']
+           'die_with_parent', 'StopAgreement', 'batch_stream', 'training_data', 'Run', 'build_optimizer', 'save',
+           'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'run_info', 'log_samples', 'log_metrics',
+           'validate', 'size_rule', 'check_resolution_schedule', 'at_resolution', 'check_optimizer', 'train',
+           'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -114,15 +115,45 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     if ok and os.getppid() != parent: os.kill(os.getpid(), sig)   # the parent died before the request: act now
     return ok
 
+# %% ../nbs/41_train.ipynb #dd62bb78
+class StopAgreement:
+    "Whether any process got a stop signal: a CPU all-reduce over a gloo group, started each update and read the next."
+    def __init__(self, stop: StopFlag, num_processes: int = 1):
+        import torch.distributed as dist
+        self.stop, self.pending = stop, None
+        self.group = dist.new_group(backend="gloo") if num_processes > 1 else None   # all processes call this together
+    def __call__(self) -> bool:
+        "Call once per update on every process; True on all of them once any had a signal (a round later)."
+        if self.group is None: return bool(self.stop)
+        import torch.distributed as dist
+        agreed = False
+        if self.pending is not None:
+            work, flag = self.pending; work.wait(); agreed = bool(flag[0])   # a CPU tensor: no device sync
+        flag = torch.tensor([float(bool(self.stop))])
+        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        return agreed
+    def close(self):
+        "Finish the round in flight (every process calls it, after the loop)."
+        if self.pending is not None: self.pending[0].wait(); self.pending = None
+
 # %% ../nbs/41_train.ipynb #1644821e
 def batch_stream(loader, skip: int = 0):
-    "Yield batches from `loader` forever (epoch after epoch), after skipping the first `skip` (the data position)."
-    epoch, drawn = 0, 0
+    """Yield batches from `loader` forever (epoch after epoch), after skipping the first `skip` (the data position).
+    Skipped batches come undecoded (`fast_forward`); should one come after the skip (readers out of turn at the end
+    of a finite epoch), that epoch is read again without fast-forward, which gives the same batches."""
+    epoch, drawn, ds = 0, 0, loader.dataset
     while True:
-        if hasattr(loader.dataset, "set_epoch"): loader.dataset.set_epoch(epoch)
-        got = 0
+        if hasattr(ds, "set_epoch"): ds.set_epoch(epoch)
+        if hasattr(ds, "fast_forward"): ds.fast_forward(max(0, skip - drawn))
+        got, start = 0, drawn
         for batch in loader:
             got += 1; drawn += 1
+            if batch.get("fast_forwarded") and drawn > skip:   # out of turn: read this epoch again, decoding
+                ds.set_epoch(epoch); ds.fast_forward(0); got, drawn = 0, start
+                for batch in loader:
+                    got += 1; drawn += 1
+                    if drawn > skip: yield batch
+                break
             if drawn > skip: yield batch
         if got == 0: raise RuntimeError("the training data yielded no batch in a whole epoch: check `webdataset_path` "
                                         "(run `python -m cascade_nb.data inspect SOURCE`) and that batch_size fits the data")
@@ -167,12 +198,11 @@ class Run:
     def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
 
 def build_optimizer(t, params, lr: float, device):
-    "AdamW (fused on CUDA) or bitsandbytes' 8-bit AdamW over `params`, with the config's betas, eps and weight decay."
+    "AdamW (fused: one kernel, and it skips a non-finite update on the device) or bitsandbytes' 8-bit AdamW over `params`."
     if t.optimizer == "adamw8bit":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, fused=True)
 
 # %% ../nbs/41_train.ipynb #3016ac91
 def save(run: Run):
@@ -184,24 +214,37 @@ def save(run: Run):
                           f"checkpoint (update {(run.run_dir.info() or {}).get('update', 'none')}) is kept") from None
 
 def _save(run: Run):
-    "The accelerate state and the loop's own (`save_training_state`) into a staging dir, committed by info.json; then the released weights."
+    """What resume needs first: the accelerate state (sharded under FSDP) and the loop's own, fsynced and committed by
+    info.json; only then the released weights (`export_weights`), whose gather and write a pre-emption may cut short."""
     acc, state, run_dir, is_main = run.acc, run.state, run.run_dir, run.acc.is_main_process
     acc.wait_for_everyone()
     staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
     acc.wait_for_everyone()
     acc.save_state(str(staging))
     save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema)
+    fsync_tree(staging)   # accelerate's files are not fsynced: on disk before info.json names them (each process, its node)
     acc.wait_for_everyone()
+    if is_main: run_dir.commit(staging, run_info(run))          # from here a SIGKILL resumes from this update
+    acc.wait_for_everyone()
+    export_weights(run)
+
+def report_nonfinite(run: Run, guard: NonFiniteGuard):
+    "Read the non-finite counts back (the one sync for them; raises on a diverged run) and say how many updates were skipped."
+    if n := guard.check():
+        run.acc.print(f"update {run.state.update}: non-finite loss/gradients, {n} update{'s' if n > 1 else ''} skipped ({run.state.nonfinite_total} so far)")
+
+def export_weights(run: Run):
+    "The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the main process."
+    acc, state = run.acc, run.state
     released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
     if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.state_dict()
-    if is_main:
+    if acc.is_main_process:
         ck = run.cfg.checkpoint
         backup = state.update % ck.backup_every == 0 and state.update > 0
         sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
         for name, sd in released.items():
-            save_safetensors_atomic(sd, run_dir.path/f"{name}.safetensors")
-            if sfx: save_safetensors_atomic(sd, run_dir.path/f"{name}{sfx}.safetensors")
-        run_dir.commit(staging, run_info(run))
+            save_safetensors_atomic(sd, run.run_dir.path/f"{name}.safetensors")
+            if sfx: save_safetensors_atomic(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
     acc.wait_for_everyone()
 
 def load_checkpoint(run: Run, state_dir):
@@ -429,6 +472,7 @@ def train(cfg: Config) -> dict:
 
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches
     mode.train_mode(net)   # only the trainable modules in train mode (a frozen generator keeps its dropout off)
+    guard, stop_agreed = NonFiniteGuard(opt, state, t.max_nan_steps), StopAgreement(stop, acc.num_processes)   # no host sync per update
     losses, last_log, skipped, batch = [], time.time(), {}, None
     interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
@@ -444,9 +488,8 @@ def train(cfg: Config) -> dict:
                                    shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
-                if grad_norm is not None and not check_finite(grad_norm, state, t.max_nan_steps):
-                    acc.print(f"update {state.update}: non-finite loss/gradients, update skipped ({state.nonfinite_total} so far)")
-                else: opt.step()
+                if grad_norm is not None: guard.step(grad_norm)   # skipped on the device when non-finite; counted in `guard`
+                else: opt.step()                                  # accumulating: accelerate's optimizer waits
                 opt.zero_grad(set_to_none=True)
                 state.micro_step += 1
             losses.append(loss.detach())
@@ -457,20 +500,23 @@ def train(cfg: Config) -> dict:
         mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
+            report_nonfinite(run, guard)
             m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
             losses, last_log = [], time.time()
             bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
             if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         for hook in hooks: hook.after_update(run)
-        stop_now = bool(acc.gather(torch.tensor([float(bool(stop))], device=device)).sum().item())
+        stop_now = stop_agreed()
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
+            report_nonfinite(run, guard)   # the saved counters must be current
             save(run)
             if batch is not None and not stop_now: log_samples(run, batch)
         if stop_now:
             acc.print(f"received {stop.signal or 'a stop signal'}: saved update {state.update} to {run_dir.path}; exiting")
             break
 
+    stop_agreed.close()
     if is_main and run.metrics_path.exists(): plot_metrics(run.metrics_path, out_dir/"loss.png")
     acc.wait_for_everyone()
     net = acc.unwrap_model(net)

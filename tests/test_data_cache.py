@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest, torch, yaml
 from cascade_nb.data import build_dataset, cache_dataset, cache_fingerprint, config_cache_parts, CacheMismatchError
 from cascade_nb.config import load_config
+from cascade_nb.core import images_to_device
 
 ROOT = Path(__file__).resolve().parents[1]
 EMOJI, PHOTOS = ROOT / "data_samples" / "emoji", ROOT / "data_samples" / "photos"
@@ -27,7 +28,7 @@ def test_cache_round_trip_and_mismatch(tmp_path):
     with torch.no_grad():
         for b in batches:
             src = b["meta"][0]["source_key"]
-            torch.testing.assert_close(b["latents"][0], StandInEncoder().encode(direct[src][None])[0])
+            torch.testing.assert_close(b["latents"][0], StandInEncoder().encode(images_to_device(direct[src][None], "cpu"))[0])
             assert b["text"]["text_embeds"][0, 0] == len(b["captions"][0])
     with pytest.raises(CacheMismatchError, match="fingerprint"):
         build_dataset(tmp_path / "c", 1, cache_fingerprint=cache_fingerprint(image="other", image_size=96))

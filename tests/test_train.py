@@ -175,3 +175,17 @@ def test_validation_loss_and_best_checkpoint(tmp_path):
     assert [r["update"] for r in vals] == [2, 4] and all(r["val_loss"] > 0 for r in vals)
     assert (tmp_path / "ckpt" / "val" / "generator_best.safetensors").exists()
     assert info(tmp_path, "val")["best_val_loss"] == min(r["val_loss"] for r in vals)
+
+def test_sigkill_during_export_after_a_signal_resumes_exactly(tmp_path, reference_run):
+    """Pre-emption: SIGTERM, the save of the training state is committed first, and SIGKILL arrives while the gathered
+    weights are being exported. The run resumes from the signal's update, exactly (issue 18 item 11)."""
+    res = run_cli(DRIVER, "--term-at", "4", "--kill-in-export", *demo_args(tmp_path, "preempt", *RUN), check=False)
+    assert res.returncode == -signal.SIGKILL, res.stdout[-2000:] + res.stderr[-2000:]
+    i = info(tmp_path, "preempt")
+    assert i["update"] == 4, i   # the signal-time state is committed before the export began
+    state = tmp_path / "ckpt" / "preempt" / i["state_dir"]
+    assert (state / "train_state.json").exists() and not (tmp_path / "ckpt" / "preempt" / "generator_4.safetensors").exists()
+    run_cli(DRIVER, *demo_args(tmp_path, "preempt", *RUN))
+    assert info(tmp_path, "preempt")["update"] == 10
+    assert_identical(weights(tmp_path, "preempt"), weights(reference_run, "ref"))
+    assert_identical(weights(tmp_path, "preempt", "generator_ema"), weights(reference_run, "ref", "generator_ema"))

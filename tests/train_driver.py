@@ -3,6 +3,8 @@
     python tests/train_driver.py [--kill-in-commit N] [--nan-from N] [--check-ddp-sync] CONFIG [key=value ...]
 
 --kill-in-commit N   SIGKILL the process inside the checkpoint commit of update N (state written, info.json not yet)
+--term-at N          send SIGTERM to the process itself after update N (a scheduler's stop signal)
+--kill-in-export     SIGKILL the process when a save after a stop signal starts exporting the released weights
 --nan-from N         make every loss from micro-step N on NaN (the non-finite guard must stop the run)
 --nan-once N         make the loss of micro-step N NaN once (the update must be skipped, the run continues)
 --check-ddp-sync     after training, assert that every process holds identical generator weights
@@ -26,6 +28,8 @@ from cascade_nb.run_state import RunDir
 
 p = argparse.ArgumentParser()
 p.add_argument("--kill-in-commit", type=int)
+p.add_argument("--term-at", type=int)
+p.add_argument("--kill-in-export", action="store_true")
 p.add_argument("--nan-from", type=int)
 p.add_argument("--nan-once", type=int)
 p.add_argument("--check-ddp-sync", action="store_true")
@@ -41,6 +45,25 @@ if args.kill_in_commit is not None:
         if info["update"] == args.kill_in_commit: os.kill(os.getpid(), signal.SIGKILL)
         return _commit(self, state_dir, info)
     RunDir.commit = commit
+
+TERM_SENT = False
+if args.term_at is not None:   # a hook the loop calls after every update: SIGTERM once update N is done
+    from cascade_nb.run_state import TRAINING_HOOKS
+    class _Term:
+        def __init__(self, cfg): pass
+        @classmethod
+        def enabled(cls, cfg): return True
+        def after_update(self, run):
+            global TERM_SENT
+            if run.state.update == args.term_at: TERM_SENT = True; os.kill(os.getpid(), signal.SIGTERM)
+    TRAINING_HOOKS["_term_at"] = _Term
+
+if args.kill_in_export:
+    _export = T.export_weights
+    def export_weights(run):
+        if TERM_SENT: os.kill(os.getpid(), signal.SIGKILL)   # the first export after the stop signal
+        return _export(run)
+    T.export_weights = export_weights
 
 if args.nan_from is not None or args.nan_once is not None:
     _loss, calls = M.diffusion_loss, [0]   # what every mode's default `loss` calls

@@ -17,7 +17,7 @@ from .sources import SkipCounter, _worker_seed
 # %% auto #0
 __all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'bucket_sizes', 'saliency_map', 'saliency_center', 'closest_bucket',
            'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket', 'BucketResize',
-           'collate_samples', 'BucketBatcher', 'resolution_at', 'bucket_at', 'resize_cover']
+           'materialize_samples', 'collate_samples', 'BucketBatcher', 'resolution_at', 'bucket_at', 'resize_cover']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
 def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[int, int], ...]:
@@ -149,19 +149,39 @@ class BucketResize:
             img = s["image"]
             oh, ow = s.get("original_size", (img.height, img.width))   # the decoder may have decoded at reduced size
             bucket = s.get("bucket") or pick_bucket(oh, ow, self.buckets, self.p_random_ratio, rng)
+            if hasattr(img, "deferred_crop"):   # pixels not decoded yet (`data.pipeline.LazyImage`): cropped when its batch is emitted
+                yield {**s, "image": img.deferred_crop(bucket, self.crop, rng), "bucket": bucket, "original_size": (oh, ow)}
+                continue
             chw, (top, left) = resize_crop_chw(img, bucket, self.crop, rng)
             yield {**s, "image": chw, "bucket": bucket, "original_size": (oh, ow),
                    "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
 
+def materialize_samples(samples: list[dict], counter: SkipCounter | None = None) -> list[dict]:
+    """Decode the samples whose pixels were deferred (`image.materialize`); one that fails is counted as `bad_image` and
+    replaced by a good sample of the same batch, so the batch and those after it stay the same; none good: [] (the batch
+    is dropped, the one case where a resumed run that skipped it undecoded is a batch off)."""
+    out = []
+    for s in samples:
+        if not hasattr(s["image"], "materialize"): out.append(s); continue
+        try: out.append(s["image"].materialize(s))
+        except Exception:
+            if counter is not None: counter.add("bad_image")
+            out.append(None)
+    good = [s for s in out if s is not None]
+    if not good: return []
+    return [s if s is not None else good[0] for s in out]
+
 def collate_samples(samples: list[dict]) -> dict:
-    "Stack one bucket's samples: (3, H, W) uint8 images → float `images` (B, 3, H, W) in [0, 1], tensors stacked, the rest as lists."
+    """Stack one bucket's samples: (3, H, W) uint8 images → uint8 `images` (B, 3, H, W) (a quarter of float32's bytes
+    through shared memory and the host→device copy; `images_to_device` makes them float in [0, 1] there), tensors
+    stacked, the rest as lists."""
     batch = {}
     for k in samples[0]:
         if k.startswith("__") and k != "__key__": continue
         vals = [s[k] for s in samples]
         name = {"image": "images", "caption": "captions", "__key__": "keys", "original_size": "original_sizes",
                 "crop_top_left": "crop_top_lefts"}.get(k, k)
-        if k == "image": batch[name] = images_to_float(vals)
+        if k == "image": batch[name] = torch.from_numpy(np.stack(vals))
         elif k == "bucket": batch[name] = vals[0]
         elif isinstance(vals[0], torch.Tensor): batch[name] = torch.stack(vals)
         elif isinstance(vals[0], dict) and vals[0] and all(isinstance(v, torch.Tensor) for v in vals[0].values()):
@@ -174,23 +194,32 @@ class BucketBatcher:
     def __init__(self, batch_size: int, counter: SkipCounter | None = None, drop_last: bool = True, group_key: str = "bucket"):
         if batch_size < 1: raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.counter, self.drop_last, self.group_key = batch_size, counter, drop_last, group_key
+        self.fast_forward = 0   # batches (all readers together) the next pass hands over undecoded: a resume's fast-forward
 
     def _emit(self, samples):
+        if self._ff > 0:   # a batch the resumed run already trained on: its samples' pixels are never decoded
+            self._ff -= 1
+            return {"fast_forwarded": True, "bucket": samples[0][self.group_key], "keys": [s.get("__key__") for s in samples],
+                    "skipped": self.counter.take() if self.counter is not None else {}}
+        samples = materialize_samples(samples, self.counter)
+        if not samples: return None   # not one of them decodes: counted, dropped
         batch = collate_samples(samples)
         batch["skipped"] = self.counter.take() if self.counter is not None else {}
         return batch
 
     def __call__(self, samples):
+        info = torch.utils.data.get_worker_info()   # readers hand out batches in turn: this one's share of the fast-forward
+        self._ff = len(range(info.id if info else 0, self.fast_forward, info.num_workers if info else 1))
         pending: dict = {}
         for s in samples:
             group = pending.setdefault(s[self.group_key], [])
             group.append(s)
             if len(group) == self.batch_size:
-                yield self._emit(group)
+                if (batch := self._emit(group)) is not None: yield batch
                 pending[s[self.group_key]] = []
         if not self.drop_last:
             for group in pending.values():
-                if group: yield self._emit(group)
+                if group and (batch := self._emit(group)) is not None: yield batch
         if self.counter is not None and (tail := self.counter.take()):   # skips after the last batch: not silent either
             warnings.warn(f"data: skipped after this reader's last batch: {tail}")
 

@@ -10,7 +10,7 @@ import hashlib, json, time
 from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
-from ..core import atomic_write_json
+from ..core import atomic_write_json, images_to_device
 from .sources import write_shards, _check_out_dir
 from .pipeline import build_dataset
 # reading cached shards is the pipeline's job (it comes first); the names stay importable from here too
@@ -56,10 +56,10 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
         nonlocal n
         for batch in ds:
             for k, v in batch["skipped"].items(): skipped[k] = skipped.get(k, 0) + v
-            latents = image_encoder.encode(batch["images"].to(device))
+            latents = image_encoder.encode(images_to_device(batch["images"], device))
             text = text_encoder(batch["captions"]) if text_encoder is not None else {}
             if isinstance(text, torch.Tensor): text = {"text_embeds": text}
-            if image_embedder is not None: text = {**text, "clip_img": image_embedder(batch["images"].to(device)).view(len(latents), 1, -1)}
+            if image_embedder is not None: text = {**text, "clip_img": image_embedder(images_to_device(batch["images"], device)).view(len(latents), 1, -1)}
             for i, (key, caption, meta) in enumerate(zip(batch["keys"], batch["captions"], batch["meta"])):
                 tensors = {"latents": latents[i], **{name: t[i] for name, t in text.items()}}
                 if store_dtype is not None: tensors = {k: v.to(store_dtype) for k, v in tensors.items()}

@@ -16,13 +16,13 @@ from PIL import Image, ImageOps
 from ..config import CaptionsGetter, DatasetFilter
 from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_shards, ShardList,
                                      ResampledShardList, ShardReader, _worker_seed, is_remote, local_path)
-from .buckets import bucket_sizes, closest_bucket, pick_bucket, BucketResize, BucketBatcher
+from .buckets import bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize, BucketBatcher
 
 # %% auto #0
 __all__ = ['CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'default_max_pixels',
-           'SampleDecoder', 'Shuffle', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder',
-           'ImageTextDataset', 'resolve_crop', 'build_dataset', 'build_dataloader', 'dataloader_from_config',
-           'sum_skips', 'inspect_source']
+           'SampleDecoder', 'LazyImage', 'Shuffle', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError',
+           'CachedDecoder', 'ImageTextDataset', 'resolve_crop', 'build_dataset', 'build_dataloader',
+           'dataloader_from_config', 'default_num_workers', 'sum_skips', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -56,7 +56,8 @@ class SampleDecoder:
     "Pipeline stage: raw samples → `{image (PIL), caption, meta, bucket}`; counts skips; fails on a shard with nothing usable."
     def __init__(self, counter: SkipCounter, captions_getter=None, dataset_filters=None, min_side: int = 16,
                  n_shards: int = 1, strict: bool = True, buckets=None, p_random_ratio: float = 0.0, seed: int = 0,
-                 max_pixels: int | None = None):
+                 max_pixels: int | None = None, lazy: bool = False):
+        self.lazy = lazy   # True: header checks only; pixels decoded when the batch is emitted (`LazyImage`)
         self.counter, self.getter, self.filters = counter, as_captions_getter(captions_getter), as_dataset_filters(dataset_filters)
         self.min_side, self.n_shards, self.strict, self.bad_shards, self.max_pixels = min_side, n_shards, strict, [], max_pixels
         self.buckets, self.p_random_ratio, self.seed, self.epoch = buckets, p_random_ratio, seed, 0
@@ -79,14 +80,17 @@ class SampleDecoder:
         if ext is None: return None, "missing_image"
         out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(), "meta": meta}
         try:
-            img = Image.open(io.BytesIO(s[ext]))   # reads the header only
+            img, draft = Image.open(io.BytesIO(s[ext])), None   # reads the header only
             h, w = img.height, img.width
             if min(h, w) < self.min_side: return None, "too_small"
             if self.buckets:   # choose the bucket now, so a JPEG can be decoded at reduced size (DCT scaling)
                 out["bucket"] = bucket = pick_bucket(h, w, self.buckets, self.p_random_ratio, self._rng)
                 scale = max(bucket[0] / h, bucket[1] / w)
-                if scale < 0.5 and img.format == "JPEG": img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
+                if scale < 0.5 and img.format == "JPEG": img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
             if self.max_pixels and img.width * img.height > self.max_pixels: return None, "too_large"   # before decoding
+            if self.lazy and self.buckets:
+                out["image"], out["original_size"] = LazyImage(s[ext], draft, img.height, img.width), (h, w)
+                return out, None
             img.load()
             out["image"], out["original_size"] = to_rgb(img), (h, w)
         except Exception: return None, "bad_image"
@@ -127,6 +131,29 @@ class SampleDecoder:
         if self.strict and seen and not usable_total:   # this reader's share was all bad; other readers may have data
             warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: {dict(self.counter.total)}")
 
+
+# %% ../../nbs/32_data.pipeline.ipynb #be6a749c
+class LazyImage:
+    "An image's compressed bytes (header already checked) that become a bucket-sized uint8 array when its batch is emitted."
+    def __init__(self, data: bytes, draft: tuple[int, int] | None = None, height: int = 0, width: int = 0):
+        self.data, self.draft, self.height, self.width = data, draft, height, width   # the size it will decode to
+        self.bucket, self.crop, self.rng_state = None, None, None
+
+    def deferred_crop(self, bucket, crop: str, rng: random.Random) -> "LazyImage":
+        "Remember the crop `BucketResize` would make now, and advance `rng` by the same draws (their number needs no pixels)."
+        self.bucket, self.crop, self.rng_state = tuple(bucket), crop, rng.getstate()
+        crop_box(1, 1, self.bucket, crop, rng, (0.5, 0.5))
+        return self
+
+    def materialize(self, s: dict) -> dict:
+        "The sample `s` with its pixels: decoded, EXIF-rotated, cropped as recorded; raises on undecodable pixels."
+        img = Image.open(io.BytesIO(self.data))
+        if self.draft: img.draft("RGB", self.draft)
+        img.load(); img = to_rgb(img)
+        rng = random.Random(); rng.setstate(self.rng_state)
+        chw, (top, left) = resize_crop_chw(img, self.bucket, self.crop, rng)
+        oh, ow = s["original_size"]
+        return {**s, "image": chw, "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
 
 # %% ../../nbs/32_data.pipeline.ipynb #39552c9e
 class Shuffle:
@@ -209,6 +236,10 @@ class ImageTextDataset(wds.DataPipeline):
         for stage in self.pipeline:
             if hasattr(stage, "set_epoch"): stage.set_epoch(epoch)
             elif hasattr(stage, "epoch"): stage.epoch = epoch
+    def fast_forward(self, batches: int):
+        "Let the next pass hand over its first `batches` batches (all readers together) as undecoded placeholders."
+        for stage in self.pipeline:
+            if hasattr(stage, "fast_forward"): stage.fast_forward = batches
 
 def resolve_crop(crop: str, multi_aspect_ratio=None) -> str:
     "`auto`: the reference's choice, a saliency-centred crop for square configs and a random one inside aspect buckets."
@@ -234,7 +265,7 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
         buckets = bucket_sizes(image_size, multi_aspect_ratio)
         body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size), n_distinct,
                               buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
-                              max_pixels=max_pixels or default_max_pixels(image_size)),
+                              max_pixels=max_pixels or default_max_pixels(image_size), lazy=True),
                 BucketResize(buckets, resolve_crop(crop, multi_aspect_ratio), p_random_ratio, seed)]
         group_key = "bucket"
     ds = ImageTextDataset(*head, ShardReader(counter, allow_pipe), Shuffle(shuffle_buffer, seed) if shuffle_buffer > 1 else None,
@@ -244,11 +275,12 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
     return ds
 
 # %% ../../nbs/32_data.pipeline.ipynb #16f99a24
-def build_dataloader(source, batch_size: int, *, num_workers: int = 2, pin_memory: bool = False,
+def build_dataloader(source, batch_size: int, *, num_workers: int | None = None, pin_memory: bool = False,
                      prefetch_factor: int | None = 2, persistent_workers: bool = False,
                      multiprocessing_context=None, **dataset_kwargs) -> torch.utils.data.DataLoader:
     "A DataLoader over `build_dataset(source, batch_size, **dataset_kwargs)`; see `build_dataset` for the batch format."
     ds = build_dataset(source, batch_size, **dataset_kwargs)
+    if num_workers is None: num_workers = default_num_workers()
     from webdataset.utils import pytorch_worker_info
     world = pytorch_worker_info()[1] if dataset_kwargs.get("split_by_node", True) else 1   # readers sharing the shards
     if not ds.resampled and len(ds.shards) < world * max(num_workers, 1):
@@ -276,6 +308,14 @@ def dataloader_from_config(data, batch_size: int, seed: int = 0, **overrides) ->
               allow_pipe=getattr(data, "allow_pipe_sources", False),
               num_workers=data.num_workers, pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor, seed=seed)
     return build_dataloader(data.webdataset_path, batch_size, **{**kw, **overrides})
+
+# %% ../../nbs/32_data.pipeline.ipynb #6b33255a
+def default_num_workers(cpus: int | None = None, local_processes: int | None = None, most: int = 16) -> int:
+    "DataLoader workers for one training process: its share of the usable CPUs, less one for itself (1 ≤ n ≤ `most`)."
+    import os
+    if cpus is None: cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_processes is None: local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, min(most, cpus // max(local_processes, 1) - 1))
 
 # %% ../../nbs/32_data.pipeline.ipynb #fe7924e1
 def sum_skips(batches_or_counts, into: Counter | None = None) -> Counter:
