@@ -210,8 +210,11 @@ def save(run: Run):
     try: _save(run)
     except OSError as e:   # disk full, quota, I/O error: the committed checkpoint is untouched
         if run.acc.is_main_process: run.run_dir.abandon(run.run_dir.path/f"state-{run.state.update:08d}")
-        raise RunDirError(f"saving update {run.state.update} to {run.run_dir.path} failed ({error_line(e)}); the last committed "
-                          f"checkpoint (update {(run.run_dir.info() or {}).get('update', 'none')}) is kept") from None
+        committed = (run.run_dir.info() or {}).get("update", "none")
+        kept = (f"the training state of update {committed} is committed (a resume continues from it) but the released "
+                "weights are still the previous save's" if committed == run.state.update else
+                f"the last committed checkpoint (update {committed}) is kept")
+        raise RunDirError(f"saving update {run.state.update} to {run.run_dir.path} failed ({error_line(e)}); {kept}") from None
 
 def _save(run: Run):
     """What resume needs first: the accelerate state (sharded under FSDP) and the loop's own, fsynced and committed by

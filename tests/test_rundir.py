@@ -35,25 +35,37 @@ def test_resume_refuses_another_model_config_and_falls_back_to_previous_state(tm
 
 FAILING_SAVE = """
 import errno, sys
-import cascade_nb.train as T
-calls = [0]
-real = T.save_safetensors_atomic
-def full_disk(sd, path, *a, **k):
-    calls[0] += 1
-    if calls[0] > 2: raise OSError(errno.ENOSPC, "No space left on device", str(path))   # the second save
-    return real(sd, path, *a, **k)
-T.save_safetensors_atomic = full_disk
+import cascade_nb.train as T, cascade_nb.run_state as S
+where = sys.argv.pop(1)   # 'state': the checkpoint of update 4 fails; 'export': its released weights do (after the commit)
+def failing(real, fails):
+    calls = [0]
+    def save(sd, path, *a, **k):
+        calls[0] += 1
+        if fails(calls[0], str(path)): raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(sd, path, *a, **k)
+    return save
+if where == "state": S.save_safetensors_atomic = failing(S.save_safetensors_atomic, lambda n, p: "state-00000004" in p)
+else: T.save_safetensors_atomic = failing(T.save_safetensors_atomic, lambda n, p: n > 2)   # update 2 writes 2 files
 T.main(sys.argv[1:])
 """
 
 def test_failed_save_keeps_previous_checkpoint_and_says_so(tmp_path):
     driver = tmp_path / "failing_save.py"; driver.write_text(FAILING_SAVE)
-    res = run_cli(driver, *demo_args(tmp_path, "full", "updates=6", "save_every=2"), check=False)
+    res = run_cli(driver, "state", *demo_args(tmp_path, "full", "updates=6", "save_every=2"), check=False)
     one_line_error(res, "saving update 4", "No space left on device", "checkpoint (update 2) is kept")
     i = info(tmp_path, "full")
     assert i["update"] == 2 and not (tmp_path / "ckpt" / "full" / "state-00000004").exists()
     run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "full", "updates=4", "save_every=2"))   # resumes from it (stale lock taken over)
     assert info(tmp_path, "full")["update"] == 4
+
+def test_failed_export_after_the_commit_says_the_state_is_saved(tmp_path):
+    "Issue 18 item 11: the training state is committed before the released weights are written; a failed export says so."
+    driver = tmp_path / "failing_save.py"; driver.write_text(FAILING_SAVE)
+    res = run_cli(driver, "export", *demo_args(tmp_path, "exp", "updates=6", "save_every=2"), check=False)
+    one_line_error(res, "saving update 4", "No space left on device", "training state of update 4 is committed")
+    assert info(tmp_path, "exp")["update"] == 4 and (tmp_path / "ckpt" / "exp" / "generator.safetensors").exists()
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "exp", "updates=6", "save_every=2"))
+    assert "at update 4" in res.stdout and info(tmp_path, "exp")["update"] == 6
 
 def test_second_run_with_same_experiment_id_is_refused(tmp_path):
     first = start([sys.executable, "-m", "cascade_nb.train", *demo_args(tmp_path, "twice", "updates=400", "save_every=300")])

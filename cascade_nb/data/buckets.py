@@ -162,7 +162,7 @@ def materialize_samples(samples: list[dict], counter: SkipCounter | None = None)
     is dropped, the one case where a resumed run that skipped it undecoded is a batch off)."""
     out = []
     for s in samples:
-        if not hasattr(s["image"], "materialize"): out.append(s); continue
+        if not hasattr(s.get("image"), "materialize"): out.append(s); continue
         try: out.append(s["image"].materialize(s))
         except Exception:
             if counter is not None: counter.add("bad_image")
