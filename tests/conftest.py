@@ -30,27 +30,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0)); return sock.getsockname()[1]
 
-# ---- running under pytest-xdist (`pytest -n auto`, the README's command; pyproject sets --dist loadgroup)
-# Each worker is its own process. Tests that share a module-scoped fixture (a training run, a built docs site) are
-# sent to one worker, so the fixture is built once, not once per worker that happens to get one of them.
-# The workers take the other tests in collection order, so the files whose tests each launch training runs or
-# notebooks go first: the run then ends on short tests instead of one worker finishing a long one while the other idles.
-# Files whose tests each run notebooks, training subprocesses or a browser (the slowest of the last serial run: a
-# notebook 74 s, the lr test 63 s, the browser check 47 s, FSDP resume 41 s, compile 39 s); the rest keep their order.
-LONG_FIRST = ("test_notebooks.py", "test_train_state.py", "test_train.py", "test_signals.py", "test_compile.py",
-              "test_memory_fsdp.py", "test_gpu_check.py", "test_lora_train.py", "test_controlnet_train.py", "test_eval.py", "test_rundir.py",
-              "test_distill.py", "test_resolution.py")
+# ---- running under pytest-xdist (`pytest -n auto`, the README's command; pyproject sets --dist loadfile)
+# Each worker is its own process and takes whole test files, so a module-scoped fixture (a training run, a built docs
+# site) is built once. (xdist_group marks with --dist loadgroup would be finer, but with pytest-xdist 3.8 and pytest 9.2
+# they did not group here: marked tests still went to both workers and their fixtures were built twice, measured.)
+# Workers take files in collection order, so the files whose tests launch training runs or notebooks go first: the run
+# then ends on short files instead of one worker finishing a long one while the other idles.
+LONG_FIRST = ("test_notebooks.py", "test_train.py", "test_train_state.py", "test_docs.py", "test_signals.py", "test_distill.py",
+              "test_compile.py", "test_memory_fsdp.py", "test_resolution.py", "test_rundir.py", "test_lora_train.py",
+              "test_controlnet_train.py", "test_fidelity_train.py", "test_eval.py", "test_gpu_check.py")
 
-def _module_fixtures(item) -> list[str]:
-    "Names of the module-scoped fixtures defined in the item's own test file that the item uses (directly or not)."
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None: return []   # not a python test function
-    return sorted(name for name, defs in info.name2fixturedefs.items()
-                  if defs and defs[-1].scope == "module" and Path(defs[-1].baseid or ".").name == item.path.name)
-
-@pytest.hookimpl(tryfirst=True)   # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if shared := _module_fixtures(item): item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}.{'+'.join(shared)}"))
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(rank)))   # stable: the order inside a file is kept
