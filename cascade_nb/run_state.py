@@ -15,8 +15,9 @@ from .core import atomic_write_json, to_pil_grid, save_safetensors_atomic, safet
 
 # %% auto #0
 __all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'training_hook',
-           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDir', 'training_generator',
-           'save_training_state', 'fsync_tree', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
+           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDirRecord', 'RunDirLock',
+           'RunDir', 'training_generator', 'save_training_state', 'fsync_tree', 'load_training_state',
+           'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 class LRSchedule:
@@ -147,24 +148,13 @@ RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "cli
                "controlnet_bottleneck_mode", "optimizer")
 "Config keys a run cannot change on resume: they decide the shapes (or kind) of the checkpointed state."
 
-def _start_time(pid: int) -> str | None:
-    "The start time of process `pid` (Linux: /proc/PID/stat field 22), None if no such process; tells reused pids apart."
-    try: return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except FileNotFoundError: return None
-    except OSError: pass
-    try: os.kill(pid, 0); return "alive"   # no /proc: only "exists" is known
-    except ProcessLookupError: return None
-    except PermissionError: return "alive"
-
-class RunDir:
-    """The checkpoint directory of one run: numbered state dirs committed through an atomically written info.json,
-    the previous state kept as a fallback, and a lock file so that two runs never write the same directory."""
+class RunDirRecord:
+    "What a run directory has committed: info.json naming the latest state dir and the one before it."
     def __init__(self, path):
         self.path = Path(path)
     @property
     def info_path(self) -> Path: return self.path/"info.json"
-    @property
-    def lock_path(self) -> Path: return self.path/"run.lock"
+
 
     def info(self) -> dict | None:
         "The committed info.json, or None for a new run."
@@ -198,31 +188,39 @@ class RunDir:
                 if i + 1 == len(names): raise RunDirError(f"cannot resume from {d}: {why}") from e
                 warnings.warn(f"the latest checkpoint {d} is unreadable ({why}); resuming from the previous one, {self.path/names[i + 1]}")
 
-    def check_resume(self, config: dict, keys=RESUME_KEYS, saved_config: str = "the saved config"):
-        "Refuse (before anything is overwritten) to resume with other values of `keys` than the committed run's."
-        info = self.info()
-        if info is None or "config" not in info: return
-        diff = [f"{k} {info['config'].get(k)!r} -> {config.get(k)!r}" for k in keys if info["config"].get(k) != config.get(k)]
-        if diff: raise RunDirError(f"{self.path} holds a run with another model config ({'; '.join(diff)}): it cannot resume "
-                                   f"with these. Use a new experiment_id, or set them back (see {saved_config}); nothing was changed.")
+    def staging_dir(self, update: int) -> Path:
+        "A fresh directory to save the state of update `update` into (removed first if a crash left it half written)."
+        d = self.path/f"state-{update:08d}"
+        if d.exists() and (self.info() or {}).get("state_dir") != d.name: shutil.rmtree(d)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
 
-    def check_writable(self, *dirs):
-        "Create the run directory (and `dirs`) and prove each can be written now, not at the first save hours later."
-        for d in (self.path, *dirs):
-            d = Path(d)
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                probe = d/f".write-test-{os.getpid()}"
-                with open(probe, "wb") as f: f.write(b"0" * 4096); f.flush(); os.fsync(f.fileno())
-                probe.unlink()
-            except OSError as e: raise RunDirError(f"cannot write to {d}: {e.strerror}; choose another checkpoint_path/output_path") from None
+    def abandon(self, state_dir: Path):
+        "Remove a staging directory whose save failed (the committed checkpoints are untouched)."
+        if (self.info() or {}).get("state_dir") != Path(state_dir).name: shutil.rmtree(state_dir, ignore_errors=True)
 
-    def check_space(self, need_bytes: int):
-        "Refuse to start when the disk holding the run has less free space than one more checkpoint needs."
-        free = shutil.disk_usage(self.path).free
-        if free < need_bytes:
-            raise RunDirError(f"{self.path}: {free / 1e9:.2f} GB free, but a checkpoint needs about {need_bytes / 1e9:.2f} GB; "
-                              "free some space or choose another checkpoint_path")
+    def commit(self, state_dir: Path, info: dict):
+        "Point info.json at `state_dir` (atomically), keep the state before it as a fallback, delete every other state dir."
+        previous = (self.info() or {}).get("state_dir")
+        previous = previous if previous != Path(state_dir).name and (self.path/str(previous)).is_dir() else None
+        atomic_write_json(self.info_path, {**info, "state_dir": Path(state_dir).name, "previous_state_dir": previous})
+        for d in self.path.glob("state-*"):
+            if d.is_dir() and d.name not in (Path(state_dir).name, previous): shutil.rmtree(d, ignore_errors=True)
+
+# %% ../nbs/40_run_state.ipynb #b4bb48e0
+def _start_time(pid: int) -> str | None:
+    "The start time of process `pid` (Linux: /proc/PID/stat field 22), None if no such process; tells reused pids apart."
+    try: return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError: return None
+    except OSError: pass
+    try: os.kill(pid, 0); return "alive"   # no /proc: only "exists" is known
+    except ProcessLookupError: return None
+    except PermissionError: return "alive"
+
+class RunDirLock(RunDirRecord):
+    "A run directory with a lock file, so that two runs never write it at once."
+    @property
+    def lock_path(self) -> Path: return self.path/"run.lock"
 
     def lock(self):
         "Take the run's lock (pid, host, start time); refuse while another live run holds it, take over a stale one."
@@ -254,24 +252,35 @@ class RunDir:
             if json.loads(self.lock_path.read_text()).get("pid") == os.getpid(): self.lock_path.unlink()
         except (OSError, ValueError): pass
 
-    def staging_dir(self, update: int) -> Path:
-        "A fresh directory to save the state of update `update` into (removed first if a crash left it half written)."
-        d = self.path/f"state-{update:08d}"
-        if d.exists() and (self.info() or {}).get("state_dir") != d.name: shutil.rmtree(d)
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+# %% ../nbs/40_run_state.ipynb #304ed0d1
+class RunDir(RunDirLock):
+    """The checkpoint directory of one run: numbered state dirs committed through an atomically written info.json,
+    the previous state kept as a fallback, a lock so that two runs never write it, and the checks a run makes at start."""
+    def check_resume(self, config: dict, keys=RESUME_KEYS, saved_config: str = "the saved config"):
+        "Refuse (before anything is overwritten) to resume with other values of `keys` than the committed run's."
+        info = self.info()
+        if info is None or "config" not in info: return
+        diff = [f"{k} {info['config'].get(k)!r} -> {config.get(k)!r}" for k in keys if info["config"].get(k) != config.get(k)]
+        if diff: raise RunDirError(f"{self.path} holds a run with another model config ({'; '.join(diff)}): it cannot resume "
+                                   f"with these. Use a new experiment_id, or set them back (see {saved_config}); nothing was changed.")
 
-    def abandon(self, state_dir: Path):
-        "Remove a staging directory whose save failed (the committed checkpoints are untouched)."
-        if (self.info() or {}).get("state_dir") != Path(state_dir).name: shutil.rmtree(state_dir, ignore_errors=True)
+    def check_writable(self, *dirs):
+        "Create the run directory (and `dirs`) and prove each can be written now, not at the first save hours later."
+        for d in (self.path, *dirs):
+            d = Path(d)
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                probe = d/f".write-test-{os.getpid()}"
+                with open(probe, "wb") as f: f.write(b"0" * 4096); f.flush(); os.fsync(f.fileno())
+                probe.unlink()
+            except OSError as e: raise RunDirError(f"cannot write to {d}: {e.strerror}; choose another checkpoint_path/output_path") from None
 
-    def commit(self, state_dir: Path, info: dict):
-        "Point info.json at `state_dir` (atomically), keep the state before it as a fallback, delete every other state dir."
-        previous = (self.info() or {}).get("state_dir")
-        previous = previous if previous != Path(state_dir).name and (self.path/str(previous)).is_dir() else None
-        atomic_write_json(self.info_path, {**info, "state_dir": Path(state_dir).name, "previous_state_dir": previous})
-        for d in self.path.glob("state-*"):
-            if d.is_dir() and d.name not in (Path(state_dir).name, previous): shutil.rmtree(d, ignore_errors=True)
+    def check_space(self, need_bytes: int):
+        "Refuse to start when the disk holding the run has less free space than one more checkpoint needs."
+        free = shutil.disk_usage(self.path).free
+        if free < need_bytes:
+            raise RunDirError(f"{self.path}: {free / 1e9:.2f} GB free, but a checkpoint needs about {need_bytes / 1e9:.2f} GB; "
+                              "free some space or choose another checkpoint_path")
 
 # %% ../nbs/40_run_state.ipynb #8defc11d
 def training_generator(seed: int, rank: int) -> torch.Generator:
