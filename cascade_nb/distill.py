@@ -18,7 +18,7 @@ from .gdf.core import cfg_batch, guide
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDIMSampler
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, unwrap_state_dict
-from .lora import LoraTraining, load_lora_file
+from .lora import LoraTraining, merged_lora_run
 
 # %% auto #0
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',
@@ -289,11 +289,7 @@ class LCMTraining(TeacherMode):
     def released_generator(cls, cfg, run, ema: bool = True):
         "A student's weights; an LCM-LoRA merged into the teacher, the base it was trained on."
         if not cfg.lora.module_filters: return super().released_generator(cfg, run, ema)
-        path = Path(run)/"lora.safetensors"
-        if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
-        base = load_teacher(cfg)[0]   # the frozen base: the student started as the teacher
-        load_lora_file(path, base)
-        return base, path
+        return merged_lora_run(cfg, run, load_teacher(cfg)[0])   # the frozen base: the student started as the teacher
 
 # %% ../nbs/62_distill.ipynb #17e2da87
 def _lcm_loss(self, net, gdf, x0, conds: dict, rng=None, **kw):

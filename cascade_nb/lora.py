@@ -21,7 +21,7 @@ __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 
            'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora', 'unmerge_lora',
            'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'to_kohya', 'from_kohya',
            'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
-           'from_reference', 'load_lora_file', 'LoraNet', 'LoraTraining']
+           'from_reference', 'load_lora_file', 'LoraNet', 'lora_base_generator', 'merged_lora_run', 'LoraTraining']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -481,6 +481,26 @@ class LoraNet(nn.Module):
             conds = dict(conds, clip_text=out.hidden_states[-1], clip_text_pooled=out.text_embeds.unsqueeze(1))
         return self.generator(x, r, **conds)
 
+# %% ../nbs/60_lora.ipynb #a6c0d875
+def lora_base_generator(cfg, run) -> nn.Module:
+    "The generator a LoRA run's adapters were trained on: the run's saved `generator_checkpoint_path`."
+    from dataclasses import replace
+    from cascade_nb.modes import build_generator
+    base = json.loads((Path(run)/"info.json").read_text())["config"].get("generator_checkpoint_path")
+    if not base: raise ValueError(f"{run}: its LoRA was trained on a randomly initialised generator (no generator_checkpoint_path), "
+                                  "so there is no base to sample it with")
+    if not Path(base).exists(): raise FileNotFoundError(f"{run}: the base generator its LoRA was trained on, {base}, is not here")
+    return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
+
+def merged_lora_run(cfg, run, base: nn.Module) -> tuple[nn.Module, Path]:
+    "(`base` with the run's `lora.safetensors` merged in, that file): how a LoRA run samples (`TrainingMode.released_generator`)."
+    path = Path(run)/"lora.safetensors"
+    if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
+    if cfg.lora.train_tokens: raise ValueError(f"{run} trained tokens {list(cfg.lora.train_tokens)}: sample it with a pipeline and "
+                                               "load_lora_file(path, stage_c, tokenizer, text_model), which adds them")
+    load_lora_file(path, base)
+    return base, path
+
 # %% ../nbs/60_lora.ipynb #96e9b7f7
 @training_mode("lora")
 class LoraTraining(TrainingMode):
@@ -583,23 +603,6 @@ class LoraTraining(TrainingMode):
         return {"lora": sd}
 
     @classmethod
-    def base_generator(cls, cfg, run) -> nn.Module:
-        "The generator the run's adapters were trained on: its saved `generator_checkpoint_path`."
-        from dataclasses import replace
-        from cascade_nb.modes import build_generator
-        base = json.loads((Path(run)/"info.json").read_text())["config"].get("generator_checkpoint_path")
-        if not base: raise ValueError(f"{run}: its LoRA was trained on a randomly initialised generator (no generator_checkpoint_path), "
-                                      "so there is no base to sample it with")
-        if not Path(base).exists(): raise FileNotFoundError(f"{run}: the base generator its LoRA was trained on, {base}, is not here")
-        return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
-
-    @classmethod
     def released_generator(cls, cfg, run, ema: bool = True):
-        "The base generator with the run's `lora.safetensors` merged in (a run that trained tokens: load it with `load_lora_file`)."
-        path = Path(run)/"lora.safetensors"
-        if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
-        if cfg.lora.train_tokens: raise ValueError(f"{run} trained tokens {list(cfg.lora.train_tokens)}: sample it with a pipeline and "
-                                                   "load_lora_file(path, stage_c, tokenizer, text_model), which adds them")
-        generator = cls.base_generator(cfg, run)
-        load_lora_file(path, generator)
-        return generator, path
+        "The base generator with the run's `lora.safetensors` merged in (see `merged_lora_run`)."
+        return merged_lora_run(cfg, run, lora_base_generator(cfg, run))
