@@ -235,10 +235,11 @@ def ema_shards_(ema: nn.Module, model: nn.Module, beta: float):
     torch._foreach_lerp_([local(p) for p in ema.parameters()], [local(p.detach()) for p in model.parameters()], 1 - beta)
     for b_ema, b in zip(ema.buffers(), model.buffers()): b_ema.copy_(b)
 
+from accelerate.utils import extract_model_from_parallel
+
 def _inner(net: nn.Module) -> nn.Module:
-    "The module under DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."
-    while hasattr(net, "module") or hasattr(net, "_orig_mod"): net = getattr(net, "module", None) or net._orig_mod
-    return net
+    "The module under DDP and torch.compile wrappers (accelerate's own unwrapping, which needs no accelerator)."
+    return extract_model_from_parallel(net, keep_torch_compile=False)
 
 # %% ../nbs/62_distill.ipynb #d64eebd3
 def grid_index(n: int, steps: int, rng=None, device="cpu") -> torch.Tensor:
