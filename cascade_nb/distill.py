@@ -23,7 +23,7 @@ from .lora import LoraTraining, merged_lora_run
 # %% auto #0
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',
            'guided_prediction', 'ddim_step', 'TeacherMode', 'copy_matching', 'consistency_scalings', 'consistency_fn',
-           'clean_end', 'StudentTarget', 'ema_shards_', 'grid_index', 'distance', 'LCMTraining', 'ProgressiveTraining',
+           'clean_end', 'StudentTarget', 'grid_index', 'distance', 'LCMTraining', 'ProgressiveTraining',
            'DistillTraining', 'nfe', 'sampler_table', 'format_table', 'fast_sampling_entries']
 
 # %% ../nbs/62_distill.ipynb #5574d344
@@ -228,12 +228,7 @@ class StudentTarget(nn.Module):
         self.student, self.target = student, copy.deepcopy(student).requires_grad_(False)
     def forward(self, x, r, **conds): return self.student(x, r, **conds)
 
-@torch.no_grad()
-def ema_shards_(ema: nn.Module, model: nn.Module, beta: float):
-    "In place ema <- beta ema + (1 - beta) model, on each process's own tensors (under FSDP both are sharded alike: no gather)."
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-    torch._foreach_lerp_([local(p) for p in ema.parameters()], [local(p.detach()) for p in model.parameters()], 1 - beta)
-    for b_ema, b in zip(ema.buffers(), model.buffers()): b_ema.copy_(b)
+from .run_state import ema_update_ as ema_shards_   # on each process's own tensors: under FSDP both are sharded alike, no gather
 
 from accelerate.utils import extract_model_from_parallel
 

@@ -6,13 +6,13 @@ Docs: https://cascade-nb.github.io/cascade_nb/eval.html.md"""
 
 # %% ../nbs/43_eval.ipynb #9b0a8053
 from __future__ import annotations
-import argparse, dataclasses, functools, json, math, sys
+import argparse, contextlib, dataclasses, functools, json, math, sys
 from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
 from .core import save_safetensors_atomic, images_to_device
-from .run_state import training_hook
+from .run_state import training_hook, ema_weights, gather_ema
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 
@@ -197,21 +197,23 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
     "One in-training evaluation at `state.update` (all processes): the EMA (else the generator) scored, logged, best weights kept."
     update = state.update
     from accelerate.utils import broadcast_object_list
-    model = ema if ema is not None else acc.unwrap_model(net)
-    was_training = model.training
-    results, samples = evaluate_run(evaluator, mode, gdf, net=model.eval(), device=acc.device)
-    model.train(was_training)
+    # an `EMA` computes through `ema_weights` (under FSDP: the sharded `net` with the EMA's shards swapped in, all processes)
+    with ema_weights(ema, acc.unwrap_model(net)) if ema is not None else contextlib.nullcontext(acc.unwrap_model(net)) as model:
+        was_training = model.training
+        results, samples = evaluate_run(evaluator, mode, gdf, net=model.eval(), device=acc.device)
+        model.train(was_training)
     results = broadcast_object_list([results])[0]   # one decision everywhere, even with non-deterministic kernels
     logged = {f"eval/{k}": v for k, v in results.items()}
     acc.log(logged, step=update)
     best = evaluator.improved(results, state)   # best value and update recorded in `state` (a TrainState)
     released = mode.released(acc, net) if best else {}   # gathers full weights under FSDP: all processes
+    ema_sd = gather_ema(ema) if best and ema is not None else {}   # so does a sharded EMA
     if acc.is_main_process:
         with open(metrics_path, "a") as f: f.write(json.dumps({"update": update, **logged}) + "\n")
         _save_eval_grid(evaluator, samples, Path(out_dir)/f"eval_{update:06d}.png")
         for name, sd in released.items():
             fname = f"{name}_ema_best.safetensors" if ema is not None else f"{name}_best.safetensors"
-            save_safetensors_atomic(ema.state_dict() if ema is not None else sd, run_dir.path/fname)
+            save_safetensors_atomic(ema_sd if ema is not None else sd, run_dir.path/fname)
             (run_dir.path/"best.json").write_text(json.dumps({"metric": evaluator.best_metric, "value": state.best_metric_value,
                                                               "update": update, "weights": fname}, indent=1) + "\n")
     acc.print(f"update {update}: eval " + ", ".join(f"{k} {v:.4g}" for k, v in results.items())

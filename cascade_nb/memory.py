@@ -310,9 +310,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
     if fsdp: rows["FSDP gathered blocks"] = 2 * max(b.params for b in stage_c_blocks(gen)) * (2 if amp else wb)
     if t.ema_start_iters is not None and mode.supports_ema:
-        rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else n_gen * wb
-        if fsdp and not t.ema_on_cpu: notes.append("the EMA is copied before accelerator.prepare, so FSDP does not shard it, and each EMA "
-                                                   "update gathers a second full copy; ema_on_cpu=true moves both off the GPU")
+        rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else n_gen * wb // shard   # FSDP: this GPU's shards
     enc = _encoder_params(cfg)
     rows["frozen encoders (" + ", ".join(enc) + ")"] = sum(enc.values()) * frozen_b
 

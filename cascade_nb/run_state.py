@@ -6,18 +6,19 @@ Docs: https://cascade-nb.github.io/cascade_nb/run_state.html.md"""
 
 # %% ../nbs/40_run_state.ipynb #8296e4f2
 from __future__ import annotations
-import json, math, os, pickle, re, shutil, socket, time, warnings
+import contextlib, copy, json, math, os, pickle, re, shutil, socket, time, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 import torch
 from torch import nn
-from .core import atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header
+from .core import atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header
 
 # %% auto #0
-__all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'ema_update_', 'ema_beta_at', 'TrainState', 'training_hook',
-           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDirRecord', 'RunDirLock',
-           'RunDir', 'training_generator', 'save_training_state', 'fsync_tree', 'load_training_state',
-           'check_checkpoint_files', 'save_sample_grid']
+__all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at',
+           'resharded', 'EMA', 'gather_ema', 'ema_weights', 'TrainState', 'training_hook', 'NonFiniteLossError',
+           'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDirRecord', 'RunDirLock', 'RunDir',
+           'training_generator', 'save_ema', 'save_training_state', 'write_weights', 'fsync_tree', 'load_ema',
+           'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 class LRSchedule:
@@ -38,25 +39,112 @@ def set_lr(optimizer, base_lrs: list[float], schedule, update: int) -> float:
     return optimizer.param_groups[0]["lr"]
 
 # %% ../nbs/40_run_state.ipynb #5ab395cc
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    "The whole tensor of a sharded DTensor (FSDP2), or `t` itself."
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    "This process's part of `t`: the local shard of a sharded DTensor (FSDP2), else `t` itself."
+    return t.to_local() if hasattr(t, "to_local") else t
+
+@torch.no_grad()
+def ema_lerp_(ema: list[torch.Tensor], params, beta: float):
+    "In place: each EMA tensor ← beta·itself + (1−beta)·this process's part of its parameter (cast to its device, dtype); beta 0 copies."
+    src = [local_shard(p.detach()) for p in params]
+    if len(src) != len(ema): raise ValueError("ema_update_: model and EMA have different parameter lists")
+    src = [s.to(device=e.device, dtype=e.dtype) for s, e in zip(src, ema)]
+    if beta == 0: torch._foreach_copy_(ema, src)
+    else: torch._foreach_lerp_(ema, src, 1 - beta)
 
 @torch.no_grad()
 def ema_update_(ema: nn.Module, model: nn.Module, beta: float):
-    "In place: ema ← beta·ema + (1−beta)·model for parameters, plain copy for buffers."
-    ema_p = [p for p in ema.parameters()]
-    # under FSDP the model's parameters are sharded DTensors: gather each (all processes call this together)
-    src = [_full_tensor(p.detach()).to(device=e.device, dtype=e.dtype) for p, e in zip(model.parameters(), ema_p)]
-    if len(src) != len(ema_p): raise ValueError("ema_update_: model and EMA have different parameter lists")
-    if beta == 0: torch._foreach_copy_(ema_p, src)
-    else: torch._foreach_lerp_(ema_p, src, 1 - beta)
+    "In place: ema ← beta·ema + (1−beta)·model for parameters (each process's own tensors), plain copy for buffers."
+    ema_lerp_([local_shard(p) for p in ema.parameters()], model.parameters(), beta)
     for b_ema, b in zip(ema.buffers(), model.buffers()): b_ema.copy_(b)
 
 def ema_beta_at(update: int, start: int, every: int, beta: float) -> float | None:
     "The EMA decay to apply after optimizer update number `update` (1-based), or None when no EMA step is due."
     if update % every: return None
     return beta if update > start else 0.0
+
+
+# %% ../nbs/40_run_state.ipynb #9575be9c
+def resharded(net: nn.Module) -> nn.Module:
+    "`net` with every FSDP2 module sharded: while one is unsharded (FSDP2 leaves the root so after a forward without gradients) its parameters are the gathered tensors."
+    from torch.distributed.fsdp import FSDPModule
+    for m in net.modules():
+        if isinstance(m, FSDPModule): m.reshard()
+    return net
+
+class EMA:
+    """The EMA of a run's weights, held as the run holds the weights: a copy of the module (one process, DDP), on
+    `device`; or under FSDP (`sharded`) only this process's shard of each parameter, sharded like the prepared model."""
+    def __init__(self, net: nn.Module, device, sharded: bool = False):
+        self.device, self.sharded, self.saved = torch.device(device), sharded, None   # saved: see `save_ema`
+        self.dtypes = {n: p.dtype for n, p in net.named_parameters()}   # FSDP's prepare may upcast: the EMA keeps these
+        self.keys = list(net.state_dict())                              # the released layout: parameters and buffers
+        self.full_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+        self.module = None if sharded else copy.deepcopy(net).requires_grad_(False).eval().to(self.device)
+        self.shards, self.specs, self.buffers = {}, {}, {}
+
+    def attach(self, net: nn.Module) -> "EMA":
+        "After `accelerator.prepare`: under FSDP, copy this process's shard of each of `net`'s (DTensor) parameters."
+        if not self.sharded: return self
+        params = dict(net.named_parameters())
+        if params.keys() != self.dtypes.keys() or not all(hasattr(p, "to_local") for p in params.values()):
+            raise RuntimeError("EMA: the prepared model's parameters are not FSDP2 shards of the model's (fsdp_version: 2 is needed)")
+        for n, p in params.items():
+            self.shards[n] = local_shard(p.detach()).to(self.device, self.dtypes[n], copy=True)
+            self.specs[n] = (p.device_mesh, p.placements, p.shape, p.stride())   # to gather and to checkpoint it
+        self.buffers = {n: b.detach().to(self.device, copy=True) for n, b in net.named_buffers() if n in self.keys}
+        return self
+
+    def update_(self, model: nn.Module, beta: float):
+        "ema ← beta·ema + (1−beta)·model (`ema_update_`) on what this process holds: no communication under FSDP."
+        self.saved = None
+        if not self.sharded: return ema_update_(self.module, model, beta)
+        params = dict(resharded(model).named_parameters())
+        ema_lerp_(list(self.shards.values()), [params[n] for n in self.shards], beta)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in self.buffers: self.buffers[n].copy_(b)
+
+    def state_dict(self) -> dict:
+        "What this process holds: the module's state dict, or its shards (and the buffers)."
+        return self.module.state_dict() if not self.sharded else {**self.shards, **self.buffers}
+
+
+# %% ../nbs/40_run_state.ipynb #dfd790b1
+def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
+    "`local` as this process's shard of a DTensor laid out as `spec` (the parameter's mesh, placements, shape, stride): no communication."
+    from torch.distributed.tensor import DTensor
+    mesh, placements, shape, stride = spec
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride, run_check=False)
+
+@torch.no_grad()
+def gather_ema(ema: EMA) -> dict:
+    """The whole EMA in the model's key layout. Under FSDP every process calls it (one all-gather per tensor, one tensor
+    at a time); process 0 gets the tensors, on the CPU, the others {}."""
+    if not ema.sharded: return ema.module.state_dict()
+    import torch.distributed as dist
+    keep, out = dist.get_rank() == 0, {}
+    for k in ema.keys:
+        t = _dtensor(ema.shards[k], ema.specs[k]).full_tensor() if k in ema.shards else ema.buffers[k]
+        if keep: out[k] = t.cpu()
+    return out
+
+@contextlib.contextmanager
+def ema_weights(ema: EMA, net: nn.Module):
+    """A module computing with the EMA weights: the EMA's own, or under FSDP the prepared `net` (every process enters)
+    with the EMA's shards copied into its shards, and its own restored after."""
+    if not ema.sharded: yield ema.module; return
+    params, bufs = dict(resharded(net).named_parameters()), dict(net.named_buffers())
+    mine = [local_shard(params[n].detach()) for n in ema.shards] + [bufs[n] for n in ema.buffers]
+    with torch.no_grad():
+        kept = [t.to(ema.device, copy=True) for t in mine]   # the model's own shards (on the CPU with `ema_on_cpu`)
+        torch._foreach_copy_(mine, [t.to(m.device, m.dtype) for t, m in zip([*ema.shards.values(), *ema.buffers.values()], mine)])
+    try: yield net
+    finally:
+        with torch.no_grad():
+            resharded(net)   # the forwards leave the root unsharded, holding the EMA's weights
+            torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(kept, mine)])
+
 
 # %% ../nbs/40_run_state.ipynb #add04565
 @dataclass
@@ -287,14 +375,39 @@ def training_generator(seed: int, rank: int) -> torch.Generator:
     "The random stream of process `rank` (noise, timesteps, caption dropout): a CPU generator, whatever the device."
     return torch.Generator().manual_seed(seed * 1000 + rank)
 
-def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, rng: torch.Generator, gdf, ema=None):
+def save_ema(ema: EMA, state_dir, is_main: bool):
+    "The EMA into a training state, once: `ema.safetensors` (main process), or under FSDP `ema/` with every process's shards."
+    d = Path(state_dir)
+    if ema.sharded:
+        import torch.distributed.checkpoint as dcp
+        dcp.save({**{n: _dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers}, checkpoint_id=d/"ema")
+    elif is_main:
+        save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors")
+        ema.saved = d/"ema.safetensors"   # the released copy links to it (`write_weights`) until the next update
+
+def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, rng: torch.Generator, gdf, ema: EMA | None = None):
     "Write the loop's own state into `state_dir` (every process calls it): JSON and safetensors, no pickle."
     d = Path(state_dir)
     save_safetensors_atomic({"state": rng.get_state()}, d/f"rng_{rank}.safetensors")   # each rank its own stream
+    if ema is not None: save_ema(ema, d, is_main)
     if not is_main: return
     save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()}, d/"gdf.safetensors")
-    if ema is not None: save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors")
     atomic_write_json(d/"train_state.json", state.state_dict())
+
+def write_weights(weights, path):
+    "Write a state dict to `path` atomically, or make `path` a hard link to a file that holds those bytes already (a copy where links fail)."
+    if not isinstance(weights, (str, os.PathLike)): return save_safetensors_atomic(weights, path)
+    path = Path(path); tmp = path.with_name(f".{path.name}.link")
+    tmp.unlink(missing_ok=True)
+    try: os.link(weights, tmp)
+    except OSError:
+        with open(weights, "rb") as src, atomic_write(path) as f: shutil.copyfileobj(src, f)
+        return
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try: os.fsync(fd)   # the new name is on disk
+    finally: os.close(fd)
+
 
 # %% ../nbs/40_run_state.ipynb #4cdbda14
 def fsync_tree(path) -> int:
@@ -317,7 +430,19 @@ def _read(path: Path, read):
     try: return read(path)
     except Exception as e: raise RuntimeError(f"resume: {path} is unreadable ({type(e).__name__}: {e})") from None
 
-def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Generator, gdf, ema=None) -> bool:
+def load_ema(ema: EMA, state_dir):
+    "Restore what `save_ema` wrote; under FSDP every process calls it, and shards saved by another process count are resharded."
+    from safetensors.torch import load_file
+    d, ema.saved = Path(state_dir), None
+    if not ema.sharded: return ema.module.load_state_dict(_read(d/"ema.safetensors", lambda p: load_file(str(p))))   # onto its device
+    import torch.distributed.checkpoint as dcp
+    sd = {**{n: _dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers}
+    _read(d/"ema"/".metadata", lambda p: dcp.load(sd, checkpoint_id=p.parent))
+    for n, t in sd.items():   # a DTensor's shard lives on its mesh's device: copied back when the EMA is elsewhere (`ema_on_cpu`)
+        dst = ema.shards.get(n, ema.buffers.get(n))
+        if local_shard(t).data_ptr() != dst.data_ptr(): dst.copy_(local_shard(t))
+
+def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Generator, gdf, ema: EMA | None = None) -> bool:
     "Restore what `save_training_state` wrote; False when this rank has no saved stream (the process count changed)."
     from safetensors.torch import load_file
     d = Path(state_dir)
@@ -326,11 +451,11 @@ def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Gene
     parts = {}
     for key, v in flat.items(): part, name = key.split("/", 1); parts.setdefault(part, {})[name] = v
     gdf.load_state_dict(parts)
-    if ema is not None:
-        ema.load_state_dict(_read(d/"ema.safetensors", lambda p: load_file(str(p))))   # copied onto the EMA's device
+    if ema is not None: load_ema(ema, d)
     if not (d/f"rng_{rank}.safetensors").exists(): return False
     rng.set_state(_read(d/f"rng_{rank}.safetensors", lambda p: load_file(str(p))["state"]))
     return True
+
 
 # %% ../nbs/40_run_state.ipynb #4c709f5d
 _DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),

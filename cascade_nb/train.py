@@ -25,7 +25,7 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, TrainState, check_finite, NonFiniteGuard, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, check_finite, NonFiniteGuard, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
@@ -63,9 +63,10 @@ def sample_rows(generator, ema, gdf, space, x0, conds, uncond, cfg: Config, n: i
     one_step, _ = gdf.undiffuse(d.noised.float(), d.logsnr, pred.float())
     rows = {"original": x0, "noised": d.noised, "one-step x0": one_step,
             "sampled": sample_latents(generator, gdf, conds, uncond, x0.shape, cfg, device=x0.device)}
-    if ema is not None:   # the EMA may live elsewhere (`ema_on_cpu`): its inputs go to its device, its sample comes back
-        dev = next(ema.parameters()).device
-        rows["sampled (EMA)"] = sample_latents(ema, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg, device=dev).to(x0.device)
+    if ema is not None:   # an `EMA`: its module, or under FSDP `generator` with the EMA's shards swapped in (all processes)
+        with ema_weights(ema, generator) as m:   # it may live elsewhere (`ema_on_cpu`): inputs go to its device, the sample comes back
+            dev = next(m.parameters()).device
+            rows["sampled (EMA)"] = sample_latents(m, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg, device=dev).to(x0.device)
     decoded = {k: space.decode(v.float()) for k, v in rows.items()}
     return {k: v for k, v in decoded.items() if v is not None}
 
@@ -188,7 +189,7 @@ class Run:
     cfg: Config
     mode: TrainingMode
     net: nn.Module
-    ema: nn.Module | None
+    ema: EMA | None              # the module's copy, or (FSDP) this process's shards
     gdf: Any
     state: TrainState
     rng: torch.Generator         # this process's random stream (noise, timesteps, caption dropout)
@@ -240,14 +241,14 @@ def export_weights(run: Run):
     "The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the main process."
     acc, state = run.acc, run.state
     released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
-    if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.state_dict()
+    if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.saved or gather_ema(run.ema)   # the state's file, or gathered
     if acc.is_main_process:
         ck = run.cfg.checkpoint
         backup = state.update % ck.backup_every == 0 and state.update > 0
         sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
         for name, sd in released.items():
-            save_safetensors_atomic(sd, run.run_dir.path/f"{name}.safetensors")
-            if sfx: save_safetensors_atomic(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
+            write_weights(sd, run.run_dir.path/f"{name}.safetensors")   # a file (the EMA just saved): hard-linked, one copy on disk
+            if sfx: write_weights(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
     acc.wait_for_everyone()
 
 def load_checkpoint(run: Run, state_dir):
@@ -388,11 +389,11 @@ def _on_main(acc, check):
     if acc.num_processes > 1: broadcast_object_list(problem)
     if problem[0]: raise RunDirError(problem[0])
 
-def _checkpoint_bytes(net: nn.Module, ema=None) -> int:
-    "About what one more checkpoint takes on disk: the weights twice (state + export), AdamW's two fp32 moments, the EMA."
-    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+def _checkpoint_bytes(net: nn.Module, ema: EMA | None = None) -> int:
+    "About what one more checkpoint takes on disk: the weights twice (state + export), AdamW's two fp32 moments, the EMA (at most twice)."
+    size = sum(p.numel() * p.element_size() for p in net.parameters())
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    return 2 * size(net) + 8 * trainable + 2 * size(ema)
+    return 2 * size + 8 * trainable + 2 * (ema.full_bytes if ema is not None else 0)
 
 # %% ../nbs/41_train.ipynb #2f1407ed
 def check_optimizer(name: str, distributed_type) -> None:
@@ -412,7 +413,7 @@ def train(cfg: Config) -> dict:
     Returns the run's summary and modules. In a multi-process FSDP run the returned modules are sharded: drop the result
     and `gc.collect()` before the interpreter exits, as `main` does (gloo can abort when they die during shutdown)."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import set_seed, DistributedType
     from fastprogress.fastprogress import progress_bar
     from cascade_nb.data.sources import format_skips
     stop = StopFlag().install()   # first: a signal during setup still ends in a save at the first update boundary
@@ -439,9 +440,8 @@ def train(cfg: Config) -> dict:
     mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, frozen_dtype),
                                build_latent_space(cfg, device, frozen_dtype), frozen_dtype)
     net, gdf = mode.net, gdf_from_config(cfg.gdf)
-    ema = None
-    if t.ema_start_iters is not None and mode.supports_ema:
-        ema = copy.deepcopy(net).requires_grad_(False).eval().to("cpu" if t.ema_on_cpu else device)
+    ema = (EMA(net, "cpu" if t.ema_on_cpu else device, sharded=acc.distributed_type == DistributedType.FSDP)   # FSDP: shards, after prepare
+           if t.ema_start_iters is not None and mode.supports_ema else None)
     if cfg.model.compile: compile_blocks(net)   # regional: each block type compiled once; module tree (state-dict keys) unchanged
     acc.print(f"{t.mode} training of {type(generator).__name__} {cfg.model.model_version}: {human_count(count_params(net))} parameters, "
               f"{human_count(count_params(net, trainable_only=True))} trainable; {acc.num_processes} process(es) on {device}, "
@@ -456,6 +456,7 @@ def train(cfg: Config) -> dict:
     # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
     _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
     net, opt = acc.prepare(net, opt)
+    if ema is not None: ema.attach(acc.unwrap_model(net))   # under FSDP: a copy of this process's shards only
     params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
     state, rng = TrainState(), training_generator(t.seed, acc.process_index)   # CPU generator, one stream per process
     run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir)
@@ -499,7 +500,7 @@ def train(cfg: Config) -> dict:
         state.update += 1
         state.samples_seen += cfg.data.batch_size
         beta = ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None else None
-        if beta is not None: ema_update_(ema, acc.unwrap_model(net), beta)
+        if beta is not None: ema.update_(acc.unwrap_model(net), beta)   # under FSDP: on the local shards, no communication
         mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:

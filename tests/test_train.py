@@ -34,6 +34,8 @@ def test_short_run_from_the_command_line(tmp_path):
     run, out = tmp_path / "ckpt" / "short", tmp_path / "out" / "short"
     assert info(tmp_path, "short")["update"] == 6
     assert {"generator.safetensors", "generator_ema.safetensors", "info.json", "state-00000006"} <= {p.name for p in run.iterdir()}
+    # the EMA is stored once: the released file is the training state's ema.safetensors (a hard link), not a second copy
+    assert os.path.samefile(run / "generator_ema.safetensors", run / "state-00000006" / "ema.safetensors")
     assert (out / "000003.png").exists() and (out / "000006.png").exists() and (out / "loss.png").exists()
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["loss"] > 0 for r in rows)

@@ -17,6 +17,9 @@
 --report-shards      print the fraction of the generator's parameters each process holds locally
 --report-memory      print this process's bytes of weights (by dtype), gradients (largest after any backward, FSDP2's
                      unsharded accumulation buffers included), optimizer state and EMA, as one JSON line
+--ema-probe PATH     around every EMA update: count the collectives it makes (torch's CommDebugMode sees c10d and
+                     DTensor collectives) and print them as one JSON line per update; outside that window, keep a
+                     reference EMA computed from the gathered (full) model weights, written by rank 0 to PATH
 """
 import argparse, os, signal, sys
 from pathlib import Path
@@ -37,6 +40,7 @@ p.add_argument("--fsdp-cpu", action="store_true")
 p.add_argument("--fsdp-config", default=str(Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "fsdp.yaml"))
 p.add_argument("--report-shards", action="store_true")
 p.add_argument("--report-memory", action="store_true")
+p.add_argument("--ema-probe")
 args, rest = p.parse_known_args()
 
 if args.kill_in_commit is not None:
@@ -143,13 +147,36 @@ if args.report_memory:
     _free1 = Accelerator.free_memory
     def free_memory(self, *objects):
         opt = self._optimizers[0].optimizer
-        ema = [runs[-1].ema] if runs and runs[-1].ema is not None else []
+        ema = runs[-1].ema if runs else None   # what this process holds of the EMA: its state dict's tensors
         report = dict(rank=self.process_index, **seen, optimizer=nbytes(v for st in opt.state.values() for k, v in st.items()
                                                                    if torch.is_tensor(v) and v.ndim > 0),
-                      ema=nbytes(ema[0].parameters()) if ema else 0)
+                      ema=nbytes(ema.state_dict().values()) if ema is not None else 0)
         print("memory-report " + json.dumps(report), flush=True)
         return _free1(self, *objects)
     Accelerator.free_memory = free_memory
+
+if args.ema_probe:
+    import json
+    import cascade_nb.run_state as RS
+    from torch.distributed.tensor.debug import CommDebugMode
+    from safetensors.torch import save_file
+    reference, probe_update = {}, [0]
+    def probed(update_):
+        "`update_(..., model, beta)` counted for collectives; then the reference EMA of the gathered weights, uncounted."
+        def update(*a):
+            model, beta = a[-2], a[-1]
+            with CommDebugMode() as comms: update_(*a)
+            probe_update[0] += 1
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            print("ema-comms " + json.dumps({"rank": rank, "call": probe_update[0], "comms": comms.get_total_counts()}), flush=True)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+                    reference[name] = full.clone() if beta == 0 else torch.lerp(reference[name], full, 1 - beta)
+            if rank == 0: save_file({k: v.contiguous() for k, v in reference.items()}, args.ema_probe)
+        return update
+    if hasattr(RS, "EMA"): RS.EMA.update_ = probed(RS.EMA.update_)   # the trainer's EMA object
+    else: T.ema_update_ = probed(T.ema_update_)                      # before it: the function train() called
 
 if args.check_ddp_sync:   # compare weights across processes just before the trainer releases the DDP wrapper
     from accelerate import Accelerator
