@@ -23,12 +23,12 @@ from .lora import LoraTraining, merged_lora_run
 # %% auto #0
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',
            'guided_prediction', 'ddim_step', 'TeacherMode', 'copy_matching', 'consistency_scalings', 'consistency_fn',
-           'clean_end', 'StudentTarget', 'grid_index', 'distance', 'LCMTraining', 'ProgressiveTraining',
+           'clean_end', 'phase_edge', 'StudentTarget', 'grid_index', 'distance', 'LCMTraining', 'ProgressiveTraining',
            'DistillTraining', 'nfe', 'sampler_table', 'format_table', 'fast_sampling_entries']
 
 # %% ../nbs/62_distill.ipynb #5574d344
 @config_section("distill", modes=("lcm", "progressive", "distill"), ranges=dict(
-    cfg_scale=AT_LEAST_0, cfg_rho=Range(0, 1), solver_steps=AT_LEAST_1, teacher_steps=Range(2), huber_c=POSITIVE,
+    cfg_scale=AT_LEAST_0, cfg_rho=Range(0, 1), solver_steps=AT_LEAST_1, solver_substeps=AT_LEAST_1, phases=AT_LEAST_1, teacher_steps=Range(2), huber_c=POSITIVE,
     target_ema_beta=DECAY, student_steps=AT_LEAST_1, student_cfg=AT_LEAST_0))
 @dataclass
 class DistillConfig:
@@ -39,7 +39,9 @@ class DistillConfig:
     teacher_model_overrides: Optional[dict[str, Any]] = None  # a weights-file teacher's constructor overrides
     cfg_scale: Union[float, tuple[float, float]] = 3.0  # the teacher's CFG scale, or [lo, hi] drawn per sample (lcm, progressive)
     cfg_rho: float = 0.7                 # CFG rescale of the teacher's guided prediction (gdf.sample's default)
-    solver_steps: int = 50               # lcm: the teacher's ODE grid on t in [0, 1]; skipping interval 1/solver_steps
+    solver_steps: int = 50               # lcm: the student's grid on t in [0, 1]; skipping interval 1/solver_steps
+    solver_substeps: int = 1             # lcm: the teacher's DDIM steps over one skipping interval (its grid: solver_steps x this)
+    phases: int = 1                      # lcm: 1 = consistency to t = 0 (LCM); P > 1 = to the lower edge of P phases (PCM), sampled by DDIM@P
     teacher_steps: int = 16              # progressive: the teacher's DDIM steps; the student learns teacher_steps / 2
     distill_loss: Literal["l2", "huber"] = "l2"  # lcm: distance between consistency outputs; huber = sqrt(d^2 + c^2) - c
     huber_c: float = 0.001               # lcm: c of the pseudo-Huber loss
@@ -209,16 +211,27 @@ def consistency_scalings(r: torch.Tensor, r_min: float) -> tuple[torch.Tensor, t
     s = (r.float() - r_min).clamp(min=0) * 1000 * TIMESTEP_SCALING
     return SIGMA_DATA**2 / (s**2 + SIGMA_DATA**2), s / (s**2 + SIGMA_DATA**2).sqrt()
 
-def consistency_fn(model, gdf, x, logsnr, conds: dict, r_min: float) -> torch.Tensor:
-    "f(x, logsnr) = c_skip x + c_out x0(x, logsnr): the consistency model built on the denoiser `model`."
+def consistency_fn(model, gdf, x, logsnr, conds: dict, r_min: float, logsnr_edge: torch.Tensor | None = None) -> torch.Tensor:
+    """The consistency model built on the denoiser `model`: f(x, logsnr) = c_skip x + c_out x0(x, logsnr) (to the clean end),
+    or with `logsnr_edge` (a phase's lower edge, one per sample) the DDIM jump a_e x0 + b_e eps, and x itself at the edge."""
     r = gdf.noise_cond(logsnr)
-    x0, _ = gdf.undiffuse(x.float(), logsnr, model(x, r, **conds).float())
+    x0, eps = gdf.undiffuse(x.float(), logsnr, model(x, r, **conds).float())
+    if logsnr_edge is not None:
+        jump = DDIMSampler()(x.float(), x0, eps, logsnr, logsnr_edge, gdf.input_scaler)
+        return torch.where(append_dims(logsnr == logsnr_edge, x0), x.float(), jump)
     c_skip, c_out = (append_dims(c, x0) for c in consistency_scalings(r, r_min))
     return c_skip * x.float() + c_out * x0
 
 def clean_end(gdf, shift: float = 1.) -> float:
     "r at the clean end of the schedule (t = 0), where the consistency function is the identity."
     return float(gdf.noise_cond(gdf.schedule(torch.zeros(1), shift=shift)))
+
+# %% ../nbs/62_distill.ipynb #b3d5f6a1
+def phase_edge(n: torch.Tensor, steps: int, phases: int) -> torch.Tensor:
+    "t at the lower edge of the phase holding grid point `n` (1..steps) of a `steps`-step grid cut into `phases` phases."
+    per = steps // phases
+    return torch.div(n - 1, per, rounding_mode="floor") * per / steps
+
 
 # %% ../nbs/62_distill.ipynb #04581469
 class StudentTarget(nn.Module):
@@ -257,8 +270,15 @@ class LCMTraining(TeacherMode):
         super().check_config(cfg)
         if cfg.lora.train_tokens: raise ConfigError("mode 'lcm' trains LoRA adapters (module_filters, rank), not train_tokens")
         if cfg.lora.module_filters: LoraTraining.check_config(cfg)   # LCM-LoRA: the LoRA keys' own rules (rank default 4)
+        dc = cfg.distill
+        if dc.solver_steps % dc.phases:
+            raise ConfigError(f"key 'solver_steps': {dc.solver_steps} is not a multiple of phases={dc.phases}; expected each phase "
+                              f"to hold a whole number of skipping intervals (e.g. solver_steps={dc.phases * max(1, dc.solver_steps // dc.phases)})")
     @classmethod
-    def student_sampling(cls, cfg): return dict(sample_sampler="lcm", sample_steps=4, sample_cfg=1.0)   # guidance is distilled in
+    def student_sampling(cls, cfg):
+        "LCM: its multistep sampler, 4 steps; phased: DDIM at the phase edges. CFG 1 either way: the guidance is distilled in."
+        P = cfg.distill.phases
+        return dict(sample_sampler="lcm", sample_steps=4, sample_cfg=1.0) if P == 1 else dict(sample_sampler="ddim", sample_steps=P, sample_cfg=1.0)
     @classmethod
     def extra_memory(cls, cfg, generator):
         if cfg.lora.module_filters: return {}   # LCM-LoRA: the student is its own target
@@ -291,17 +311,22 @@ class LCMTraining(TeacherMode):
 def _lcm_loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
     "(mean distance, per-sample distance, Diffused at t_n) of one micro-batch."
     dc, shift, B = self.cfg.distill, training_shift(self.cfg), len(x0)
-    n = grid_index(B, dc.solver_steps, rng, x0.device).float()
-    d = gdf.diffuse(x0, t=n / dc.solver_steps, shift=shift, loss_shift=shift, generator=rng)   # x at t_n
-    logsnr_prev = gdf.schedule((n - 1) / dc.solver_steps, shift=shift).to(x0.device)           # lambda(t_{n-1})
+    N, m = dc.solver_steps, dc.solver_substeps
+    n = grid_index(B, N, rng, x0.device).float()
+    d = gdf.diffuse(x0, t=n / N, shift=shift, loss_shift=shift, generator=rng)   # x at t_n
     w, r_min = self.guidance(B, rng, x0.device), clean_end(gdf, shift)
-    with torch.no_grad():
-        x_prev = ddim_step(self.teacher_gdf, self.teacher, d.noised, d.logsnr, logsnr_prev, conds, self.uncond(conds), w, dc.cfg_rho)
-        target = consistency_fn(self.target(net), gdf, x_prev, logsnr_prev, conds, r_min)
-    raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min), target, dc.distill_loss, dc.huber_c)
+    edge = None if dc.phases == 1 else gdf.schedule(phase_edge(n, N, dc.phases), shift=shift).to(x0.device)
+    with torch.no_grad():   # the teacher's m guided DDIM steps from t_n to t_{n-1}, then the target network's f there
+        x, logsnr, uncond = d.noised.float(), d.logsnr, self.uncond(conds)
+        for j in range(1, m + 1):
+            logsnr_next = gdf.schedule((n - j / m) / N, shift=shift).to(x0.device)   # j = m: lambda(t_{n-1})
+            x, logsnr = ddim_step(self.teacher_gdf, self.teacher, x, logsnr, logsnr_next, conds, uncond, w, dc.cfg_rho), logsnr_next
+        target = consistency_fn(self.target(net), gdf, x, logsnr, conds, r_min, edge)
+    raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min, edge), target, dc.distill_loss, dc.huber_c)
     return raw.mean(), raw, d
 
 LCMTraining.loss = _lcm_loss
+
 
 # %% ../nbs/62_distill.ipynb #77cfe5e6
 @training_mode("progressive")
@@ -380,15 +405,16 @@ def format_table(rows: list[dict], times: bool = True) -> str:
     return "\n".join(lines)
 
 def fast_sampling_entries(teacher_run, lcm_run=None, progressive_run=None, cfg_scale: float = 3.0) -> dict:
-    "The issue's comparison: teacher DDPM@20, DDIM@20, DDIM@4 (CFG `cfg_scale`); LCM student @4/@2/@1; progressive student @its steps."
+    "The issue's comparison: teacher DDPM@20, DDIM@20, DDIM@4 (CFG `cfg_scale`); LCM student @4/@2/@1 (phased: DDIM@phases); progressive student @its steps."
     from cascade_nb.sample import load_run
     t = load_run(teacher_run)
     e = {f"teacher DDPM@20": (t, dict(sampler="ddpm", steps=20, cfg_scale=cfg_scale)),
          f"teacher DDIM@20": (t, dict(sampler="ddim", steps=20, cfg_scale=cfg_scale)),
          f"teacher DDIM@4": (t, dict(sampler="ddim", steps=4, cfg_scale=cfg_scale))}
-    if lcm_run is not None:
-        s = load_run(lcm_run)
-        e.update({f"LCM student @{k}": (s, dict(sampler="lcm", steps=k, cfg_scale=1.0)) for k in (4, 2, 1)})
+    if lcm_run is not None:   # LCM: its sampler at 4, 2, 1 steps; phased (PCM): DDIM at its phase edges
+        s = load_run(lcm_run); P = s[2].distill.phases
+        if P == 1: e.update({f"LCM student @{k}": (s, dict(sampler="lcm", steps=k, cfg_scale=1.0)) for k in (4, 2, 1)})
+        else: e[f"LCM student ({P} phases) DDIM@{P}"] = (s, dict(sampler="ddim", steps=P, cfg_scale=1.0))
     if progressive_run is not None:
         p = load_run(progressive_run)
         e[f"progressive student DDIM@{p[2].gdf.sample_steps}"] = (p, dict(sampler="ddim", steps=p[2].gdf.sample_steps, cfg_scale=1.0))

@@ -12,6 +12,7 @@ DEMO = ROOT / "configs" / "demo.yaml"
 TINY = ["webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0", "batch_size=4", "tracker=none",
         "log_every=1", "eval_every=null", "best_metric=null", "ema_start_iters=null", "sample_steps=2"]
 MODES = {"lcm": ["mode=lcm", "solver_steps=8", "cfg_scale=[1, 3]"],
+         "lcm_phased": ["mode=lcm", "solver_steps=4", "solver_substeps=2", "phases=2", "cfg_scale=2"],   # PCM, a 2-step teacher solve
          "progressive": ["mode=progressive", "teacher_steps=4", "cfg_scale=2"],
          "distill": ["mode=distill", "model_overrides={c_in: 3, c_out: 3, patch_size: 2, blocks: [[1, 1], [1, 1]]}"]}
 
@@ -27,6 +28,7 @@ def teacher(tmp_path_factory) -> Path:
     return path
 
 def overrides(tmp, name, teacher, mode, *extra):
+    "The run's overrides; `mode` is a key of MODES (a mode name, or a variant such as lcm_phased)."
     return [*TINY, *MODES[mode], f"teacher_checkpoint_path={teacher}", f"experiment_id={name}",
             f"checkpoint_path={tmp}/ck", f"output_path={tmp}/out", *extra]
 
@@ -50,7 +52,7 @@ def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
     from cascade_nb.run_state import TRAINING_HOOKS
     run = lambda tmp, *kv: train(load_config(DEMO, overrides(tmp, "s", teacher, mode, "updates=3", "save_every=3", *kv)))
     ref = run(tmp_path / "ref")
-    assert ref["update"] == 3 and type(ref["mode"]).name == mode
+    assert ref["update"] == 3 and type(ref["mode"]).name == mode.split("_")[0]
     TRAINING_HOOKS["test_stop"] = StopAt
     try:
         StopAt.n = 2
@@ -60,7 +62,7 @@ def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
     assert json.loads((tmp_path / "stopped" / "ck" / "s" / "info.json").read_text())["update"] == 2
     assert run(tmp_path / "stopped")["update"] == 3      # resumed from update 2
     a, b = released(tmp_path / "ref", "s"), released(tmp_path / "stopped", "s")
-    assert set(a) == ({"generator.safetensors", "generator_ema.safetensors"} if mode == "lcm" else {"generator.safetensors"})
+    assert set(a) == ({"generator.safetensors", "generator_ema.safetensors"} if mode.startswith("lcm") else {"generator.safetensors"})
     for f in a:
         diff = [k for k in a[f] if not torch.equal(a[f][k], b[f][k])]
         assert not diff, f"{f}: {len(diff)} tensors differ after resume, e.g. {diff[:3]}"
@@ -91,6 +93,21 @@ def test_student_samples_with_its_own_sampler(tmp_path, teacher, capsys):
     assert not torch.equal(own, sample_run(mode, gdf, cfg, ["red apple"], n=2, seed=3, steps=2))
     paths = main(["--checkpoint", run, "--prompt", "red apple", "--n", "2", "--out", tmp_path / "samples"])
     assert len(paths) == 2 and "generator_ema.safetensors" in capsys.readouterr().out   # the target network, as any run's EMA
+
+def test_phased_student_samples_by_ddim_at_its_phase_edges(tmp_path, teacher):
+    """A phased (PCM) lcm run samples deterministically: DDIM at its `phases` edges, CFG 1; the same noise gives the same
+    images, and they are what its generator gives with those settings."""
+    from cascade_nb.config import load_config, ConfigError
+    from cascade_nb.train import train
+    from cascade_nb.sample import load_run, sample_run
+    with pytest.raises(ConfigError, match="'solver_steps': 6 is not a multiple of phases=4"):
+        load_config(DEMO, overrides(tmp_path, "bad", teacher, "lcm_phased", "solver_steps=6", "phases=4"))
+    train(load_config(DEMO, overrides(tmp_path, "pcm", teacher, "lcm_phased", "updates=1", "save_every=1")))
+    mode, gdf, cfg = load_run(tmp_path / "ck" / "pcm")
+    assert (cfg.gdf.sample_sampler, cfg.gdf.sample_steps, cfg.gdf.sample_cfg) == ("ddim", 2, 1.0)
+    own = sample_run(mode, gdf, cfg, ["red apple"], n=2, seed=3)
+    assert torch.equal(own, sample_run(mode, gdf, cfg, ["red apple"], n=2, seed=3, steps=2, sampler="ddim", cfg_scale=1.0))
+    assert not torch.equal(own, sample_run(mode, gdf, cfg, ["red apple"], n=2, seed=3, steps=2, sampler="lcm"))
 
 def test_lcm_student_architecture_must_match_the_teacher(tmp_path, teacher):
     from cascade_nb.config import load_config, ConfigError
