@@ -9,8 +9,9 @@ against the demo's training images (cascade_nb.eval), network evaluations and se
 
     accelerate launch cascade_nb/train.py configs/demo.yaml                                   # the teacher
     accelerate launch cascade_nb/train.py configs/lcm_demo.yaml                               # the LCM student
+    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml phases=4 solver_steps=4 solver_substeps=5 experiment_id=pcm_demo
     accelerate launch cascade_nb/train.py configs/lcm_demo.yaml mode=progressive experiment_id=pd_demo teacher_steps=8
-    python bench/fast_sampling.py --teacher checkpoints/demo --lcm checkpoints/lcm_demo --progressive checkpoints/pd_demo
+    python bench/fast_sampling.py --teacher checkpoints/demo --lcm checkpoints/lcm_demo checkpoints/pcm_demo --progressive checkpoints/pd_demo
 """
 import argparse, sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from cascade_nb.eval import reference_set
 
 p = argparse.ArgumentParser()
 p.add_argument("--teacher", default="checkpoints/demo")
-p.add_argument("--lcm", default=None)
+p.add_argument("--lcm", nargs="+", default=[], help="lcm student runs (LCM or phased)")
 p.add_argument("--progressive", default=None)
 p.add_argument("--seeds", type=int, nargs="+", default=[0])
 p.add_argument("--threads", type=int, default=1)
@@ -31,7 +32,8 @@ torch.set_num_threads(a.threads)
 root = Path(__file__).resolve().parents[1]
 ref_images, ref_captions = reference_set(load_config(root/"configs"/"demo.yaml", [f"webdataset_path={root}/data_samples/emoji/shard-{{000002..000005}}.tar"]))
 captions = list(dict.fromkeys(ref_captions))
-entries = fast_sampling_entries(a.teacher, a.lcm, a.progressive)
+entries = fast_sampling_entries(a.teacher, a.lcm[0] if a.lcm else None, a.progressive)
+for run in a.lcm[1:]: entries.update({k: v for k, v in fast_sampling_entries(a.teacher, run).items() if k not in entries})
 for seed in a.seeds:
     rows = sampler_table(entries, captions, ref_images, ref_captions, reference="teacher DDIM@20", baseline="teacher DDIM@4", seed=seed)
     print(f"\nseed {seed}, {len(captions)} captions, {a.threads} thread(s)\n" + format_table(rows))
