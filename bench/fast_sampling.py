@@ -32,8 +32,7 @@ torch.set_num_threads(a.threads)
 root = Path(__file__).resolve().parents[1]
 ref_images, ref_captions = reference_set(load_config(root/"configs"/"demo.yaml", [f"webdataset_path={root}/data_samples/emoji/shard-{{000002..000005}}.tar"]))
 captions = list(dict.fromkeys(ref_captions))
-entries = fast_sampling_entries(a.teacher, a.lcm[0] if a.lcm else None, a.progressive)
-for run in a.lcm[1:]: entries.update({k: v for k, v in fast_sampling_entries(a.teacher, run).items() if k not in entries})
+entries = fast_sampling_entries(a.teacher, a.lcm, a.progressive)
 for seed in a.seeds:
     rows = sampler_table(entries, captions, ref_images, ref_captions, reference="teacher DDIM@20", baseline="teacher DDIM@4", seed=seed)
     print(f"\nseed {seed}, {len(captions)} captions, {a.threads} thread(s)\n" + format_table(rows))

@@ -411,8 +411,9 @@ def fast_sampling_entries(teacher_run, lcm_run=None, progressive_run=None, cfg_s
     e = {f"teacher DDPM@20": (t, dict(sampler="ddpm", steps=20, cfg_scale=cfg_scale)),
          f"teacher DDIM@20": (t, dict(sampler="ddim", steps=20, cfg_scale=cfg_scale)),
          f"teacher DDIM@4": (t, dict(sampler="ddim", steps=4, cfg_scale=cfg_scale))}
-    if lcm_run is not None:   # LCM: its sampler at 4, 2, 1 steps; phased (PCM): DDIM at its phase edges
-        s = load_run(lcm_run); P = s[2].distill.phases
+    lcm_runs = [] if lcm_run is None else [lcm_run] if isinstance(lcm_run, (str, Path)) else list(lcm_run)
+    for run in lcm_runs:   # LCM: its sampler at 4, 2, 1 steps; phased (PCM): DDIM at its phase edges
+        s = load_run(run); P = s[2].distill.phases
         if P == 1: e.update({f"LCM student @{k}": (s, dict(sampler="lcm", steps=k, cfg_scale=1.0)) for k in (4, 2, 1)})
         else: e[f"LCM student ({P} phases) DDIM@{P}"] = (s, dict(sampler="ddim", steps=P, cfg_scale=1.0))
     if progressive_run is not None:
