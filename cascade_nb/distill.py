@@ -241,7 +241,7 @@ class StudentTarget(nn.Module):
         self.student, self.target = student, copy.deepcopy(student).requires_grad_(False)
     def forward(self, x, r, **conds): return self.student(x, r, **conds)
 
-from .run_state import ema_update_ as ema_shards_   # on each process's own tensors: under FSDP both are sharded alike, no gather
+from .run_state import ema_update_   # on each process's own tensors: under FSDP both are sharded alike, no gather
 
 from accelerate.utils import extract_model_from_parallel
 
@@ -295,7 +295,7 @@ class LCMTraining(TeacherMode):
         "The network whose consistency output is the target: the EMA target network, or (LCM-LoRA) the student itself, as diffusers."
         return net if self.lora else _inner(net).target
     def after_update(self, state):
-        if not self.lora: ema_shards_(self.net.target, self.net.student, self.cfg.distill.target_ema_beta)
+        if not self.lora: ema_update_(self.net.target, self.net.student, self.cfg.distill.target_ema_beta)
     def released(self, accelerator, net) -> dict:
         if self.lora: return self.lora.released(accelerator, net)   # lora.safetensors, exported like any LoRA
         sd = unwrap_state_dict(accelerator, net)
