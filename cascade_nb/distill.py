@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import torch
 from torch import nn
-from .core import append_dims, frozen, resolve_dtype, seeded_rand
+from .core import append_dims, frozen, resolve_dtype, seeded_rand, seeded_randn
 from .config import Config, ConfigError, config_section, SAMPLERS, GDFConfig, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, DECAY
 from .gdf.core import cfg_batch, guide
 from .gdf.presets import gdf_from_config, training_shift
@@ -23,12 +23,12 @@ from .lora import LoraTraining, merged_lora_run
 # %% auto #0
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',
            'guided_prediction', 'ddim_step', 'TeacherMode', 'copy_matching', 'consistency_scalings', 'consistency_fn',
-           'clean_end', 'phase_edge', 'StudentTarget', 'grid_index', 'distance', 'LCMTraining', 'ProgressiveTraining',
-           'DistillTraining', 'nfe', 'sampler_table', 'format_table', 'fast_sampling_entries']
+           'clean_end', 'phase_edge', 'student_states', 'StudentTarget', 'grid_index', 'distance', 'LCMTraining',
+           'ProgressiveTraining', 'DistillTraining', 'nfe', 'sampler_table', 'format_table', 'fast_sampling_entries']
 
 # %% ../nbs/62_distill.ipynb #5574d344
 @config_section("distill", modes=("lcm", "progressive", "distill"), ranges=dict(
-    cfg_scale=AT_LEAST_0, cfg_rho=Range(0, 1), solver_steps=AT_LEAST_1, solver_substeps=AT_LEAST_1, phases=AT_LEAST_1, teacher_steps=Range(2), huber_c=POSITIVE,
+    cfg_scale=AT_LEAST_0, cfg_rho=Range(0, 1), solver_steps=AT_LEAST_1, solver_substeps=AT_LEAST_1, phases=AT_LEAST_1, student_rollout=Range(0, 1), teacher_steps=Range(2), huber_c=POSITIVE,
     target_ema_beta=DECAY, student_steps=AT_LEAST_1, student_cfg=AT_LEAST_0))
 @dataclass
 class DistillConfig:
@@ -42,6 +42,7 @@ class DistillConfig:
     solver_steps: int = 50               # lcm: the student's grid on t in [0, 1]; skipping interval 1/solver_steps
     solver_substeps: int = 1             # lcm: the teacher's DDIM steps over one skipping interval (its grid: solver_steps x this)
     phases: int = 1                      # lcm: 1 = consistency to t = 0 (LCM); P > 1 = to the lower edge of P phases (PCM), sampled by DDIM@P
+    student_rollout: float = 0.0         # lcm: fraction of each micro-batch whose x_{t_n} is the student's own DDIM trajectory from pure noise, not noised data
     teacher_steps: int = 16              # progressive: the teacher's DDIM steps; the student learns teacher_steps / 2
     distill_loss: Literal["l2", "huber"] = "l2"  # lcm: distance between consistency outputs; huber = sqrt(d^2 + c^2) - c
     huber_c: float = 0.001               # lcm: c of the pseudo-Huber loss
@@ -101,7 +102,7 @@ def guided_prediction(model, x, r, conds: dict, uncond: dict, w, rho: float = 0.
     w = torch.as_tensor(w, dtype=torch.float32, device=x.device).expand(len(x))
     if bool((w == 1).all()): return model(x, r, **conds).float()
     p_cond, p_uncond = model(torch.cat([x, x]), torch.cat([r, r]), **cfg_batch(conds, uncond)).float().chunk(2)
-    return guide(p_cond, p_uncond, append_dims(w, p_cond), rho)
+    return guide(p_cond, p_uncond, append_dims(w, p_cond), rho, per_sample=True)
 
 @torch.no_grad()
 def ddim_step(gdf, model, x, logsnr, logsnr_next, conds: dict, uncond: dict, w, rho: float = 0.7) -> torch.Tensor:
@@ -233,6 +234,21 @@ def phase_edge(n: torch.Tensor, steps: int, phases: int) -> torch.Tensor:
     return torch.div(n - 1, per, rounding_mode="floor") * per / steps
 
 
+# %% ../nbs/62_distill.ipynb #1acd2810
+@torch.no_grad()
+def student_states(model, gdf, x: torch.Tensor, t_n: torch.Tensor, phases: int, conds: dict, shift: float = 1.) -> torch.Tensor:
+    "The student's DDIM trajectory from pure noise `x` (t = 1) through its phase edges k/`phases` down to `t_n` (one per sample)."
+    t, x = torch.ones_like(t_n), x.float()
+    for k in range(phases - 1, -1, -1):   # the step from edge (k+1)/P towards k/P, stopping at t_n
+        t_next = torch.maximum(torch.full_like(t, k / phases), t_n)
+        move = t_next < t
+        if not bool(move.any()): break
+        l, l_next = (gdf.schedule(v, shift=shift).to(x.device) for v in (t, t_next))
+        x0, eps = gdf.undiffuse(x, l, model(x, gdf.noise_cond(l), **conds).float())
+        x = torch.where(append_dims(move, x), DDIMSampler()(x, x0, eps, l, l_next, gdf.input_scaler), x)
+        t = torch.where(move, t_next, t)
+    return x
+
 # %% ../nbs/62_distill.ipynb #04581469
 class StudentTarget(nn.Module):
     "The LCM student and its target network (an EMA of the student, no gradients); called, it is the student."
@@ -316,6 +332,10 @@ def _lcm_loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
     d = gdf.diffuse(x0, t=n / N, shift=shift, loss_shift=shift, generator=rng)   # x at t_n
     w, r_min = self.guidance(B, rng, x0.device), clean_end(gdf, shift)
     edge = None if dc.phases == 1 else gdf.schedule(phase_edge(n, N, dc.phases), shift=shift).to(x0.device)
+    if h := round(dc.student_rollout * B):   # the last h inputs: where the student's own sampler takes fresh pure noise
+        z, tail = seeded_randn((h, *x0.shape[1:]), rng, x0.device), {k: v[B - h:] for k, v in conds.items()}
+        own = student_states(net, gdf, z, n[B - h:] / N, dc.phases, tail, shift)
+        d = d._replace(noised=torch.cat([d.noised[:B - h], own.to(d.noised.dtype)]))
     with torch.no_grad():   # the teacher's m guided DDIM steps from t_n to t_{n-1}, then the target network's f there
         x, logsnr, uncond = d.noised.float(), d.logsnr, self.uncond(conds)
         for j in range(1, m + 1):
@@ -414,8 +434,9 @@ def fast_sampling_entries(teacher_run, lcm_run=None, progressive_run=None, cfg_s
     lcm_runs = [] if lcm_run is None else [lcm_run] if isinstance(lcm_run, (str, Path)) else list(lcm_run)
     for run in lcm_runs:   # LCM: its sampler at 4, 2, 1 steps; phased (PCM): DDIM at its phase edges
         s = load_run(run); P = s[2].distill.phases
-        if P == 1: e.update({f"LCM student @{k}": (s, dict(sampler="lcm", steps=k, cfg_scale=1.0)) for k in (4, 2, 1)})
-        else: e[f"LCM student ({P} phases) DDIM@{P}"] = (s, dict(sampler="ddim", steps=P, cfg_scale=1.0))
+        tag = f" [{Path(run).name}]" if len(lcm_runs) > 1 else ""   # several runs: named by their directories
+        if P == 1: e.update({f"LCM student @{k}{tag}": (s, dict(sampler="lcm", steps=k, cfg_scale=1.0)) for k in (4, 2, 1)})
+        else: e[f"LCM student ({P} phases) DDIM@{P}{tag}"] = (s, dict(sampler="ddim", steps=P, cfg_scale=1.0))
     if progressive_run is not None:
         p = load_run(progressive_run)
         e[f"progressive student DDIM@{p[2].gdf.sample_steps}"] = (p, dict(sampler="ddim", steps=p[2].gdf.sample_steps, cfg_scale=1.0))

@@ -111,10 +111,12 @@ def cfg_scale(cfg, t: float, cfg_t_start: float | None = None, cfg_t_stop: float
         return cfg[0] * t + cfg[1] * (1 - t)
     return float(cfg)
 
-def guide(pred_cond: torch.Tensor, pred_uncond: torch.Tensor, scale: float, rho: float = 0.7) -> torch.Tensor:
-    "Classifier-free guidance with CFG-rescale `rho` (std over the whole tensor, as in Stable Cascade)."
+def guide(pred_cond: torch.Tensor, pred_uncond: torch.Tensor, scale, rho: float = 0.7, per_sample: bool = False) -> torch.Tensor:
+    "Classifier-free guidance with CFG-rescale `rho` (std over the whole tensor as in Stable Cascade, or `per_sample`)."
     pred = torch.lerp(pred_uncond, pred_cond, scale)
-    if rho > 0: pred = rho * pred * (pred_cond.std() / (pred.std() + 1e-9)) + (1 - rho) * pred
+    if rho > 0:
+        std = (lambda z: z.flatten(1).std(1).view(-1, *[1] * (z.ndim - 1))) if per_sample else torch.std
+        pred = rho * pred * (std(pred_cond) / (std(pred) + 1e-9)) + (1 - rho) * pred
     return pred
 
 # %% ../../nbs/16_gdf.core.ipynb #74417050
