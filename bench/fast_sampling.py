@@ -9,7 +9,7 @@ against the demo's training images (cascade_nb.eval), network evaluations and se
 
     accelerate launch cascade_nb/train.py configs/demo.yaml                                   # the teacher
     accelerate launch cascade_nb/train.py configs/lcm_demo.yaml                               # the LCM student
-    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml phases=4 solver_steps=4 solver_substeps=5 experiment_id=pcm_demo
+    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml phases=4 solver_steps=4 solver_substeps=5 student_rollout=0.5 batch_size=32 lr_schedule=cosine updates=800 experiment_id=pcm_demo
     accelerate launch cascade_nb/train.py configs/lcm_demo.yaml mode=progressive experiment_id=pd_demo teacher_steps=8
     python bench/fast_sampling.py --teacher checkpoints/demo --lcm checkpoints/lcm_demo checkpoints/pcm_demo --progressive checkpoints/pd_demo
 """
