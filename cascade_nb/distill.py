@@ -241,12 +241,9 @@ def student_states(model, gdf, x: torch.Tensor, t_n: torch.Tensor, phases: int, 
     t, x = torch.ones_like(t_n), x.float()
     for k in range(phases - 1, -1, -1):   # the step from edge (k+1)/P towards k/P, stopping at t_n
         t_next = torch.maximum(torch.full_like(t, k / phases), t_n)
-        move = t_next < t
-        if not bool(move.any()): break
+        if not bool((t_next < t).any()): break
         l, l_next = (gdf.schedule(v, shift=shift).to(x.device) for v in (t, t_next))
-        x0, eps = gdf.undiffuse(x, l, model(x, gdf.noise_cond(l), **conds).float())
-        x = torch.where(append_dims(move, x), DDIMSampler()(x, x0, eps, l, l_next, gdf.input_scaler), x)
-        t = torch.where(move, t_next, t)
+        x, t = consistency_fn(model, gdf, x, l, conds, 0., l_next), t_next   # the phased consistency jump; x itself where t stays
     return x
 
 # %% ../nbs/62_distill.ipynb #04581469
