@@ -19,7 +19,8 @@ from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 # %% auto #0
 __all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CNetResBlock', 'ControlNet', 'controlnet_config', 'load_controlnet',
            'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter', 'SRFilter',
-           'SREffnetFilter', 'IdentityFilter', 'make_filter', 'meta_controlnet', 'ControlNetNet', 'ControlNetTraining']
+           'SREffnetFilter', 'IdentityFilter', 'make_filter', 'meta_controlnet', 'control_points', 'ControlNetNet',
+           'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -120,25 +121,45 @@ def _shift(x, dy: int, dx: int):
     p = F.pad(x, (1, 1, 1, 1))
     return p[..., 1 + dy:1 + dy + H, 1 + dx:1 + dx + W]
 
-def canny_edges(images01: torch.Tensor, low: float = 100., high: float = 200.) -> torch.Tensor:
-    "Binary Canny edges (B, 1, H, W) of images in [0, 1], thresholds on the 0–255 scale with |gx|+|gy| (OpenCV's defaults)."
-    x = images01.float() * 255
-    B, C, H, W = x.shape
-    kx = torch.tensor([[-1., 0., 1.], [-2., 0., 2.], [-1., 0., 1.]], device=x.device)
+def _sobel_l1(u8: torch.Tensor):
+    "Integer Sobel (gx, gy) and m = |gx| + |gy|, each (B, 1, H, W), of the channel with the largest m (first on ties)."
+    B, C, H, W = u8.shape
+    kx = torch.tensor([[-1., 0., 1.], [-2., 0., 2.], [-1., 0., 1.]], device=u8.device)
     k = torch.stack([kx, kx.T])[:, None].repeat(C, 1, 1, 1)                       # (2C, 1, 3, 3)
-    g = F.conv2d(F.pad(x, (1, 1, 1, 1), mode='replicate'), k, groups=C).view(B, C, 2, H, W)
+    # exact in float32 (|g| <= 4 * 255), then integers like OpenCV's CV_16S
+    g = F.conv2d(F.pad(u8, (1, 1, 1, 1), mode='replicate'), k, groups=C).view(B, C, 2, H, W).round().long()
     mag = g.abs().sum(2)                                                           # (B, C, H, W)
-    best = mag.argmax(1, keepdim=True)                                             # strongest channel per pixel
-    mag = mag.gather(1, best)
-    gx, gy = (g[:, :, i].gather(1, best) for i in range(2))
-    angle = torch.rad2deg(torch.atan2(gy, gx)) % 180                               # direction of the gradient
-    sector = ((angle + 22.5) // 45).long() % 4                                     # 0°, 45°, 90°, 135°
-    keep = torch.zeros_like(mag, dtype=torch.bool)
-    for s, (dy, dx) in enumerate(((0, 1), (1, 1), (1, 0), (1, -1))):
-        peak = (mag > _shift(mag, dy, dx)) & (mag >= _shift(mag, -dy, -dx))
-        keep |= (sector == s) & peak
+    best = mag.argmax(1, keepdim=True)
+    return g[:, :, 0].gather(1, best), g[:, :, 1].gather(1, best), mag.gather(1, best)
+
+_TAN22_Q15 = 13573
+"tan 22.5° in OpenCV's Q15 fixed point (`canny.cpp`): the gradient's sector is decided in integers, as there."
+
+def _canny_nms(gx, gy, mag) -> torch.Tensor:
+    "OpenCV's non-maximum suppression: where m is a peak along the gradient's sector, with OpenCV's tie-breaking."
+    ax, ay = gx.abs(), gy.abs() << 15
+    horizontal = ay < ax * _TAN22_Q15
+    vertical = ~horizontal & (ay > ax * (_TAN22_Q15 + (1 << 16)))
+    diagonal = ~horizontal & ~vertical
+    # gx and gy of one sign: the gradient runs along the main diagonal (down-right), else along the other one
+    same_sign = (gx < 0) == (gy < 0)
+    m = lambda dy, dx: _shift(mag, dy, dx)
+    keep = horizontal & (mag > m(0, -1)) & (mag >= m(0, 1))
+    keep |= vertical & (mag > m(-1, 0)) & (mag >= m(1, 0))
+    keep |= diagonal & same_sign & (mag > m(-1, -1)) & (mag > m(1, 1))
+    keep |= diagonal & ~same_sign & (mag > m(-1, 1)) & (mag > m(1, -1))
+    return keep
+
+# %% ../nbs/61_controlnet.ipynb #c4d2f6a1
+def canny_edges(images01: torch.Tensor, low: float = 100., high: float = 200.) -> torch.Tensor:
+    "Binary Canny edges (B, 1, H, W) of images in [0, 1]: `cv2.Canny(uint8(255 x), low, high)` pixel for pixel."
+    # the reference's uint8 cast truncates
+    u8 = (images01.float().clamp(0, 1) * 255).trunc()
+    gx, gy, mag = _sobel_l1(u8)
+    low, high = sorted((math.floor(low), math.floor(high)))
+    keep = _canny_nms(gx, gy, mag)
     weak, strong = keep & (mag > low), keep & (mag > high)
-    for _ in range(H * W):                                                         # grow strong edges along weak ones
+    for _ in range(mag[0, 0].numel()):
         grown = weak & (F.max_pool2d(strong.float(), 3, 1, 1) > 0)
         if torch.equal(grown, strong): break
         strong = grown
@@ -152,8 +173,9 @@ class CannyFilter(BaseFilter):
 
     def __call__(self, images01, generator=None):
         size = images01.shape[-2:]
-        x = F.interpolate(images01.float(), size=(self.resize, self.resize), mode='bilinear', align_corners=False) if self.resize else images01
-        edges = canny_edges(x.clamp(0, 1), self.low, self.high)
+        x = images01.float()
+        if self.resize: x = F.interpolate(x, size=(self.resize, self.resize), mode='bilinear', align_corners=False)
+        edges = canny_edges(x, self.low, self.high)
         if self.resize: edges = F.interpolate(edges, size=size, mode='bilinear', align_corners=False)
         return edges.to(images01.dtype), _gray3(edges)
 
@@ -266,6 +288,13 @@ def meta_controlnet(cfg, gen: nn.Module) -> nn.Module:
     with torch.device("meta"):
         return ControlNet(c_in, gen.config["c_hidden"][0], c.controlnet_blocks, c.controlnet_bottleneck_mode)
 
+# %% ../nbs/61_controlnet.ipynb #f2a5c9d3
+def control_points(generator: nn.Module) -> int:
+    "Hints one forward of a Stage C takes: its ResBlock calls, each level's ResBlocks × its repeats (`block_repeat`)."
+    levels = [*zip(generator.down_blocks, generator.down_repeat_mappers),
+              *zip(generator.up_blocks, generator.up_repeat_mappers)]
+    return sum(sum(getattr(b, "takes_control", False) for b in blocks) * (len(rep) + 1) for blocks, rep in levels)
+
 # %% ../nbs/61_controlnet.ipynb #9c8b74bb
 class ControlNetNet(nn.Module):
     "Frozen generator + trainable ControlNet: `net(x, r, cnet_input=..., **conds)`."
@@ -308,10 +337,12 @@ class ControlNetTraining(TrainingMode):
         self.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
         widths = set(generator.config["c_hidden"])
         if len(widths) != 1: raise ValueError(f"ControlNet: Stage C levels have different widths {widths}")
-        n_res = sum(getattr(m, "takes_control", False) for m in generator.modules())   # blocks that receive a hint
-        if max(c.controlnet_blocks) >= n_res:
-            warnings.warn(f"controlnet_blocks {list(c.controlnet_blocks)}: the model has {n_res} ResBlocks; "
-                          f"indices ≥ {n_res} are never injected (their projections stay frozen)")
+        # hints a forward takes: one per ResBlock call (block_repeat runs a block more than once)
+        n_hints = control_points(generator)
+        if max(c.controlnet_blocks) >= n_hints:
+            warnings.warn(f"controlnet_blocks {list(c.controlnet_blocks)}: a forward pass of the model takes {n_hints} "
+                          f"hints (one per ResBlock call); indices ≥ {n_hints} are never injected "
+                          "(their projections stay frozen)")
         mode = c.controlnet_bottleneck_mode or "effnet"
         backbone_state = None
         if mode == "effnet" and effnet is not None and not c.controlnet_checkpoint_path:
@@ -325,7 +356,8 @@ class ControlNetTraining(TrainingMode):
             controlnet = ControlNet(self.filter.num_channels, widths.pop(), c.controlnet_blocks, mode, backbone_state)
         controlnet.float().requires_grad_(True)
         for idx, proj in zip(controlnet.proj_blocks, controlnet.projections):
-            if idx >= n_res: proj.requires_grad_(False)            # never injected: no gradient (and DDP must not wait for one)
+            # never injected: no gradient (and DDP must not wait for one)
+            if idx >= n_hints: proj.requires_grad_(False)
         self.net = ControlNetNet(generator, controlnet)
 
     def _control(self, batch, device, training, rng):

@@ -1,6 +1,6 @@
 """ControlNet training through the real trainer CLI: the official ControlNet YAMLs at tiny size, exact resume after a
 kill, 2-process DDP, and a frozen generator."""
-import signal
+import signal, warnings
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
@@ -93,3 +93,43 @@ def test_controlnet_step_leaves_the_generator_frozen():
 def test_official_identity_config_explains_the_missing_face_models(tmp_path):
     res = run_cli("-m", "cascade_nb.train", *cnet_args(tmp_path, "id", "controlnet_c_3b_identity.yaml", "updates=1"), check=False)
     assert res.returncode != 0 and "IdentityFilter needs face detection" in res.stderr
+
+def _repeat_mode(blocks):
+    "A ControlNet mode on the tiny pixel model whose deeper level runs twice (block_repeat): 6 ResBlocks, 10 calls."
+    from cascade_nb.config import config_from_dict
+    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace
+    from cascade_nb.controlnet import ControlNetTraining
+    cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
+                                model_overrides={"c_in": 3, "c_out": 3, "patch_size": 2,
+                                                 "block_repeat": [[1, 2], [2, 1]]},
+                                latent_space="pixels", clip_text_model_name="tiny", clip_image_model_name=None,
+                                image_size=32, batch_size=2, controlnet_blocks=blocks, controlnet_filter="CannyFilter",
+                                controlnet_filter_params={"resize": 32}, controlnet_bottleneck_mode="simple"))
+    torch.manual_seed(0)
+    gen = build_generator(cfg); tok, te = build_text_encoder(cfg)
+    # a non-zero output layer (the official init zeroes it), so every hint reaches the loss
+    with torch.no_grad(): gen.clf[1].weight.normal_(std=0.1)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        mode = ControlNetTraining(cfg, gen, tok, te, None, PixelSpace())
+    return cfg, mode, [str(x.message) for x in w if "never injected" in str(x.message)]
+
+def test_block_repeat_counts_every_call_as_an_injection_point():
+    from cascade_nb.train import diffusion_loss
+    from cascade_nb.gdf.presets import gdf_from_config
+    from cascade_nb.models.blocks import ResBlock
+    cfg, mode, warned = _repeat_mode(list(range(10)))
+    gen = mode.net.generator
+    assert sum(isinstance(m, ResBlock) for m in gen.modules()) == 6 and not warned
+    projections = mode.net.controlnet.projections
+    assert all(p.requires_grad for p in projections.parameters())
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    x0, conds = mode.encode({"images": images, "captions": ["a", "b"]}, "cpu", rng=torch.Generator().manual_seed(0))
+    loss, _, _ = diffusion_loss(mode.net, gdf_from_config(cfg.gdf), x0, conds, rng=torch.Generator().manual_seed(1))
+    loss.backward()
+    # each of the ten projections is injected, so each zero-initialised output conv gets a gradient
+    assert all(p[2].weight.grad is not None and p[2].weight.grad.abs().sum() > 0 for p in projections)
+    # past the tenth call: warned and frozen, the others still train
+    _, mode, warned = _repeat_mode([0, 9, 10])
+    assert len(warned) == 1 and "takes 10 hints" in warned[0] and "indices ≥ 10" in warned[0]
+    assert [p[2].weight.requires_grad for p in mode.net.controlnet.projections] == [True, True, False]

@@ -204,15 +204,16 @@ def run_level(model, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
     "One level of `model` (a StageC): its blocks, `len(repeat_mappers) + 1` times."
     for rep in range(len(repeat_mappers) + 1):
         for k, block in enumerate(blocks):
+            inputs = {"skip": skip if k == 0 else None, "clip": clip, "r_embed": r_embed}   # what a block may ask for
+            extra = getattr(block, "level_input", None)
+            # an up level's first block: x is resized to the skip before the ControlNet hint is added (as the reference)
+            if extra == "skip" and inputs["skip"] is not None and inputs["skip"].shape[-2:] != x.shape[-2:]:
+                x = F.interpolate(x.float(), inputs["skip"].shape[-2:], mode='bilinear', align_corners=True).to(x.dtype)
             if getattr(block, "takes_control", False):
                 hint = next(cnet, None)
                 if hint is not None:
                     x = x + F.interpolate(hint.to(x.dtype), size=x.shape[-2:], mode='bilinear', align_corners=True)
-            inputs = {"skip": skip if k == 0 else None, "clip": clip, "r_embed": r_embed}   # what a block may ask for
-            extra = getattr(block, "level_input", None)
             if extra is None: x = model._run(block, x); continue
-            if extra == "skip" and inputs["skip"] is not None and inputs["skip"].shape[-2:] != x.shape[-2:]:
-                x = F.interpolate(x.float(), inputs["skip"].shape[-2:], mode='bilinear', align_corners=True).to(x.dtype)
             x = model._run(block, x, inputs[extra])
         if rep < len(repeat_mappers): x = repeat_mappers[rep](x)
     return x
