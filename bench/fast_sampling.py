@@ -2,16 +2,20 @@
 """Few-step students against their teacher (issue 15's evidence), on the README demo.
 
 From the same initial noise for each of the demo's 32 captions: teacher DDPM@20, DDIM@20, DDIM@4 (CFG 3, as the demo
-samples), the LCM student at 4/2/1 steps and the progressive student at its steps (CFG 1: guidance is distilled in).
+samples), each lcm student (a phased one, as configs/lcm_demo.yaml trains by default, at DDIM@phases; a plain LCM one
+at 4/2/1 LCM steps) and the progressive student at its steps (CFG 1: guidance is distilled in).
 For each: RMS pixel distance to teacher DDIM@20, that distance relative to teacher DDIM@4, caption retrieval top-1
 against the demo's training images (cascade_nb.eval), network evaluations and seconds per image. The table is
 `cascade_nb.distill.sampler_table`, the code the distillation notebook runs at tiny size.
 
     accelerate launch cascade_nb/train.py configs/demo.yaml                                   # the teacher
-    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml                               # the LCM student
-    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml phases=4 solver_steps=4 solver_substeps=5 student_rollout=0.5 batch_size=32 lr_schedule=cosine updates=800 experiment_id=pcm_demo
+    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml                               # the phased student (4 phases)
+    python bench/fast_sampling.py --teacher checkpoints/demo --lcm checkpoints/lcm_demo --seeds 0 1 2   # bench/RESULTS.md
+
+Other students to compare (bench/RESULTS.md, "fast_sampling"): the plain LCM student and a progressive one
+    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml phases=1 solver_steps=20 solver_substeps=1 student_rollout=0 batch_size=16 lr_schedule=constant updates=400 experiment_id=lcm_plain
     accelerate launch cascade_nb/train.py configs/lcm_demo.yaml mode=progressive experiment_id=pd_demo teacher_steps=8
-    python bench/fast_sampling.py --teacher checkpoints/demo --lcm checkpoints/lcm_demo checkpoints/pcm_demo --progressive checkpoints/pd_demo
+    python bench/fast_sampling.py --teacher checkpoints/demo --lcm checkpoints/lcm_demo checkpoints/lcm_plain --progressive checkpoints/pd_demo
 """
 import argparse, sys
 from pathlib import Path

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/config.html.md"""
 
 # %% ../nbs/01_config.ipynb #4427b049
 from __future__ import annotations
-import argparse, ast, contextlib, difflib, importlib, math, operator, os, sys, typing
+import argparse, ast, contextlib, difflib, importlib, math, operator, os, re, sys, typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -15,11 +15,12 @@ import yaml
 
 # %% auto #0
 __all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'TIMESTEP_SAMPLINGS', 'SAMPLERS',
-           'SECTIONS', 'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES',
-           'BUILTIN_SECTIONS', 'SECTION_MODES', 'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter',
-           'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'register_caption_getter',
-           'CaptionsGetter', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'LogConfig',
-           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config',
+           'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY',
+           'RANGES', 'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES',
+           'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter',
+           'caption_identity', 'caption_from_json', 'register_caption_getter', 'CaptionsGetter', 'ModelConfig',
+           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig',
+           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config', 'read_yaml',
            'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config', 'save_config',
            'cli_parser', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'output_dir', 'readable_weights']
 
@@ -253,6 +254,9 @@ class TrainConfig:
     max_nan_steps: int = 10                # stop after this many non-finite losses in a row
     mode: Optional[str] = None             # a registered training mode: full, lora, controlnet or your own; None: inferred
     imports: Optional[list[str]] = None    # modules to import first, e.g. one that defines a @training_mode
+    # a frozen generator's dropout (LoRA, ControlNet): 'off' throughout, or 'reference': on where the official scripts
+    # leave it on (LoRA: the first micro-step; ControlNet: the whole run; explanations/differences_from_reference)
+    frozen_dropout: Literal["off", "reference"] = "off"
 
 # %% ../nbs/01_config.ipynb #9ed27111
 @dataclass
@@ -269,6 +273,23 @@ class CheckpointConfig:
     eval_metrics: list[str] = field(default_factory=lambda: ["retrieval"])  # 'retrieval', 'fid', 'kid', 'clip_score'
     eval_reference: Optional[Union[str, list[str]]] = None  # images samples are compared with; None: the training data
     best_metric: Optional[str] = None     # e.g. 'retrieval/top1': keep *_best.safetensors by it instead of val loss
+
+# %% ../nbs/01_config.ipynb #a0c6cdf9
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+"An `experiment_id`: 1 to 128 letters, digits, '.', '_' or '-' (and neither '.' nor '..')."
+
+def check_experiment_id(value):
+    "Raise `ConfigError` naming the value and the rule when `value` (a string, or null) is not a `RUN_NAME`."
+    if value is not None and not isinstance(value, str): return value   # not text: `coerce` says so
+    if not value: why = "is empty"
+    elif len(value) > 128: why = f"has {len(value)} characters"
+    elif value in (".", ".."): why = "names a folder above or at checkpoint_path, not a run's own"
+    elif not RUN_NAME.fullmatch(value): why = f"contains {next(c for c in value if not RUN_NAME.fullmatch(c))!r}"
+    else: return value
+    shown = "''" if not value else repr(value if len(value) <= 40 else value[:40] + "...")
+    raise ConfigError(f"key 'experiment_id': {shown} {why}; expected 1 to 128 letters, digits, '.', '_' or '-' "
+                      "(not '.' or '..'), e.g. 'demo_lr3e-4': it names the run's folder "
+                      "{checkpoint_path}/{experiment_id}/")
 
 # %% ../nbs/01_config.ipynb #58880a53
 @dataclass
@@ -346,6 +367,9 @@ RANGES: dict[str, Range] = dict(
     controlnet_blocks=AT_LEAST_0)                                                                   # controlnet
 "The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field of each entry)."
 
+# keys whose null means "never": a 0 there is refused with the way to say it
+NULL_TURNS_OFF = {"eval_every": "evaluation", "val_every": "validation"}
+
 def check_range(key: str, value):
     "Raise `ConfigError` naming key, value and expected range when `value` (or an element of it) is outside `RANGES[key]`."
     r = RANGES.get(key)
@@ -354,7 +378,9 @@ def check_range(key: str, value):
         if isinstance(v, str): continue   # e.g. eval_captions: a count, or the captions themselves
         name = key if i is None else f"{key}[{i}]"
         for j, x, rj in zip(range(len(r)), v, r) if isinstance(r, tuple) else [(None, v, r)]:   # entries of several fields
-            if x not in rj: raise ConfigError(f"key '{name if j is None else f'{name}[{j}]'}': {x!r} is out of range; expected {rj}")
+            if x in rj: continue
+            off = f" (null turns {NULL_TURNS_OFF[key]} off)" if key in NULL_TURNS_OFF else ""
+            raise ConfigError(f"key '{name if j is None else f'{name}[{j}]'}': {x!r} is out of range; expected {rj}{off}")
 
 # %% ../nbs/01_config.ipynb #fa44a1ec
 BUILTIN_SECTIONS = tuple(SECTIONS)
@@ -488,6 +514,55 @@ def _to_yaml(v):
     if isinstance(v, dict): return {k: _to_yaml(x) for k, x in v.items()}
     return v
 
+# %% ../nbs/01_config.ipynb #47c65637
+MAX_CONFIG_BYTES = 1 << 20
+"The largest config file read (1 MiB; the official StableCascade ones are under 2 KB)."
+MAX_YAML_VALUES = 100_000
+"The most values (scalars, lists, mappings) a config's YAML may hold, an alias counted once per use."
+
+def _dup_keys(node: yaml.MappingNode):
+    "Raise `ConfigError` naming the key and both lines when a key appears twice in mapping `node` (merge keys aside)."
+    seen = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge": continue
+        first = seen.setdefault((key.tag, key.value), key)
+        if first is key: continue
+        a, b = first.start_mark, key.start_mark
+        at = lambda m: f"line {m.line + 1}" + (f" column {m.column + 1}" if a.line == b.line else "")
+        raise ConfigError(f"key {key.value!r} is given twice in one mapping, on {at(a)} and {at(b)}; keep one "
+                          "(YAML would silently use the last)")
+
+# %% ../nbs/01_config.ipynb #6c22edb7
+class _ConfigLoader(yaml.SafeLoader):
+    "`yaml.SafeLoader` refusing a key twice in one mapping, and more than `MAX_YAML_VALUES` values (aliases expanded)."
+    def __init__(self, stream):
+        super().__init__(stream)
+        # id(node) -> the values it holds with its aliases expanded; a node is in it once it is composed
+        self.sizes = {}
+
+    def compose_node(self, parent, index):
+        alias = self.peek_event() if self.check_event(yaml.AliasEvent) else None
+        node = super().compose_node(parent, index)
+        if alias is not None:
+            if id(node) not in self.sizes:
+                line = alias.start_mark.line + 1
+                raise ConfigError(f"line {line}: alias *{alias.anchor} is inside the value it names")
+            return node
+        if isinstance(node, yaml.MappingNode): _dup_keys(node)
+        kids = [n for kv in node.value for n in kv] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])
+        size = self.sizes[id(node)] = 1 + sum(self.sizes[id(k)] for k in kids)
+        if size > MAX_YAML_VALUES:
+            raise ConfigError(f"line {node.start_mark.line + 1}: more than {MAX_YAML_VALUES} values (each use of a "
+                              "YAML alias *name counts all the values it stands for); a config holds a few hundred")
+        return node
+
+def read_yaml(text: str):
+    "Parse YAML `text` safely (`yaml.SafeLoader` tags) with `_ConfigLoader`'s checks; `ConfigError` names the line."
+    loader = _ConfigLoader(text)
+    try: return loader.get_single_data()
+    finally: loader.dispose()
+
 # %% ../nbs/01_config.ipynb #d5fd8c8a
 # names other trainers (diffusers examples, kohya, OneTrainer) use for our keys, for "did you mean"
 _ALIASES = {"learning_rate": "lr", "train_batch_size": "batch_size", "max_train_steps": "updates",
@@ -507,20 +582,22 @@ def _parse_override(item: str, where: str = "override") -> tuple[str, Any]:
     if "=" not in item: raise ConfigError(f"{where} {item!r}: expected key=value")
     key, raw = item.split("=", 1)
     key = key.strip().split(".")[-1]   # 'train.lr' → 'lr'
-    try: value = yaml.safe_load(raw) if raw.strip() else None
+    try: value = read_yaml(raw) if raw.strip() else None
     except yaml.YAMLError: value = raw
+    except ConfigError as e: raise ConfigError(f"{where} {item!r}: {e}") from None
     return key, value
 
 def _flatten(raw: dict, where: str) -> dict[str, Any]:
     "Accept flat official keys and nested `section: {key: value}` blocks."
-    out = {}
+    out, at = {}, {}
     for k, v in raw.items():
-        if k in SECTIONS and isinstance(v, dict):
-            for k2, v2 in v.items():
-                if KEY_SECTION.get(k2, k) != k:
-                    raise ConfigError(f"{where}: key '{k2}' belongs to section '{KEY_SECTION[k2]}', not '{k}'")
-                out[k2] = v2
-        else: out[k] = v
+        for k2, v2 in v.items() if k in SECTIONS and isinstance(v, dict) else [(k, v)]:
+            if k2 != k and KEY_SECTION.get(k2, k) != k:
+                raise ConfigError(f"{where}: key '{k2}' belongs to section '{KEY_SECTION[k2]}', not '{k}'")
+            # the same key at the top level and in its section's block: which one was meant?
+            here = "the top level" if k2 == k else f"section '{k}'"
+            if k2 in out: raise ConfigError(f"{where}: key '{k2}' is given twice, at {at[k2]} and in {here}; keep one")
+            out[k2], at[k2] = v2, here
     return out
 
 def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str | None = None) -> Config:
@@ -540,6 +617,7 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
         if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
         tp = typing.get_type_hints(SECTIONS[KEY_SECTION[k]])[k]
         try:
+            if k == "experiment_id": check_experiment_id(v)
             sections[KEY_SECTION[k]][k] = coerce(v, tp, k)
             check_range(k, sections[KEY_SECTION[k]][k])
         except ConfigError as e: raise ConfigError(f"{src}: {e}") from None
@@ -555,7 +633,13 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
         path = Path(path)
         if not path.exists(): raise ConfigError(f"config file {str(path)!r} does not exist")
         if path.is_dir(): raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file")
-        try: raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        try:
+            # at most one byte more than the limit is read: a huge file (or /dev/zero) is refused, not loaded
+            with open(path, "rb") as f: data = f.read(MAX_CONFIG_BYTES + 1)
+            if len(data) > MAX_CONFIG_BYTES:
+                raise ConfigError(f"more than {MAX_CONFIG_BYTES} bytes; a config is a few KB")
+            raw = read_yaml(data.decode("utf-8")) or {}
+        except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
         except yaml.YAMLError as e: raise ConfigError(f"{path}: not valid YAML: {e}") from None
         except UnicodeDecodeError as e: raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); expected a YAML file") from None
         except OSError as e: raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
@@ -595,7 +679,10 @@ def resolve_mode(cfg: Config, where: str = "config") -> type:
         raise ConfigError(f"{where}: key 'mode': unknown training mode {t.mode!r}"
                           + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
                           + f" (registered: {', '.join(TRAINING_MODES)}; a mode defined elsewhere needs its module in 'imports')")
-    try: TRAINING_MODES[t.mode].check_config(cfg)
+    try:
+        TRAINING_MODES[t.mode].check_config(cfg)
+        # a mode trains the stages it declares (`TrainingMode.for_stage`): said now, not after the models are built
+        if cfg.model.stage is not None: TRAINING_MODES[t.mode].for_stage(cfg.model.stage)
     except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
     return TRAINING_MODES[t.mode]
 
@@ -707,14 +794,15 @@ def cli_errors(*errors: type[BaseException]):
         print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {error_line(e)}", file=sys.stderr)
         sys.exit(2)
 
-def at_least(lo: int):
-    "An argparse `type`: an integer >= `lo` (e.g. `--n 0` is refused when the option is parsed)."
+def at_least(lo: int, at_most: int | None = None):
+    "An argparse `type`: an integer >= `lo` (and <= `at_most`), e.g. `--n 0` is refused when the option is parsed."
     def parse(text: str) -> int:
         try: v = int(text)
         except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if v < lo: raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
+        if at_most is not None and v > at_most: raise argparse.ArgumentTypeError(f"{v} must be <= {at_most}")
         return v
-    parse.__name__ = f"integer >= {lo}"
+    parse.__name__ = f"integer >= {lo}" + (f" and <= {at_most}" if at_most is not None else "")
     return parse
 
 def output_dir(path, option: str = "--out") -> Path:

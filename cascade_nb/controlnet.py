@@ -327,8 +327,21 @@ class ControlNetTraining(TrainingMode):
             rows["ControlNet backbone activations"] = batch * px * EFFNET_SAVED_PER_PIXEL * prec.compute
         return MemoryTerms(sum(p.numel() for p in meta_controlnet(cfg, generator).parameters()), 4, "none", rows)
 
+    @classmethod
+    def released_generator(cls, cfg, run, ema: bool = True):
+        "(the run's base generator with its `controlnet.safetensors` attached, that file): how a finished run samples."
+        from pathlib import Path
+        from cascade_nb.lora import lora_base_generator
+        path = Path(run)/"controlnet.safetensors"
+        if not path.exists(): raise FileNotFoundError(f"{run} has no controlnet.safetensors yet")
+        base = lora_base_generator(cfg, run, what="ControlNet")
+        return ControlNetNet(base, load_controlnet(path, cfg.controlnet.controlnet_blocks)), path
+
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         c = cfg.controlnet
+        # a released run (`released_generator`): the base and the trained ControlNet come loaded
+        released = generator.controlnet if isinstance(generator, ControlNetNet) else None
+        if released is not None: generator = generator.generator
         self.cfg, self.space, self.compute_dtype = cfg, space, compute_dtype
         self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
         if cfg.train.ema_start_iters is not None: warnings.warn("ControlNet training keeps no EMA (ema_* keys are ignored)")
@@ -347,10 +360,11 @@ class ControlNetTraining(TrainingMode):
         backbone_state = None
         if mode == "effnet" and effnet is not None and not c.controlnet_checkpoint_path:
             backbone_state = effnet.backbone.state_dict()          # Stage C's fine-tuned EfficientNetV2-S as the start
-        elif mode == "effnet" and not c.controlnet_checkpoint_path:
+        elif mode == "effnet" and not c.controlnet_checkpoint_path and released is None:
             warnings.warn("ControlNet 'effnet' bottleneck starts from random weights (no effnet_checkpoint_path): "
                           "the reference starts from ImageNet EfficientNetV2-S")
-        if c.controlnet_checkpoint_path:
+        if released is not None: controlnet = released
+        elif c.controlnet_checkpoint_path:
             controlnet = load_controlnet(c.controlnet_checkpoint_path, c.controlnet_blocks)
         else:
             controlnet = ControlNet(self.filter.num_channels, widths.pop(), c.controlnet_blocks, mode, backbone_state)

@@ -240,8 +240,8 @@ def student_states(model, gdf, x: torch.Tensor, t_n: torch.Tensor, phases: int, 
     "The student's DDIM trajectory from pure noise `x` (t = 1) through its phase edges k/`phases` down to `t_n` (one per sample)."
     t, x = torch.ones_like(t_n), x.float()
     for k in range(phases - 1, -1, -1):   # the step from edge (k+1)/P towards k/P, stopping at t_n
+        # no early exit once every sample has arrived: under FSDP each process must run the same number of forwards
         t_next = torch.maximum(torch.full_like(t, k / phases), t_n)
-        if not bool((t_next < t).any()): break
         l, l_next = (gdf.schedule(v, shift=shift).to(x.device) for v in (t, t_next))
         x, t = consistency_fn(model, gdf, x, l, conds, 0., l_next), t_next   # the phased consistency jump; x itself where t stays
     return x
@@ -307,6 +307,8 @@ class LCMTraining(TeacherMode):
     def target(self, net) -> nn.Module:
         "The network whose consistency output is the target: the EMA target network, or (LCM-LoRA) the student itself, as diffusers."
         return net if self.lora else _inner(net).target
+    # evaluation scores what the run releases as generator_ema and the sample CLI samples: the target network
+    evaluated = target
     def after_update(self, state):
         if not self.lora: ema_update_(self.net.target, self.net.student, self.cfg.distill.target_ema_beta)
     def released(self, accelerator, net) -> dict:

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/eval.html.md"""
 
 # %% ../nbs/43_eval.ipynb #9b0a8053
 from __future__ import annotations
-import argparse, contextlib, dataclasses, functools, json, math, sys
+import argparse, contextlib, dataclasses, functools, json, math, sys, warnings
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,10 @@ def retrieval_ranks(sample_feats: torch.Tensor, sample_labels, ref_feats: torch.
     same = sample_labels[:, None] == ref_labels[None, :]                       # (S, R)
     if not same.any(1).all(): raise ValueError("every sample label needs at least one reference image with that label")
     own = d.masked_fill(~same, math.inf).min(1).values                         # (S,) nearest image of its own caption
-    return ((d < own[:, None]) & ~same).sum(1)
+    ranks = ((d < own[:, None]) & ~same).sum(1)
+    # a non-finite sample (a diverged model's NaN) is nearest to nothing: the worst rank, not the best
+    worst = len(torch.unique(ref_labels)) - 1
+    return torch.where(torch.isfinite(sample_feats).all(1), ranks, torch.full_like(ranks, worst))
 
 def retrieval_scores(ranks: torch.Tensor, ks=(1, 5)) -> dict:
     "Top-k accuracies and the median rank from `retrieval_ranks`."
@@ -55,11 +58,14 @@ def _result_key(name: str, key: str) -> str: return f"{name}/{key}" if key else 
 class _InceptionMetric:
     "Shared plumbing of FID/KID: a torchmetrics image metric fed reference images as real, samples as fake."
     def __call__(self, samples, captions, ref_images, ref_captions) -> dict:
+        # a non-finite sample is infinitely far from the reference distribution
+        if not torch.isfinite(samples).all(): return self._result_of_inf()
         m = self.metric.to(samples.device)
         m.reset()
         m.update(ref_images.to(samples.device).float(), real=True)
         m.update(samples.float(), real=False)
         return self._result(m.compute())
+    def _result_of_inf(self) -> dict: return {k: math.inf if g == "min" else math.nan for k, g in self.goals.items()}
 
 @register_metric
 class FID(_InceptionMetric):
@@ -102,11 +108,14 @@ class CLIPScore:
     @torch.no_grad()
     def __call__(self, samples, captions, ref_images, ref_captions) -> dict:
         m, dev = self.model.to(samples.device), samples.device
-        pixels = list((samples.clamp(0, 1) * 255).round().to(torch.uint8).cpu())   # the processor rescales 0..255
+        finite = torch.isfinite(samples).flatten(1).all(1)
+        # the processor rescales 0..255; a non-finite sample scores 0, the worst
+        pixels = list((samples.nan_to_num(0).clamp(0, 1) * 255).round().to(torch.uint8).cpu())
         inp = self.processor(text=list(captions), images=pixels, return_tensors="pt", padding=True, truncation=True)
         img = _embeds(m.get_image_features(pixel_values=inp["pixel_values"].to(dev)))
         txt = _embeds(m.get_text_features(input_ids=inp["input_ids"].to(dev), attention_mask=inp["attention_mask"].to(dev)))
-        return {"": (100 * F.cosine_similarity(img, txt).clamp(min=0)).mean().item()}
+        score = (100 * F.cosine_similarity(img, txt).clamp(min=0)).where(finite.to(dev), 0.)
+        return {"": score.mean().item()}
 
 # %% ../nbs/43_eval.ipynb #1443c44f
 @register_metric
@@ -125,15 +134,16 @@ class Retrieval:
 
 # %% ../nbs/43_eval.ipynb #05bf2281
 def reference_set(cfg: Config, source=None, max_images: int = 4096) -> tuple[torch.Tensor, list[str]]:
-    "(images in [0, 1], captions) of `source` (default: the run's training data), read once in order, centre-cropped."
-    from cascade_nb.data.pipeline import dataloader_from_config
-    from cascade_nb.train import _val_data
-    data = dataclasses.replace(cfg.data, val_webdataset_path=source or cfg.data.webdataset_path, multi_aspect_ratio=None)
+    """(images in [0, 1], captions) of `source` (default: the run's training data), read once in order, centre-cropped,
+    whole on every process (`whole_source`): the same reference set on 1 or N processes."""
+    from cascade_nb.train import whole_source
+    source = source or cfg.data.webdataset_path
+    square = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, multi_aspect_ratio=None))
     images, captions = [], []
-    for batch in dataloader_from_config(_val_data(dataclasses.replace(cfg, data=data)), 64, drop_last=False):
+    for batch in whole_source(square, source, 64, drop_last=False):
         images.append(images_to_device(batch["images"], "cpu")); captions += list(batch["captions"])
         if len(captions) >= max_images: break
-    if not captions: raise ConfigError(f"evaluation: the reference data {data.val_webdataset_path!r} yielded no image")
+    if not captions: raise ConfigError(f"evaluation: the reference data {source!r} yielded no image")
     return torch.cat(images)[:max_images], captions[:max_images]
 
 def pick_captions(spec, ref_captions: list[str]) -> list[str]:
@@ -174,7 +184,8 @@ class Evaluator:
 
     def improved(self, results: dict, state) -> bool:
         "Whether `results` beat `state.best_metric_value` (a `TrainState`'s); if so, recorded there with `state.update`."
-        if not self.best_metric: return False
+        # weights that sample NaN are never the best, whatever the metric made of them
+        if not self.best_metric or results.get("nonfinite_samples"): return False
         v, goal, best = results[self.best_metric], self.goals[self.best_metric], state.best_metric_value
         if best is not None and not (v > best if goal == "max" else v < best): return False
         state.best_metric_value, state.best_metric_update = v, state.update
@@ -190,6 +201,11 @@ def evaluate_run(evaluator: Evaluator, mode, gdf, net=None, device="cpu") -> tup
     for name, metric in evaluator.metrics.items():
         res = metric(samples, evaluator.captions, evaluator.ref_images, evaluator.ref_captions)
         out.update({_result_key(name, k): v for k, v in res.items()})
+    # a diverged model: every metric scored its non-finite samples as the worst; said, and never a new best
+    if bad := int((~torch.isfinite(samples.flatten(1))).any(1).sum()):
+        out["nonfinite_samples"] = bad
+        warnings.warn(f"evaluation: {bad} of {len(samples)} samples are not finite (NaN or inf: a diverged model?); "
+                      "each metric scored them as its worst value")
     return out, samples
 
 # %% ../nbs/43_eval.ipynb #26a783d6
@@ -198,7 +214,9 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
     update = state.update
     from accelerate.utils import broadcast_object_list
     # an `EMA` computes through `ema_weights` (under FSDP: the sharded `net` with the EMA's shards swapped in, all processes)
-    with ema_weights(ema, acc.unwrap_model(net)) if ema is not None else contextlib.nullcontext(acc.unwrap_model(net)) as model:
+    # without one, the mode says which weights it releases as the run's (an lcm student's target network)
+    plain = contextlib.nullcontext(mode.evaluated(acc.unwrap_model(net)))
+    with ema_weights(ema, acc.unwrap_model(net)) if ema is not None else plain as model:
         was_training = model.training
         results, samples = evaluate_run(evaluator, mode, gdf, net=model.eval(), device=acc.device)
         model.train(was_training)
@@ -210,7 +228,8 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
     ema_sd = gather_ema(ema) if best and ema is not None else {}   # so does a sharded EMA
     if acc.is_main_process:
         with open(metrics_path, "a") as f: f.write(json.dumps({"update": update, **logged}) + "\n")
-        _save_eval_grid(evaluator, samples, Path(out_dir)/f"eval_{update:06d}.png")
+        from cascade_nb.train import tracker_image
+        tracker_image(acc, "eval", _save_eval_grid(evaluator, samples, Path(out_dir)/f"eval_{update:06d}.png"), update)
         for name, sd in released.items():
             fname = f"{name}_ema_best.safetensors" if ema is not None else f"{name}_best.safetensors"
             save_safetensors_atomic(ema_sd if ema is not None else sd, run_dir.path/fname)
@@ -227,8 +246,8 @@ def _save_eval_grid(evaluator: Evaluator, samples, path, n: int = 16):
     caps = evaluator.captions[:n]
     rows = {"sample": samples[:n]}
     if all(c in first for c in caps): rows["data"] = evaluator.ref_images[[first[c] for c in caps]]
-    save_sample_grid(rows, path)
     Path(path).with_suffix(".txt").write_text("\n".join(caps) + "\n")
+    return save_sample_grid(rows, path)
 
 # %% ../nbs/43_eval.ipynb #e1a0c005
 @training_hook("eval")
@@ -242,18 +261,28 @@ class InTrainingEvaluation:
             eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path, run.run_dir, run.out_dir)
 
 # %% ../nbs/43_eval.ipynb #19c64264
+def _finite(text: str) -> float:
+    "An argparse `type`: a finite number (`--cfg nan` is refused when parsed)."
+    try: v = float(text)
+    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v): raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return v
+_finite.__name__ = "finite number"
+
 def _parser() -> argparse.ArgumentParser:
+    from cascade_nb.config import at_least
     p = argparse.ArgumentParser(prog="python -m cascade_nb.eval", description="Evaluate cascade_nb training runs: caption "
                                 "retrieval, FID/KID, CLIP score of samples for fixed captions and seeds.")
     p.add_argument("--checkpoint", action="append", required=True, help="run directory {checkpoint_path}/{experiment_id} (repeat to compare)")
     p.add_argument("--metrics", nargs="+", default=None, help=f"some of {sorted(METRICS)} (default: the run's eval_metrics)")
-    p.add_argument("--captions", type=int, default=None, help="number of captions (default: the run's eval_captions)")
+    p.add_argument("--captions", type=at_least(1), default=None, help="number of captions (default: the run's eval_captions)")
     p.add_argument("--reference", default=None, help="reference images (data source; default: the run's eval_reference or training data)")
-    p.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sample_steps)")
-    p.add_argument("--cfg", type=float, default=None, help="CFG scale (default: the run's sample_cfg)")
+    p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
+    p.add_argument("--cfg", type=_finite, default=None, help="CFG scale (default: the run's sample_cfg)")
     p.add_argument("--sampler", choices=sorted(SAMPLERS), default=None, help="sampler (default: the run's sample_sampler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
+    p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")
     return p
 
@@ -261,10 +290,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> dict:
     "`python -m cascade_nb.eval`: {run: {metric: value}} for each --checkpoint, printed as a table."
     a = _parser().parse_args(argv)
-    results, evaluator = [], None
+    results, weights, evaluator = [], [], None
     try:
         for run in a.checkpoint:
-            mode, gdf, cfg = load_run(run, ema=not a.no_ema)
+            mode, gdf, cfg = load_run(run, ema=not a.no_ema, best=a.best)
+            weights.append(mode.weights_file)
             if a.reference: cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, eval_reference=a.reference))
             shared = dict(captions=evaluator.captions, reference=(evaluator.ref_images, evaluator.ref_captions)) if evaluator else {}
             evaluator = Evaluator(cfg, metrics=a.metrics, captions=shared.get("captions", a.captions), reference=shared.get("reference"),
@@ -275,9 +305,12 @@ def main(argv=None) -> dict:
     keys = list(dict.fromkeys(k for r in results for k in r))
     print(f"{len(evaluator.captions)} captions, seed {a.seed}, {len(evaluator.ref_captions)} reference images")
     print("\t".join(["metric", *a.checkpoint]))
+    print("\t".join(["weights", *(Path(w).name for w in weights)]))
     for k in keys: print("\t".join([k, *(f"{r[k]:.4g}" if k in r else "-" for r in results)]))
     by_run = dict(zip(a.checkpoint, results))
-    if a.json: Path(a.json).write_text(json.dumps(by_run, indent=1) + "\n")
+    if a.json:
+        try: Path(a.json).write_text(json.dumps(by_run, indent=1) + "\n")
+        except OSError as e: print(f"error: --json {a.json}: {e.strerror or e}", file=sys.stderr); sys.exit(2)
     return by_run
 
 if __name__ == "__main__" and "__file__" in globals(): main()

@@ -23,8 +23,8 @@ from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode
 
 # %% auto #0
 __all__ = ['COMPRESSION_C', 'COMPRESSION_A', 'latent_sizes', 'pipeline_dtype', 'to_tensor01', 'to_pil', 'CascadeOutput',
-           'stage_c_weights_loader', 'dir_sources', 'expand_prompts', 'ModelStore', 'CascadePipeline', 'img2img_start',
-           'write_tiny_checkpoints']
+           'stage_c_weights_loader', 'run_text_loader', 'dir_sources', 'expand_prompts', 'ModelStore',
+           'CascadePipeline', 'img2img_start', 'write_tiny_checkpoints']
 
 # %% ../nbs/50_inference.ipynb #263bdaf2
 COMPRESSION_C = 42.67  # image pixels per Stage C latent pixel (1024 / 24)
@@ -109,6 +109,20 @@ def stage_c_weights_loader(path, preset: str | None, dtype, device) -> Callable:
     from cascade_nb.models.stage_c import load_stage_c
     return lambda: load_stage_c(path, preset=preset, dtype=dtype, device=device)
 
+def run_text_loader(path, tokenizer, load_text: Callable) -> Callable:
+    "`load_text`, and for a training run directory what the run trained in the text encoder added (a LoRA's tokens)."
+    path = Path(path)
+    if not path.is_dir(): return load_text
+    from cascade_nb.sample import run_config
+    from cascade_nb.config import resolve_mode
+    cfg = run_config(path)
+    def load():
+        # each load (offload reloads): the prompts are tokenized after the text encoder is loaded
+        text_model = load_text()
+        resolve_mode(cfg).add_released_tokens(cfg, path, tokenizer, text_model)
+        return text_model
+    return load
+
 def dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype) -> dict:
     "The pipeline's models in a directory (official checkpoints or diffusers folders), as lazy loaders, and the tokenizer."
     from cascade_nb.models.stage_c import load_stage_c
@@ -188,11 +202,14 @@ class CascadePipeline(ModelStore):
     def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
                  image_encoder=None, device=None, dtype=None, offload: bool = False, stage_c_weights=None) -> CascadePipeline:
         """Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders (prior/, decoder/, vqgan/);
-        `stage_c_weights` (a file or a training run directory, e.g. a distilled student) replaces the directory's Stage C."""
+        `stage_c_weights` (a file or a training run directory, e.g. a distilled student or a LoRA run with its tokens)
+        replaces the directory's Stage C."""
         device = torch.device(device) if device is not None else default_device()
         dtype = pipeline_dtype(device, dtype)
         sources = dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype)
-        if stage_c_weights is not None: sources["stage_c"] = stage_c_weights_loader(stage_c_weights, stage_c, dtype, device)
+        if stage_c_weights is not None:
+            sources["stage_c"] = stage_c_weights_loader(stage_c_weights, stage_c, dtype, device)
+            sources["text_model"] = run_text_loader(stage_c_weights, sources["tokenizer"], sources["text_model"])
         return cls(**sources, device=device, dtype=dtype, offload=offload)
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""`python -m cascade_nb.launch [accelerate launch options] cascade_nb/train.py CONFIG.yaml`: `accelerate launch` with a launcher that survives SIGTERM/SIGINT, forwards them to the training processes and exits with their status (0 after the save).
+"""`python -m cascade_nb.launch [accelerate launch options] cascade_nb/train.py CONFIG.yaml`: `accelerate launch` with a launcher that survives SIGTERM/SIGINT/SIGHUP, forwards them to the training processes and exits with their status (0 after the save).
 
 Docs: https://cascade-nb.github.io/cascade_nb/launch.html.md"""
 
@@ -10,10 +10,10 @@ import contextlib, os, signal, subprocess, sys, time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['STOP_SIGNALS', 'descendants', 'catches', 'launch', 'main']
+__all__ = ['STOP_SIGNALS', 'LAUNCH_DEFAULTS', 'descendants', 'catches', 'launch', 'main', 'launch_args']
 
 # %% ../nbs/48_launch.ipynb #16d60a31
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # SIGHUP: a closed terminal or SSH session
 
 def descendants(pid: int) -> list[int]:
     "Every live process below `pid` (read from /proc; Linux)."
@@ -37,9 +37,9 @@ def catches(pid: int, sig: int) -> bool:
     return bool(mask >> (int(sig) - 1) & 1)
 
 def launch(args: list[str], resend_every: float = 5.0) -> int:
-    "Run `accelerate launch *args` with its launcher immune to SIGTERM/SIGINT; forward them to the trainers; its exit status."
-    # torchrun's agent: handle only SIGHUP/SIGQUIT, leave TERM/INT ignored (its --signals-to-handle, read from PET_*)
-    env = {**os.environ, "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
+    "Run `accelerate launch *args` with its launcher immune to SIGTERM/SIGINT/SIGHUP; forward them to the trainers; its exit status."
+    # torchrun's agent: handle only SIGQUIT, leave TERM/INT/HUP ignored (its --signals-to-handle, read from PET_*)
+    env = {**os.environ, "PET_SIGNALS_TO_HANDLE": "SIGQUIT", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT"}
     ignore = lambda: [signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS]
     proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", *args], env=env, preexec_fn=ignore)
     delivered, stopping = set(), [0.0]   # pids that were listening when told; when the last forward happened
@@ -60,11 +60,31 @@ def launch(args: list[str], resend_every: float = 5.0) -> int:
     return proc.returncode
 
 def main(argv=None) -> int:
-    "`python -m cascade_nb.launch ARGS`: exactly `accelerate launch ARGS`, but a stop signal ends in a save and exit 0."
+    "`python -m cascade_nb.launch ARGS`: `accelerate launch ARGS` (`launch_args`), but a stop signal ends in a save and exit 0."
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(main.__doc__ + "\n" + launch.__doc__); return 0 if args else 2
-    return launch(args)
+    return launch(launch_args(args))
+
+# %% ../nbs/48_launch.ipynb #a981546e
+LAUNCH_DEFAULTS = {"--num_machines": "1", "--mixed_precision": "no", "--dynamo_backend": "no"}
+
+def launch_args(args: list[str], gpus: int | None = None) -> list[str]:
+    "`args` for `accelerate launch` with `--quiet` and, when no launch config applies, accelerate's defaults spelled out."
+    from accelerate.commands.config import default_config_file
+    script = next((i for i, a in enumerate(args) if a.endswith(".py") or a == "-m"), len(args))
+    options = args[:script]
+    given = {a.split("=")[0] for a in options if a.startswith("--")}
+    extra = [] if {"--quiet", "-q"} & {*options} else ["--quiet"]
+    if "--config_file" not in given and not Path(default_config_file).is_file():
+        if gpus is None:
+            import torch
+            gpus = torch.cuda.device_count()
+        defaults = {"--num_processes": str(max(gpus, 1)), **LAUNCH_DEFAULTS}
+        extra += [x for k, v in defaults.items() if k not in given for x in (k, v)]
+        # accelerate's own rule: several GPUs and no launch config is a multi-GPU launch
+        if gpus > 1 and "--multi_gpu" not in given and "--num_processes" not in given: extra.append("--multi_gpu")
+    return [*options, *extra, *args[script:]]
 
 # %% ../nbs/48_launch.ipynb #249f0758
 if __name__ == "__main__" and not hasattr(sys, "ps1") and "ipykernel" not in sys.modules:

@@ -210,7 +210,8 @@ class TokenDeltas(nn.Module):
 
     def rows(self) -> torch.Tensor:
         "The current embeddings of the trained tokens, (n, d)."
-        return self.base.weight[self.ids].float() + _full(self.delta).float()
+        # under FSDP2 the frozen table and the delta may both be sharded: full tensors on every process (collective)
+        return _full(self.base.weight)[self.ids].float() + _full(self.delta).float()
 
 # %% ../nbs/60_lora.ipynb #8f8f583c
 def _is_new_token(token: str) -> bool:
@@ -265,14 +266,16 @@ def load_tokens(tokenizer, text_model, lora: dict) -> list[str]:
     "Add the tokens of a LoRA file to `tokenizer` and write their embeddings into `text_model` (for inference)."
     if "tokens.ids" not in lora: return []
     names = json.loads(bytes(lora["tokens.names"].tolist()).decode())
+    if not names: return []
     if isinstance(text_model.get_input_embeddings(), TokenDeltas): raise ValueError("load_tokens: text model is being trained")
-    missing = [n for n in names if n not in tokenizer.get_vocab()]
-    if missing:
-        tokenizer.add_tokens(missing)
+    tokenizer.add_tokens([n for n in names if n not in tokenizer.get_vocab()])
+    ids = tokenizer.convert_tokens_to_ids(names)
+    # a fresh text encoder may meet a tokenizer that already holds the names (a pipeline reloading an offloaded one)
+    if max(ids) >= text_model.get_input_embeddings().num_embeddings:
         text_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        _pool_at_first_eos(text_model, tokenizer.eos_token_id)
+    if max(ids) > tokenizer.eos_token_id: _pool_at_first_eos(text_model, tokenizer.eos_token_id)
     E = text_model.get_input_embeddings().weight
-    for n, e in zip(names, lora["tokens.embeddings"]): E[tokenizer.convert_tokens_to_ids(n)] = e.to(E)
+    for i, e in zip(ids, lora["tokens.embeddings"]): E[i] = e.to(E)
     return names
 
 # %% ../nbs/60_lora.ipynb #edabb6b7
@@ -482,22 +485,21 @@ class LoraNet(nn.Module):
         return self.generator(x, r, **conds)
 
 # %% ../nbs/60_lora.ipynb #a6c0d875
-def lora_base_generator(cfg, run) -> nn.Module:
-    "The generator a LoRA run's adapters were trained on: the run's saved `generator_checkpoint_path`."
+def lora_base_generator(cfg, run, what: str = "LoRA") -> nn.Module:
+    "The generator a run's LoRA or ControlNet (`what`) was trained on: its saved `generator_checkpoint_path`."
     from dataclasses import replace
     from cascade_nb.modes import build_generator
     base = json.loads((Path(run)/"info.json").read_text())["config"].get("generator_checkpoint_path")
-    if not base: raise ValueError(f"{run}: its LoRA was trained on a randomly initialised generator (no generator_checkpoint_path), "
+    if not base: raise ValueError(f"{run}: its {what} was trained on a randomly initialised generator (no generator_checkpoint_path), "
                                   "so there is no base to sample it with")
-    if not Path(base).exists(): raise FileNotFoundError(f"{run}: the base generator its LoRA was trained on, {base}, is not here")
+    if not Path(base).exists(): raise FileNotFoundError(f"{run}: the base generator its {what} was trained on, {base}, is not here")
     return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
 
 def merged_lora_run(cfg, run, base: nn.Module) -> tuple[nn.Module, Path]:
     "(`base` with the run's `lora.safetensors` merged in, that file): how a LoRA run samples (`TrainingMode.released_generator`)."
     path = Path(run)/"lora.safetensors"
     if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
-    if cfg.lora.train_tokens: raise ValueError(f"{run} trained tokens {list(cfg.lora.train_tokens)}: sample it with a pipeline and "
-                                               "load_lora_file(path, stage_c, tokenizer, text_model), which adds them")
+    # the adapters; the trained tokens go into a text encoder (`LoraTraining.add_released_tokens`)
     load_lora_file(path, base)
     return base, path
 
@@ -566,6 +568,7 @@ class LoraTraining(TrainingMode):
 
     def encode(self, batch, device, training=True, rng=None):
         "Batch → (x0, conds); with trained tokens the conds hold token ids that `net` encodes with gradients."
+        if training: self._count_micro_step()
         if not self.tokens: return self.full.encode(batch, device, training, rng)
         if "text" in batch or "captions" not in batch:
             raise ValueError("train_tokens needs the captions of each batch (not cached text embeddings): "
@@ -588,6 +591,17 @@ class LoraTraining(TrainingMode):
         emb = self.text_model.get_input_embeddings() if self.tokens else None
         return [*lora_layers(self.net.generator).values(), *([emb] if isinstance(emb, TokenDeltas) else [])]
 
+    micro_steps = 0   # training micro-steps encoded so far under `frozen_dropout: reference`
+    def frozen_train_modules(self, net) -> list:
+        "`frozen_dropout: reference`: the generator in train mode for micro-step 1 only, as train_c_lora.py."
+        return super().frozen_train_modules(net) if self.micro_steps <= 1 else []
+
+    def _count_micro_step(self):
+        "train_c_lora.py's first sample() (after micro-step 1) leaves the generator in eval: from micro-step 2 on here."
+        if self.cfg.train.frozen_dropout != "reference": return
+        self.micro_steps += 1
+        if self.micro_steps == 2: self.train_mode(self.net)
+
     def uncond(self, conds: dict) -> dict:
         "Unconditional inputs for CFG: the empty caption (as ids when tokens train), zero image embedding."
         if not self.tokens: return self.full.uncond(conds)
@@ -606,3 +620,16 @@ class LoraTraining(TrainingMode):
     def released_generator(cls, cfg, run, ema: bool = True):
         "The base generator with the run's `lora.safetensors` merged in (see `merged_lora_run`)."
         return merged_lora_run(cfg, run, lora_base_generator(cfg, run))
+
+    @classmethod
+    def add_released_tokens(cls, cfg, run, tokenizer, text_model) -> list[str]:
+        "The run's trained tokens (`lora.safetensors`) added to `tokenizer`, written into `text_model` (`load_tokens`)."
+        from safetensors.torch import load_file
+        path = Path(run)/"lora.safetensors"
+        if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
+        return load_tokens(tokenizer, text_model, load_file(str(path)))
+
+    @classmethod
+    def inference(cls, cfg, *models, **kw):
+        "A released run samples as a plain Stage C: adapters merged (`released_generator`), tokens in the text encoder."
+        return FullTraining.build(cfg, *models, **kw)

@@ -15,9 +15,10 @@ from .config import Config, ConfigError, TRAINING_MODES
 from .gdf.presets import training_shift
 
 # %% auto #0
-__all__ = ['build_generator', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace',
-           'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'stage_c_inputs', 'unwrap_state_dict',
-           'MemoryTerms', 'TrainingMode', 'training_mode', 'build_training_mode', 'FullTraining', 'StageBTraining']
+__all__ = ['build_generator', 'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
+           'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'stage_c_inputs',
+           'unwrap_state_dict', 'MemoryTerms', 'TrainingMode', 'training_mode', 'build_training_mode', 'FullTraining',
+           'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #a59c23d0
 def build_generator(cfg: Config) -> nn.Module:
@@ -35,6 +36,26 @@ def build_generator(cfg: Config) -> nn.Module:
         else: model = StageB.from_preset(m.model_version, **m.model_overrides)
     if m.gradient_checkpointing: model.gradient_checkpointing = True
     return model.to(resolve_dtype(m.dtype))
+
+# %% ../nbs/40b_modes.ipynb #05a81fdb
+def check_model_overrides(cfg: Config):
+    "Build the config's generator on the meta device (no memory): bad `model_overrides` give one ConfigError."
+    import difflib, inspect
+    from cascade_nb.config import error_line
+    m = cfg.model
+    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls
+    else: from cascade_nb.models.stage_c import StageC as cls
+    args = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+    for k in m.model_overrides:
+        if k in args: continue
+        close = difflib.get_close_matches(k, args, n=3)
+        raise ConfigError(f"key 'model_overrides': {k!r} is not an argument of {cls.__name__}"
+                          + (f"; did you mean {', '.join(map(repr, close))}?" if close else f" (its arguments: {', '.join(args)})"))
+    try:
+        with torch.device("meta"): cls.from_preset(m.model_version, **m.model_overrides)
+    except Exception as e:
+        raise ConfigError(f"key 'model_overrides': {m.model_overrides} does not build a {cls.__name__} "
+                          f"{m.model_version!r}: {error_line(e)}") from None
 
 # %% ../nbs/40b_modes.ipynb #a0c5feb5
 def build_text_encoder(cfg: Config, device=None, dtype=torch.float32):
@@ -177,6 +198,7 @@ class TrainingMode:
     "The training-mode protocol; every hook has a default (Stage C full fine-tuning). See the table above."
     supports_ema = True          # keep an EMA of `net` (ema_* keys); False where `net` holds a frozen generator
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
+    stages = ("c",)              # the stages it trains (`encode` makes Stage C's inputs); StageBTraining's: ("b",)
     name = None                  # set by @training_mode
 
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,
@@ -191,7 +213,18 @@ class TrainingMode:
     @classmethod
     def check_config(cls, cfg: Config): pass                  # raise ConfigError; may fill defaults (e.g. LoRA rank)
     @classmethod
-    def build(cls, cfg: Config, *models, **kw) -> "TrainingMode": return cls(cfg, *models, **kw)
+    def for_stage(cls, stage: str) -> type:
+        "The class that trains `stage`: this one if it is in `stages`, else a ConfigError that says what to do."
+        if stage in cls.stages: return cls
+        base = {"b": "StageBTraining", "c": "FullTraining"}.get(stage, "TrainingMode")
+        trains = "/".join(s.upper() for s in cls.stages)
+        raise ConfigError(f"mode {cls.name!r} ({cls.__module__}.{cls.__qualname__}) trains Stage {trains} only "
+                          f"(its `stages` is {cls.stages}), but this config trains Stage {stage.upper()}: subclass "
+                          f"cascade_nb.modes.{base}, which makes Stage {stage.upper()}'s inputs, or set `stages` "
+                          "and override `encode`/`uncond`/`epsilon`")
+    @classmethod
+    def build(cls, cfg: Config, *models, **kw) -> "TrainingMode":
+        return cls.for_stage(cfg.model.stage)(cfg, *models, **kw)
     @classmethod
     def inference(cls, cfg: Config, *models, **kw) -> "TrainingMode":
         "The mode that samples a released run (e.g. a distilled student samples as a plain generator); default: `build`."
@@ -209,6 +242,10 @@ class TrainingMode:
         generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
         return generator, weights
     @classmethod
+    def add_released_tokens(cls, cfg: Config, run, tokenizer, text_model) -> list[str]:
+        "Add what a finished run trained in the text encoder to `tokenizer`, `text_model` (LoRA: tokens); their names."
+        return []
+    @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
         return MemoryTerms(sum(p.numel() for p in generator.parameters()), resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize)
 
@@ -222,15 +259,24 @@ class TrainingMode:
     def epsilon(self, x0, rng=None): return None               # None: GDF draws Gaussian noise
     def loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
         "(weighted mean loss, per-sample raw loss, Diffused) of one micro-batch; runs under the loop's autocast."
-        return diffusion_loss(net, gdf, x0, conds, rng=rng, shift=training_shift(self.cfg), epsilon=self.epsilon(x0, rng), **kw)
+        # `epsilon` given (validation's fixed noise) or drawn by the mode
+        eps = kw.pop("epsilon") if "epsilon" in kw else self.epsilon(x0, rng)
+        return diffusion_loss(net, gdf, x0, conds, rng=rng, shift=training_shift(self.cfg), epsilon=eps, **kw)
     def trainable_modules(self, net) -> list[nn.Module]: return [net]
+    def frozen_train_modules(self, net) -> list[nn.Module]:
+        "Frozen modules also in train mode: none; with `frozen_dropout: reference` the frozen `net.generator`, all run."
+        frozen = getattr(self.net, "generator", None)   # LoRA's and ControlNet's nets hold the frozen generator there
+        return [frozen] if frozen is not None and self.cfg.train.frozen_dropout == "reference" else []
     def train_mode(self, net, training: bool = True):
-        "Everything in `net` in eval mode, then the trainable modules in train mode (dropout only where weights train)."
+        "Everything in `net` in eval mode, then the trainable (and `frozen_train_modules`) in train mode."
         net.train(False)
         if training:
-            for m in self.trainable_modules(net): m.train(True)
+            for m in [*self.frozen_train_modules(net), *self.trainable_modules(net)]: m.train(True)
         return net
     def after_update(self, state): pass                        # after each optimizer update, e.g. a teacher's EMA
+    def evaluated(self, net) -> nn.Module:
+        "What in-training evaluation samples with when there is no EMA: `net`; lcm: its target network, released as EMA."
+        return net
 
     # --- what the run shows and writes
     def preview_rows(self, batch, n: int = 8, size=None) -> dict: return {}
@@ -257,14 +303,17 @@ def build_training_mode(cfg: Config, generator, tokenizer, text_model, image_mod
 class FullTraining(TrainingMode):
     "Stage C full fine-tuning: frozen CLIP conditioning, the whole generator trains, `generator.safetensors` is released."
     @classmethod
-    def build(cls, cfg: Config, *models, **kw):
-        return (StageBTraining if cfg.model.stage == "b" else cls)(cfg, *models, **kw)
+    def for_stage(cls, stage: str) -> type:
+        "`full` trains Stage B with StageBTraining; a subclass keeps its own class and `stages` (Stage C's by default)."
+        if cls is FullTraining: return StageBTraining if stage == "b" else cls
+        return super().for_stage(stage)
 
 # %% ../nbs/40b_modes.ipynb #260bff83
 class StageBTraining(FullTraining):
     """Stage B fine-tuning: Stage A latents, conditions {effnet, clip} (pooled text), pyramid noise.
     As in the reference, the EfficientNet condition is computed from the image downscaled by U(0.5, 1) and dropped
     for 10% of the samples; the pyramid noise uses the latent's real width (explanations/differences_from_reference)."""
+    stages = ("b",)
     def __init__(self, cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model, self.space = cfg, generator, tokenizer, text_model, space
         self.compute_dtype, self.image_model = compute_dtype, None

@@ -6,8 +6,8 @@ Docs: https://cascade-nb.github.io/cascade_nb/run_state.html.md"""
 
 # %% ../nbs/40_run_state.ipynb #8296e4f2
 from __future__ import annotations
-import contextlib, copy, json, math, os, pickle, re, shutil, socket, time, warnings
-from dataclasses import dataclass, asdict
+import contextlib, copy, hashlib, json, math, os, pickle, re, shutil, socket, time, warnings
+from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import nn
@@ -16,9 +16,10 @@ from .core import atomic_write, atomic_write_json, to_pil_grid, save_safetensors
 # %% auto #0
 __all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at',
            'resharded', 'EMA', 'gather_ema', 'ema_weights', 'TrainState', 'training_hook', 'NonFiniteLossError',
-           'check_finite', 'NonFiniteGuard', 'RunDirError', 'RunDirRecord', 'RunDirLock', 'RunDir',
-           'training_generator', 'save_ema', 'save_training_state', 'write_weights', 'fsync_tree', 'load_ema',
-           'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
+           'check_finite', 'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums',
+           'verify_checksums', 'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator', 'save_ema',
+           'save_training_state', 'write_weights', 'fsync_tree', 'load_ema', 'load_training_state',
+           'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 class LRSchedule:
@@ -161,7 +162,19 @@ class TrainState:
     best_metric_update: int | None = None    # the update it was reached at
     def state_dict(self) -> dict: return asdict(self)
     def load_state_dict(self, d: dict):
+        "Set the counters from `d`, refusing what no run writes (a hand-edited file): unknown keys, wrong types, < 0, NaN."
+        known = {f.name: f for f in fields(self)}
+        for k, v in d.items():
+            if k not in known: raise ValueError(f"training state: unknown key {k!r}")
+            if not _counter_ok(k, v): raise ValueError(f"training state: {k} = {v!r} is not a value a run writes")
         for k, v in d.items(): setattr(self, k, v)
+
+def _counter_ok(key: str, v) -> bool:
+    "Whether `v` can be the TrainState field `key`: a count ≥ 0, a loss (inf: none yet), a metric or None where allowed."
+    if key == "best_val_loss": return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    if v is None: return key in ("best_metric_value", "best_metric_update")
+    if key == "best_metric_value": return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 # %% ../nbs/40_run_state.ipynb #e1a0c002
 TRAINING_HOOKS: dict[str, type] = {}
@@ -227,6 +240,17 @@ class NonFiniteGuard:
                                      f"or resume from the last checkpoint; raise `max_nan_steps` to tolerate more.")
         return skipped
 
+# %% ../nbs/40_run_state.ipynb #50aeaa16
+class NonFiniteWeightsError(NonFiniteLossError):
+    "The weights (or their EMA) hold NaN or inf at a save: nothing is committed, the last finite checkpoint stays."
+
+def all_finite(tensors) -> bool:
+    "Every floating-point tensor of `tensors` (a DTensor: this process's shard) is free of NaN and inf."
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and not torch.isfinite(t).all(): return False
+    return True
+
 # %% ../nbs/40_run_state.ipynb #70697275
 class RunDirError(RuntimeError):
     "A run directory that cannot be used (locked, not writable, another model config, unreadable): one clear line."
@@ -235,6 +259,26 @@ RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "cli
                "mode", "module_filters", "rank", "train_tokens", "controlnet_blocks", "controlnet_filter",
                "controlnet_bottleneck_mode", "optimizer")
 "Config keys a run cannot change on resume: they decide the shapes (or kind) of the checkpointed state."
+
+def file_checksums(folder) -> dict:
+    "{relative path: BLAKE2b digest} of every file below `folder`: what a commit records and a resume verifies."
+    out = {}
+    for f in sorted(Path(folder).rglob("*")):
+        if not f.is_file(): continue
+        h = hashlib.blake2b(digest_size=16)
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 23): h.update(chunk)
+        out[str(f.relative_to(folder))] = h.hexdigest()
+    return out
+
+def verify_checksums(folder, recorded: dict | None):
+    "Raise `OSError` naming the first file of `folder` whose content is not what its commit recorded (None: not recorded)."
+    if recorded is None: return
+    now = file_checksums(folder)
+    for name, digest in recorded.items():
+        if now.get(name) != digest:
+            why = "is missing" if name not in now else "changed since it was committed (a damaged disk or a hand edit)"
+            raise OSError(f"{Path(folder)/name} {why}")
 
 class RunDirRecord:
     "What a run directory has committed: info.json naming the latest state dir and the one before it."
@@ -265,10 +309,12 @@ class RunDirRecord:
         info = self.info()
         if info is None: return None
         names = [info["state_dir"], *([info["previous_state_dir"]] if info.get("previous_state_dir") else [])]
+        sums = [info.get("checksums"), info.get("previous_checksums")]
         for i, name in enumerate(names):
             d = self.path/name
             try:
                 if not d.is_dir(): raise FileNotFoundError(2, "No such file or directory", str(d))
+                verify_checksums(d, sums[i])
                 load(d)
                 return d
             except Exception as e:
@@ -283,15 +329,27 @@ class RunDirRecord:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def remove_partial_states(self) -> list[str]:
+        "Remove state dirs that no commit names (left by a save that failed or was killed); their names."
+        info = self.info() or {}
+        keep = {info.get("state_dir"), info.get("previous_state_dir")}
+        gone = [d.name for d in sorted(self.path.glob("state-*")) if d.is_dir() and d.name not in keep]
+        for name in gone: shutil.rmtree(self.path/name, ignore_errors=True)
+        return gone
+
     def abandon(self, state_dir: Path):
         "Remove a staging directory whose save failed (the committed checkpoints are untouched)."
         if (self.info() or {}).get("state_dir") != Path(state_dir).name: shutil.rmtree(state_dir, ignore_errors=True)
 
     def commit(self, state_dir: Path, info: dict):
-        "Point info.json at `state_dir` (atomically), keep the state before it as a fallback, delete every other state dir."
-        previous = (self.info() or {}).get("state_dir")
+        """Point info.json at `state_dir` (atomically) with the checksum of each of its files, keep the state before it
+        (and its checksums) as a fallback, delete every other state dir."""
+        old = self.info() or {}
+        previous = old.get("state_dir")
         previous = previous if previous != Path(state_dir).name and (self.path/str(previous)).is_dir() else None
-        atomic_write_json(self.info_path, {**info, "state_dir": Path(state_dir).name, "previous_state_dir": previous})
+        atomic_write_json(self.info_path, {**info, "state_dir": Path(state_dir).name, "previous_state_dir": previous,
+                                           "checksums": file_checksums(state_dir),
+                                           "previous_checksums": old.get("checksums") if previous else None})
         for d in self.path.glob("state-*"):
             if d.is_dir() and d.name not in (Path(state_dir).name, previous): shutil.rmtree(d, ignore_errors=True)
 
@@ -353,9 +411,14 @@ class RunDir(RunDirLock):
                                    f"with these. Use a new experiment_id, or set them back (see {saved_config}); nothing was changed.")
 
     def check_writable(self, *dirs):
-        "Create the run directory (and `dirs`) and prove each can be written now, not at the first save hours later."
+        """Create the run directory (and `dirs`) and prove each can be written now, not at the first save hours later;
+        refuse a symbolic link inside them: the run creates and replaces files in its folders, never through a link."""
         for d in (self.path, *dirs):
             d = Path(d)
+            link = next((p for p in sorted(d.iterdir()) if p.is_symlink()), None) if d.is_dir() else None
+            if link is not None:
+                raise RunDirError(f"{link} is a symbolic link (to {os.readlink(link)}): the run writes its files inside "
+                                  f"{d} and never through a link; remove it or choose another folder")
             try:
                 d.mkdir(parents=True, exist_ok=True)
                 probe = d/f".write-test-{os.getpid()}"

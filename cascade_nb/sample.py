@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/sample.html.md"""
 
 # %% ../nbs/42_sample.ipynb #cb1b9467
 from __future__ import annotations
-import argparse, json, re, sys
+import argparse, json, os, re, sys
 from pathlib import Path
 import torch
 from .config import config_from_dict, ConfigError, cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights
@@ -17,27 +17,55 @@ from .train import (build_text_encoder, build_latent_space, build_training_mode,
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['run_generator', 'load_run', 'sample_run', 'main']
+__all__ = ['GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'load_run', 'sample_run', 'chunk_seed', 'sample_chunks',
+           'unused_paths', 'save_png', 'sample_parser', 'main']
 
 # %% ../nbs/42_sample.ipynb #c1881518
-def run_generator(checkpoint_dir, ema: bool = True, device="cpu"):
-    "(cfg, frozen generator, weights file) of a training run directory: its released generator (EMA when present)."
-    from cascade_nb.config import resolve_mode
+def run_config(checkpoint_dir):
+    "The resolved config a training run directory recorded in its `info.json`."
     run = Path(checkpoint_dir)
     info_path = run/"info.json"
     if not info_path.exists():
         raise FileNotFoundError(f"{run} is not a cascade_nb run directory (no info.json); pass {{checkpoint_path}}/{{experiment_id}}")
     try: saved = json.loads(info_path.read_text())["config"]
     except (ValueError, KeyError) as e: raise ValueError(f"{info_path} is not a readable run record ({e})") from None
-    cfg = config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(info_path))
-    generator, weights = resolve_mode(cfg).released_generator(cfg, run, ema)   # the mode knows what its run released
+    return config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(info_path))
+
+def best_weights(checkpoint_dir) -> tuple[Path, dict]:
+    "(file, record) of a run's best weights by its `best_metric`, as its `best.json` names them."
+    run = Path(checkpoint_dir)
+    if not (run/"best.json").exists():
+        raise FileNotFoundError(f"{run} has no best.json: best weights are kept only with `best_metric` and evaluation "
+                                "(eval_every), or validation (val_every)")
+    record = json.loads((run/"best.json").read_text())
+    return run/Path(record["weights"]).name, record
+
+def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
+    """(cfg, frozen generator, weights file) of a training run directory: its released generator (EMA when present),
+    or with `best` the best one by the run's `best_metric` (a run that releases a whole generator)."""
+    from cascade_nb.config import resolve_mode
+    from cascade_nb.modes import build_generator
+    cfg = run_config(checkpoint_dir)
+    mode = resolve_mode(cfg)
+    if best:
+        weights, _ = best_weights(checkpoint_dir)
+        # a whole generator's weights (full and distillation runs); an adapter's best file needs its base
+        if not weights.name.startswith("generator"):
+            raise ValueError(f"{checkpoint_dir}: best weights are sampled for runs that release a whole generator; this "
+                             f"'{mode.name}' run's best file is {weights}")
+        from safetensors.torch import load_file
+        generator = build_generator(cfg)
+        generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
+    # the mode knows what its run released
+    else: generator, weights = mode.released_generator(cfg, Path(checkpoint_dir), ema)
     return cfg, generator.to(device).eval().requires_grad_(False), weights
 
-def load_run(checkpoint_dir, ema: bool = True, device="cpu"):
-    "(mode, gdf, cfg) of a training run directory, with the run's released generator weights (EMA when present)."
+def load_run(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
+    "(mode, gdf, cfg) of a training run directory, with the run's released generator weights (`run_generator`)."
     from cascade_nb.config import resolve_mode
-    cfg, generator, weights = run_generator(checkpoint_dir, ema, device)
+    cfg, generator, weights = run_generator(checkpoint_dir, ema, device, best)
     tok, text_model = build_text_encoder(cfg, device)
+    resolve_mode(cfg).add_released_tokens(cfg, checkpoint_dir, tok, text_model)   # e.g. a LoRA's trained tokens
     mode = resolve_mode(cfg).inference(cfg, generator, tok, text_model, None, build_latent_space(cfg, device))
     mode.weights_file = weights
     return mode, gdf_from_config(cfg.gdf), cfg
@@ -59,10 +87,47 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
     x0 = sample_latents(net if net is not None else mode.net, gdf, conds, mode.uncond(conds), shape, cfg, seed=seed, device=device)
     return mode.space.decode(x0.float())
 
+# %% ../nbs/42_sample.ipynb #66e02fb3
+def chunk_seed(seed: int, k: int) -> int:
+    "The seed of chunk `k` of a request: `seed` for the first, then independent 32-bit seeds from (`seed`, `k`)."
+    if k == 0: return seed
+    import numpy as np
+    return int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
+
+def sample_chunks(mode, gdf, cfg, prompts: list[str], n: int = 4, batch: int = 16, seed: int = 0, **kw):
+    "(index of the first image, images in [0, 1]) for `n` images per prompt, `batch` at a time (`sample_run`'s `kw`)."
+    captions = [p for p in prompts for _ in range(n)]
+    for k, start in enumerate(range(0, len(captions), batch)):
+        yield start, sample_run(mode, gdf, cfg, captions[start:start + batch], 1, seed=chunk_seed(seed, k), **kw)
+
 # %% ../nbs/42_sample.ipynb #1f0b96b6
 def _slug(s: str) -> str: return re.sub(r"[^a-z0-9]+", "_", s.lower()).strip("_")[:40] or "empty"
 
-def main(argv=None):
+GRID_MAX = 16
+"The most prompts (rows) and images per prompt (columns) the sample grid shows."
+
+def unused_paths(out: Path, names: list[str], overwrite: bool = False) -> list[Path]:
+    "`out/name` for each of `names`; unless `overwrite`, a `FileExistsError` naming the first that exists already."
+    present = set(os.listdir(out)) if not overwrite else set()
+    taken = [name for name in names if name in present]
+    if taken:
+        more = f" (and {len(taken) - 1} more of the {len(names)} files this would write)" if len(taken) > 1 else ""
+        raise FileExistsError(17, f"--out already holds this file{more}; pass --overwrite to replace, or choose "
+                                  "another --out or --seed", str(out/taken[0]))
+    return [out/name for name in names]
+
+def save_png(img, path: Path, overwrite: bool = False):
+    "Write `img` (PIL, or (3, H, W) in [0, 1]) to `path` atomically; unless `overwrite`, refuse a `path` that exists."
+    from PIL import Image
+    from cascade_nb.core import atomic_write, to_uint8
+    # exclusive creation claims the name: a file someone wrote since `unused_paths` looked is refused, not replaced
+    if not overwrite: os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    if isinstance(img, torch.Tensor): img = Image.fromarray(to_uint8(img).numpy())
+    with atomic_write(path) as f: img.save(f, format="PNG")
+
+# %% ../nbs/42_sample.ipynb #4301058d
+def sample_parser() -> argparse.ArgumentParser:
+    "The command line of `python -m cascade_nb.sample`."
     p = cli_parser("python -m cascade_nb.sample", "Sample images from a cascade_nb training run.")
     p.add_argument("--checkpoint", required=True, help="run directory {checkpoint_path}/{experiment_id}")
     p.add_argument("--prompt", action="append", required=True, help="caption (repeat for several)")
@@ -70,24 +135,36 @@ def main(argv=None):
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: the run's sample_cfg)")
     p.add_argument("--sampler", choices=sorted(SAMPLERS), default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="samples")
+    # torch's CPU generator keeps a seed's low 32 bits: a larger one would repeat a smaller one's images
+    p.add_argument("--seed", type=at_least(0, at_most=2**32 - 1), default=0, help="0 to 2**32 - 1")
+    p.add_argument("--batch", type=at_least(1), default=16,
+                   help="images sampled at once (the memory it takes), written as each batch finishes")
+    p.add_argument("--out", default="samples", help="output folder (default: samples)")
+    p.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
-    a = parse_cli(p, argv)
-    with cli_errors(OSError, ValueError):   # missing or corrupt run files, --out a file: one line, exit 2
-        out = output_dir(a.out)
-        mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema)
-    images = sample_run(mode, gdf, cfg, a.prompt, a.n, a.steps, a.cfg, a.sampler, a.seed)
-    from cascade_nb.core import to_uint8
-    from PIL import Image
-    paths = []
-    for i, (img, prompt) in enumerate(zip(images, [q for q in a.prompt for _ in range(a.n)])):
-        path = out/f"{a.seed}_{i}_{_slug(prompt)}.png"
-        Image.fromarray(to_uint8(img).numpy()).save(path); paths.append(path)
-    grid = out/f"{a.seed}_grid.png"
-    to_pil_grid(list(images.split(a.n))).save(grid)
-    for path in paths: print(path)
+    p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
+    return p
+
+def main(argv=None):
+    a = parse_cli(sample_parser(), argv)
+    captions = [q for q in a.prompt for _ in range(a.n)]
+    names = [f"{a.seed}_{i}_{_slug(q)}.png" for i, q in enumerate(captions)] + [f"{a.seed}_grid.png"]
+    # missing or corrupt run files, --out a file or holding these names: one line, exit 2, before the slow work
+    with cli_errors(OSError, ValueError):
+        *paths, grid = unused_paths(output_dir(a.out), names, a.overwrite)
+        mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema, best=a.best)
+    shown = {}
+    with cli_errors(OSError):   # a disk that fills up, a file that appeared meanwhile
+        for start, images in sample_chunks(mode, gdf, cfg, a.prompt, a.n, a.batch, a.seed, steps=a.steps,
+                                           cfg_scale=a.cfg, sampler=a.sampler):
+            for i, img in enumerate(images, start):
+                save_png(img, paths[i], a.overwrite); print(paths[i])
+                if i // a.n < GRID_MAX and i % a.n < GRID_MAX: shown.setdefault(i // a.n, []).append(img)
+        save_png(to_pil_grid([torch.stack(row) for row in shown.values()]), grid, a.overwrite)
     print(f"wrote {len(paths)} images and {grid} from {mode.weights_file}")
+    if not a.best and (Path(a.checkpoint)/"best.json").exists():
+        _, b = best_weights(a.checkpoint)
+        print(f"the best weights by {b['metric']} ({b['value']:.4g}, update {b['update']}) are {b['weights']}: --best")
     return paths
 
 if __name__ == "__main__" and "__file__" in globals(): main()

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
-import argparse, contextlib, copy, gc, importlib.util, inspect, json, resource, signal, sys, time, warnings
+import argparse, contextlib, copy, gc, importlib.util, inspect, json, resource, shutil, signal, sys, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,20 +22,22 @@ from .models.blocks import compile_blocks, compile_seconds
 from .config import Config, load_config, save_config, ConfigError, cli_parser, parse_cli, cli_errors, error_line
 from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
                               EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
-                              FullTraining, StageBTraining, training_mode, build_training_mode)   # also `cascade_nb.train.X`, as before
+                              FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, check_finite, NonFiniteGuard, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, check_finite, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
 
 # %% auto #0
-__all__ = ['LATENT_COMPRESSION', 'sample_latents', 'sample_rows', 'validation_loss', 'per_process_batch', 'StopFlag',
-           'die_with_parent', 'StopAgreement', 'batch_stream', 'training_data', 'Run', 'build_optimizer', 'save',
-           'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'run_info', 'log_samples', 'log_metrics',
-           'validate', 'size_rule', 'check_resolution_schedule', 'at_resolution', 'check_optimizer', 'train',
-           'plot_metrics', 'main']
+__all__ = ['QUIET_ON_RESUME', 'LATENT_COMPRESSION', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss',
+           'per_process_batch', 'StopFlag', 'die_with_parent', 'StopAgreement', 'batch_stream', 'whole_source',
+           'training_data', 'preview_batch', 'Run', 'build_optimizer', 'last_checkpoint', 'weights_finite', 'save',
+           'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
+           'tracker_image', 'log_samples', 'log_metrics', 'validate', 'size_rule', 'check_resolution_schedule',
+           'at_resolution', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary',
+           'check_optimizer', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -71,17 +73,27 @@ def sample_rows(generator, ema, gdf, space, x0, conds, uncond, cfg: Config, n: i
     return {k: v for k, v in decoded.items() if v is not None}
 
 # %% ../nbs/41_train.ipynb #0f7befc1
+def validation_noise(mode, x0, seed: int, level: int, first: int) -> torch.Tensor:
+    "The mode's noise for each sample of `x0` (sample `first` + i), from its own stream: the same however the set is batched."
+    eps = []
+    for i in range(len(x0)):
+        g = torch.Generator().manual_seed(((seed * 1009 + level) << 32) + first + i)
+        e = mode.epsilon(x0[i:i + 1], g)
+        eps.append(e if e is not None else seeded_randn(x0[i:i + 1].shape, g, x0.device))
+    return torch.cat(eps)
+
 @torch.no_grad()
-def validation_loss(generator, gdf, batches, levels: int = 8, seed: int = 0) -> float:
-    "Mean raw MSE over held-out `batches` of (x0, conds), each at `levels` fixed noise levels with fixed noise."
+def validation_loss(mode, net, gdf, chunks, levels: int = 8, seed: int = 0) -> float:
+    """Mean of the mode's raw loss over held-out `chunks` of (first sample index, x0, conds), each sample at `levels`
+    fixed noise levels with its own fixed noise (a mode that draws its own levels, like a distillation, draws them
+    from a fixed stream)."""
     total, count = 0.0, 0
-    ts = torch.linspace(0.05, 0.95, levels)
-    for x0, conds in batches:
-        rng = torch.Generator().manual_seed(seed)
-        for t in ts:
-            eps = seeded_randn(x0.shape, rng, x0.device)
-            _, raw, _ = diffusion_loss(generator, gdf, x0.float(), conds, epsilon=eps, t=torch.full((len(x0),), float(t)))
-            total, count = total + raw.sum().item(), count + len(raw)
+    for level, t in enumerate(torch.linspace(0.05, 0.95, levels)):
+        for first, x0, conds in chunks:
+            eps = validation_noise(mode, x0, seed, level, first)
+            rng = torch.Generator().manual_seed(((seed * 1009 + level) << 32) + first)
+            _, raw, _ = mode.loss(net, gdf, x0.float(), conds, rng=rng, epsilon=eps, t=torch.full((len(x0),), float(t)))
+            total, count = total + raw.float().sum().item(), count + len(raw)
     return total / max(count, 1)
 
 # %% ../nbs/41_train.ipynb #4123f432
@@ -94,11 +106,12 @@ def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
     return b
 
 class StopFlag:
-    """Set by SIGTERM / SIGINT (SLURM pre-emption, `docker stop`, Ctrl-C): the loop saves at the next update boundary and
-    exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever does not want to wait for that save."""
+    """Set by SIGTERM / SIGINT / SIGHUP (SLURM pre-emption, `docker stop`, Ctrl-C, a closed terminal or SSH session): the
+    loop saves at the next update boundary and exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever
+    does not want to wait for that save."""
     def __init__(self): self.signal = None
     def install(self):
-        for s in (signal.SIGTERM, signal.SIGINT):
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(ValueError): signal.signal(s, self._handle)   # not in the main thread: skip
         return self
     def _handle(self, signum, frame):
@@ -161,25 +174,38 @@ def batch_stream(loader, skip: int = 0):
         epoch += 1
 
 # %% ../nbs/41_train.ipynb #4c6f4d0a
+def whole_source(cfg: Config, source, batch_size: int, **overrides):
+    """A loader over all of `source`, read once, in order, centre-cropped, the same on every process (not this process's
+    share of the shards): for everything read outside the training stream (validation, sample grids, evaluation)."""
+    import dataclasses
+    from cascade_nb.data.pipeline import dataloader_from_config
+    data = dataclasses.replace(cfg.data, webdataset_path=source, resampled=False, shuffle_buffer=0, crop="center",
+                               num_workers=0, bucketeer_random_ratio=0.)
+    return dataloader_from_config(data, batch_size, **{"split_by_node": False, "pin_memory": False, **overrides})
+
 def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):
     "(this process's endless batch stream, fast-forwarded past `skip` batches; the fixed validation batches or None)."
     from cascade_nb.data.pipeline import dataloader_from_config
     check = {}
-    if cfg.model.latent_space == "cached":   # refuse latents cached with another encoder / size / bucket set
+    # refuse latents cached with another encoder / size / bucket set
+    if cfg.model.latent_space == "cached":
         from cascade_nb.data.cache import cache_fingerprint, config_cache_parts
         check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
     loader = dataloader_from_config(cfg.data, micro_batch, seed=cfg.train.seed,
                                     pin_memory=cfg.data.pin_memory and device.type == "cuda", **check)
     val = None
     if cfg.data.val_webdataset_path and cfg.checkpoint.val_every:
-        val = [b for _, b in zip(range(cfg.data.val_batches), batch_stream(dataloader_from_config(_val_data(cfg), micro_batch, split_by_node=False)))]   # the same on every process
+        # `val_batches` global batches of the held-out source, whole on every process, in micro-batches
+        n = cfg.data.val_batches * cfg.data.batch_size // micro_batch
+        val = [b for _, b in zip(range(n), batch_stream(whole_source(cfg, cfg.data.val_webdataset_path, micro_batch)))]
     return batch_stream(loader, skip=skip), val
 
-def _val_data(cfg: Config):
-    "The data config for validation: the held-out source, read once, in order, centre-cropped (whole on every process)."
-    import dataclasses
-    return dataclasses.replace(cfg.data, webdataset_path=cfg.data.val_webdataset_path, resampled=False, shuffle_buffer=0,
-                               crop="center", num_workers=0, bucketeer_random_ratio=0.)
+def preview_batch(cfg: Config, n: int = 8) -> dict:
+    "The first `n` samples of the held-out source (else of the training data): the sample grid's fixed inputs."
+    source = cfg.data.val_webdataset_path or cfg.data.webdataset_path
+    batch = next(iter(whole_source(cfg, source, n, drop_last=False)), None)
+    if batch is None: raise ConfigError(f"data: {source!r} yielded no sample for the sample grid")
+    return batch
 
 # %% ../nbs/41_train.ipynb #6f3c84c3
 @dataclass
@@ -206,16 +232,44 @@ def build_optimizer(t, params, lr: float, device):
     return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, fused=True)
 
 # %% ../nbs/41_train.ipynb #3016ac91
-def save(run: Run):
-    "Checkpoint (all processes; atomic commit), then the released weights and backups (main process); see `_save`."
+def last_checkpoint(run: Run) -> str:
+    "Which state a resume of this run would start from, in words."
+    committed = (run.run_dir.info() or {}).get("update")
+    return f"the checkpoint of update {committed} in {run.run_dir.path}" if committed is not None else \
+        f"no checkpoint yet in {run.run_dir.path}"
+
+def weights_finite(run: Run) -> bool:
+    "Whether the weights and the EMA are free of NaN and inf on every process (their shards under FSDP)."
+    acc = run.acc
+    ok = all_finite([*acc.unwrap_model(run.net).state_dict().values(), *(run.ema.state_dict().values() if run.ema else ())])
+    return bool(acc.gather(torch.tensor([float(ok)], device=acc.device)).min() > 0)
+
+def save(run: Run) -> bool:
+    """Checkpoint (all processes; atomic commit), then the released weights and backups (main process); see `_save`.
+    Nothing is saved during a streak of non-finite losses (False), and non-finite weights stop the run: the last
+    finite checkpoint and its released weights are never replaced by a diverged state."""
+    if run.state.nonfinite_streak:
+        run.acc.print(f"update {run.state.update}: not saved: the last {run.state.nonfinite_streak} update(s) had non-finite "
+                      f"losses; kept: {last_checkpoint(run)} and its released weights")
+        return False
+    if not weights_finite(run):
+        raise NonFiniteWeightsError(f"update {run.state.update}: the weights hold NaN or inf (the run diverged); nothing was "
+                                    f"saved; kept: {last_checkpoint(run)} and its released weights: "
+                                    "resume from it with a lower `lr`")
     try: _save(run)
-    except OSError as e:   # disk full, quota, I/O error: the committed checkpoint is untouched
+    # disk full, quota, I/O error: the committed checkpoint is untouched
+    except (OSError, RuntimeError) as e:
+        # torch.save's zip writer reports a failed write as a RuntimeError ("unexpected pos ...", "file write failed")
+        if isinstance(e, RuntimeError) and not any(w in str(e) for w in ("inline_container", "write failed")): raise
         if run.acc.is_main_process: run.run_dir.abandon(run.run_dir.path/f"state-{run.state.update:08d}")
+        free = shutil.disk_usage(run.run_dir.path).free / 1e6
+        why = error_line(e) if isinstance(e, OSError) else f"a checkpoint file could not be written, {free:.1f} MB free"
         committed = (run.run_dir.info() or {}).get("update", "none")
         kept = (f"the training state of update {committed} is committed (a resume continues from it) but the released "
                 "weights are still the previous save's" if committed == run.state.update else
                 f"the last committed checkpoint (update {committed}) is kept")
-        raise RunDirError(f"saving update {run.state.update} to {run.run_dir.path} failed ({error_line(e)}); {kept}") from None
+        raise RunDirError(f"saving update {run.state.update} to {run.run_dir.path} failed ({why}); {kept}") from None
+    return True
 
 def _save(run: Run):
     """What resume needs first: the accelerate state (sharded under FSDP) and the loop's own, fsynced and committed by
@@ -234,7 +288,10 @@ def _save(run: Run):
 
 def report_nonfinite(run: Run, guard: NonFiniteGuard):
     "Read the non-finite counts back (the one sync for them; raises on a diverged run) and say how many updates were skipped."
-    if n := guard.check():
+    try: n = guard.check()
+    except NonFiniteLossError as e:
+        raise NonFiniteLossError(f"{e} Kept: {last_checkpoint(run)} (nothing is saved while losses are not finite)") from None
+    if n:
         run.acc.print(f"update {run.state.update}: non-finite loss/gradients, {n} update{'s' if n > 1 else ''} skipped ({run.state.nonfinite_total} so far)")
 
 def export_weights(run: Run):
@@ -252,10 +309,12 @@ def export_weights(run: Run):
     acc.wait_for_everyone()
 
 def load_checkpoint(run: Run, state_dir):
-    "Load one state dir: refuse it if a file could run code, then accelerate's state and the loop's own (counters, streams, EMA, buckets)."
+    """Load one state dir: refuse it if a file could run code, then accelerate's state and the loop's own (counters,
+    streams, EMA, buckets); refuse weights that hold NaN or inf (the caller falls back to the previous state)."""
     check_checkpoint_files(state_dir)   # a run directory may come from anywhere: nothing in it runs
     run.acc.load_state(str(state_dir))
     load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema)   # False (no stream of this rank): a fresh one
+    if not weights_finite(run): raise ValueError("its weights hold NaN or inf")
 
 def resume(run: Run) -> Path:
     "Load the latest committed state, or (with a warning) the previous one when the latest is unreadable; the same on every process."
@@ -267,6 +326,14 @@ def resume(run: Run) -> Path:
                                               "restore the damaged files or remove the latest state")
     return state_dir
 
+# keys a relaunch may change without a word: how long, how often, where, with how many readers
+QUIET_ON_RESUME = {"updates", "save_every", "backup_every", "log_every", "eval_every", "val_every", "checkpoint_path",
+                   "output_path", "num_workers", "prefetch_factor", "tracker", "wandb_project"}
+
+def resume_changes(saved: dict, now: dict) -> list[str]:
+    "The settings a resumed run changes ('lr 0.004 -> 0.001'), except `QUIET_ON_RESUME`'s."
+    return [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if k not in QUIET_ON_RESUME and saved.get(k) != v]
+
 def run_info(run: Run) -> dict:
     "What info.json records next to each checkpoint: counters, process count, resolved config, adaptive buckets, versions."
     import cascade_nb, accelerate
@@ -275,22 +342,29 @@ def run_info(run: Run) -> dict:
             "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__, "accelerate": accelerate.__version__}}
 
 # %% ../nbs/41_train.ipynb #ac5d393d
+def tracker_image(acc, tag: str, path, step: int):
+    "Add the PNG at `path` to the run's TensorBoard as image `tag` at `step` (main process; other trackers: nothing)."
+    import numpy as np
+    from PIL import Image
+    for tr in acc.trackers:
+        if tr.name == "tensorboard": tr.writer.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
+
 def log_samples(run: Run, batch):
-    "The sample grid of the current weights (and EMA) on the first images of `batch`, plus the mode's extra rows."
+    "The sample grid of the current weights (and EMA) on the first images of `batch` (the fixed preview), plus the mode's rows."
     acc, mode, net = run.acc, run.mode, run.net
     x0, conds = mode.encode(batch, acc.device, training=False)
     mode.train_mode(net, False)
     with acc.autocast():
         rows = sample_rows(acc.unwrap_model(net), run.ema, run.gdf, mode.space, x0, conds, mode.uncond(conds), run.cfg)
-    rows = {**mode.preview_rows(batch, n=8, size=next(iter(rows.values())).shape[-2:]), **rows}   # e.g. a control row
     mode.train_mode(net, True)
+    # a latent space with no decoder (EfficientNet latents without a previewer): no picture to draw
+    if not rows: return
+    # e.g. a ControlNet's control row
+    rows = {**mode.preview_rows(batch, n=8, size=next(iter(rows.values())).shape[-2:]), **rows}
     if acc.is_main_process:
         path = save_sample_grid(rows, run.out_dir/f"{run.state.update:06d}.png")
         (run.out_dir/"captions.txt").write_text("\n".join(batch["captions"][:8]) + "\n")
-        for tr in acc.trackers:
-            if tr.name == "tensorboard":
-                import numpy as np; from PIL import Image
-                tr.writer.add_image("samples", np.asarray(Image.open(path)), run.state.update, dataformats="HWC")
+        tracker_image(acc, "samples", path, run.state.update)
         acc.print(f"update {run.state.update}: sample grid {path}")
 
 def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped: dict, seconds: float) -> dict:
@@ -303,22 +377,30 @@ def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped:
          "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
          "peak_memory_gb": _peak_memory_gb(acc.device), **({"compile_time_s": compile_seconds()} if cfg.model.compile else {}),
          **{f"skipped/{k}": v for k, v in skipped.items()},
+         # the side of the last update
          **({"image_size": resolution_at(cfg.data.resolution_schedule, run.state.update - 1, cfg.data.image_size)}
-            if cfg.data.resolution_schedule else {})}   # the side of the last update
+            if cfg.data.resolution_schedule else {})}
     acc.log(m, step=run.state.update)
     if acc.is_main_process:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": run.state.update, **m}) + "\n")
     return m
 
 def validate(run: Run, val_batches) -> float:
-    "Validation loss of the current weights; a new best also writes `{name}_best.safetensors`."
-    acc, state = run.acc, run.state
-    vl = validation_loss(acc.unwrap_model(run.net), run.gdf, [run.mode.encode(b, acc.device, training=False) for b in val_batches])
-    vl = acc.reduce(torch.tensor(vl, device=acc.device), "mean").item()   # one value: every process agrees on "best"
+    "Validation loss of the current weights, through the mode (`validation_loss`); a new best writes `{name}_best.safetensors`."
+    acc, state, mode, net = run.acc, run.state, run.mode, run.net
+    chunks, first = [], 0
+    for x0, conds in (mode.encode(b, acc.device, training=False) for b in val_batches):
+        chunks.append((first, x0, conds)); first += len(x0)
+    mode.train_mode(net, False)
+    with acc.autocast(): vl = validation_loss(mode, acc.unwrap_model(net), run.gdf, chunks)
+    mode.train_mode(net, True)
+    # every process scored the same set: one value, so that every process agrees on "best"
+    vl = acc.reduce(torch.tensor(vl, device=acc.device), "mean").item()
     acc.log({"val_loss": vl}, step=state.update)
     best = vl < state.best_val_loss
     if best: state.best_val_loss = vl
-    released = run.mode.released(acc, run.net) if best and not run.cfg.checkpoint.best_metric else {}   # all processes (FSDP gathers); with best_metric, eval_step keeps *_best
+    # all processes (FSDP gathers); with best_metric, eval_step keeps *_best
+    released = run.mode.released(acc, run.net) if best and not run.cfg.checkpoint.best_metric else {}
     if acc.is_main_process:
         for name, sd in released.items(): save_safetensors_atomic(sd, run.run_dir.path/f"{name}_best.safetensors")
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
@@ -373,10 +455,38 @@ def _hparams(cfg: Config) -> dict:
     "The flat config with values tensorboard's hparams accept."
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_yaml_dict().items()}
 
+def init_trackers(acc, cfg: Config):
+    """Start the run's tracker (all processes call it; accelerate starts it on the main one): TensorBoard event files in
+    `{output_path}/{experiment_id}/tensorboard`, or a wandb run named `experiment_id` in project `wandb_project`."""
+    if not acc.log_with: return
+    if "wandb" in [str(getattr(t, "value", t)) for t in acc.log_with]:
+        acc.init_trackers(cfg.log.wandb_project or "cascade_nb", config=_hparams(cfg),
+                          init_kwargs={"wandb": {"name": cfg.checkpoint.experiment_id}})
+    else: acc.init_trackers("tensorboard", config=_hparams(cfg))
+
 def _peak_memory_gb(device) -> float:
     "Peak memory in GB (10^9 bytes, the planner's unit): allocated on the GPU, or the process's peak RSS on CPU."
     if device.type == "cuda": return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9   # Linux: KiB
+    # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+# %% ../nbs/41_train.ipynb #494e2ee0
+def duration(seconds: float) -> str:
+    "A duration as a person reads it: '42 s', '3 min 05 s', '2 h 07 min'."
+    s = round(seconds)
+    if s < 60: return f"{s} s"
+    if s < 3600: return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+class Clock:
+    "Elapsed time of this launch and the estimated time left, from the updates done since it started (for log files)."
+    def __init__(self, start: int, end: int): self.start, self.end, self.t0 = start, end, time.time()
+    @property
+    def elapsed(self) -> float: return time.time() - self.t0
+    def __call__(self, update: int) -> str:
+        done = update - self.start
+        left = self.elapsed / done * (self.end - update) if done > 0 else float("nan")
+        return f"{duration(self.elapsed)} elapsed, {duration(left) if done > 0 else '?'} left"
 
 # %% ../nbs/41_train.ipynb #9d9f40dd
 def _on_main(acc, check):
@@ -389,11 +499,35 @@ def _on_main(acc, check):
     if acc.num_processes > 1: broadcast_object_list(problem)
     if problem[0]: raise RunDirError(problem[0])
 
+def report_partial_states(run_dir: RunDir):
+    "Remove the state dirs no commit names (a save that failed or was killed midway), and say so."
+    if gone := run_dir.remove_partial_states():
+        print(f"{run_dir.path}: removed {', '.join(gone)}, left by a save that did not finish (the committed checkpoint "
+              "is untouched)")
+
 def _checkpoint_bytes(net: nn.Module, ema: EMA | None = None) -> int:
     "About what one more checkpoint takes on disk: the weights twice (state + export), AdamW's two fp32 moments, the EMA (at most twice)."
     size = sum(p.numel() * p.element_size() for p in net.parameters())
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     return 2 * size + 8 * trainable + 2 * (ema.full_bytes if ema is not None else 0)
+
+# %% ../nbs/41_train.ipynb #81125ae3
+def run_summary(run: Run, clock: Clock) -> str:
+    "The closing lines of a launch: how far the run got, and where its checkpoint, weights, grids and curves are."
+    import re
+    state, t, run_dir, out = run.state, run.cfg.train, run.run_dir.path, run.out_dir
+    how = "done" if state.update >= t.updates else "stopped"
+    # the released weights, without the numbered backups (generator_1k.safetensors ...)
+    weights = sorted(p.name for p in run_dir.glob("*.safetensors") if not re.search(r"_\d+k?\.safetensors$", p.name))
+    lines = [f"{how} at update {state.update} of {t.updates} ({duration(clock.elapsed)} in this launch)",
+             f"  checkpoint (a relaunch resumes from it) and released weights: {run_dir}/ ({', '.join(weights) or 'none yet'})"]
+    if (best := run_dir/"best.json").exists():
+        b = json.loads(best.read_text())
+        lines.append(f"  best {b['metric']} {b['value']:.4g} at update {b['update']}: {run_dir/b['weights']}")
+    lines.append(f"  sample grids, evaluation grids, loss.png and metrics.jsonl: {out}/")
+    if (out/"tensorboard").is_dir(): lines.append(f"  curves and grids in TensorBoard: tensorboard --logdir {out/'tensorboard'}")
+    if weights: lines.append(f"  samples: python -m cascade_nb.sample --checkpoint {run_dir} --prompt \"...\"")
+    return "\n".join(lines)
 
 # %% ../nbs/41_train.ipynb #2f1407ed
 def check_optimizer(name: str, distributed_type) -> None:
@@ -419,6 +553,9 @@ def train(cfg: Config) -> dict:
     stop = StopFlag().install()   # first: a signal during setup still ends in a save at the first update boundary
     ck, t = cfg.checkpoint, cfg.train
     check_resolution_schedule(cfg)   # sides the model can take: before anything is built
+    check_model_overrides(cfg)
+    # DDP's note on a depthwise convolution's gradient layout: harmless (its words), and printed by every process
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
 
     # --- setup: processes, devices, precision, tracking
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum_steps,
@@ -430,7 +567,7 @@ def train(cfg: Config) -> dict:
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     info = run_dir.info()   # None for a new run
     _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), saved_config=str(out_dir/"config.yaml")),  # before overwriting
-                           run_dir.check_writable(out_dir), run_dir.lock()))
+                           run_dir.check_writable(out_dir), run_dir.lock(), report_partial_states(run_dir)))
     if is_main: save_config(cfg, out_dir/"config.yaml")
 
     # --- models: identical init on every process; frozen encoders in `frozen_dtype` (fp32 as the reference unless set); the mode says what trains
@@ -469,17 +606,26 @@ def train(cfg: Config) -> dict:
             warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
                           "training continues, but not on exactly the same batches")
         acc.print(f"resumed {state_dir} at update {state.update}")
+        if changed := resume_changes(info.get("config", {}), cfg.to_yaml_dict()):
+            acc.print(f"resumed with other settings than the checkpoint's: {'; '.join(changed)}. Its counters, random "
+                      "streams and data position go on from there, so this is not the run those settings give from "
+                      "the start")
 
     # --- data: this process's share of the stream, fast-forwarded to the restored data position
     stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
-    if is_main and acc.trackers: acc.init_trackers(ck.experiment_id, config=_hparams(cfg))
+    preview = preview_batch(cfg)   # the sample grid's fixed inputs, the same on every process
+    init_trackers(acc, cfg)
+    if state.update >= t.updates:
+        acc.print(f"{run_dir.path} is at update {state.update}, and updates is {t.updates}: nothing to train "
+                  "(raise `updates` to continue, or give a new `experiment_id` for a new run)")
 
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches
     mode.train_mode(net)   # only the trainable modules in train mode (a frozen generator keeps its dropout off)
     guard, stop_agreed = NonFiniteGuard(opt, state, t.max_nan_steps), StopAgreement(stop, acc.num_processes)   # no host sync per update
-    losses, last_log, skipped, batch = [], time.time(), {}, None
+    losses, last_log, skipped = [], time.time(), {}
     interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
+    clock = Clock(state.update, t.updates)
     for _ in bar:
         lr_now = set_lr(opt, base_lrs, lr_at, state.update)   # a function of the update count only
         for _micro in range(t.grad_accum_steps):
@@ -508,25 +654,30 @@ def train(cfg: Config) -> dict:
             m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
             losses, last_log = [], time.time()
             bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
-            if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment}", flush=True)
+            if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment} | {clock(state.update)}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         for hook in hooks: hook.after_update(run)
         stop_now = stop_agreed()
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
             report_nonfinite(run, guard)   # the saved counters must be current
-            save(run)
-            if batch is not None and not stop_now: log_samples(run, batch)
+            saved = save(run)
+            if saved and not stop_now: log_samples(run, at_resolution(preview, cfg, state.update - 1, device))
         if stop_now:
-            acc.print(f"received {stop.signal or 'a stop signal'}: saved update {state.update} to {run_dir.path}; exiting")
+            acc.print(f"received {stop.signal or 'a stop signal'}: "
+                      + (f"saved update {state.update} to {run_dir.path}" if saved else f"kept {last_checkpoint(run)}")
+                      + "; exiting")
             break
 
     stop_agreed.close()
+    # the DataLoader's workers end now (they ignore SIGTERM, so an interpreter exit could not end them)
+    stream.close()
     if is_main and run.metrics_path.exists(): plot_metrics(run.metrics_path, out_dir/"loss.png")
     acc.wait_for_everyone()
     net = acc.unwrap_model(net)
     acc.free_memory()   # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
     acc.end_training()
     if is_main: run_dir.unlock()
+    acc.print(run_summary(run, clock))
     return {"update": state.update, "run_dir": str(run_dir.path), "output_dir": str(out_dir),
             "net": net, "ema": ema, "mode": mode, "state": state}
 
@@ -534,7 +685,11 @@ def train(cfg: Config) -> dict:
 def plot_metrics(metrics_path, out_png):
     "Plot the loss curve (and validation loss) from a run's metrics.jsonl into a PNG (no pyplot: notebooks keep their backend)."
     from matplotlib.figure import Figure
-    rows = [json.loads(l) for l in Path(metrics_path).read_text().splitlines() if l.strip()]
+    rows = []
+    for line in Path(metrics_path).read_text().splitlines():
+        # a line cut short (a kill in the middle of a write) is skipped, not an error after training finished
+        with contextlib.suppress(ValueError): rows.append(json.loads(line))
+    rows = [r for r in rows if isinstance(r, dict) and "update" in r]
     train_rows, val_rows = [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
     fig = Figure(figsize=(6, 3.5)); ax = fig.subplots()
     ax.plot([r["update"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss")
@@ -560,7 +715,7 @@ def main(argv=None):
     args = parse_cli(cli_parser("cascade_nb.train", main.__doc__, config="training YAML (official StableCascade keys or cascade_nb's)"), argv)
     import os
     if "ACCELERATE_MIXED_PRECISION" in os.environ: die_with_parent()   # started by `accelerate launch`: never outlive it
-    with cli_errors(RunDirError):   # config and run-directory problems: one line, exit 2
+    with cli_errors(RunDirError, NonFiniteLossError):   # config and run-directory problems: one line, exit 2
         train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
     gc.collect()   # FSDP-sharded modules must die before interpreter shutdown: gloo aborts if they outlive it
 

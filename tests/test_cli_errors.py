@@ -79,3 +79,46 @@ def test_data_cli_file_errors_and_option_order(tmp_path):
                    "does not exist")
     res = run_cli("-m", "cascade_nb.data", "inspect", "--limit", "3", ROOT / "data_samples" / "emoji", "--image-size", "32")
     assert "usable samples: 3" in res.stdout
+
+def test_sample_never_overwrites_and_refuses_a_huge_seed(fake_run, tmp_path):
+    out = tmp_path / "s"; out.mkdir()
+    mine = out / "0_1_x.png"; mine.write_bytes(b"a user's file")
+    # refused before the run is loaded (this run's weights are garbage: loading them would be another error)
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", fake_run, "--prompt", "x", "--n", "2", "--out", out,
+                  check=False)
+    one_line_error(res, "0_1_x.png: --out already holds this file; pass --overwrite to replace")
+    assert mine.read_bytes() == b"a user's file"
+    one_line_error(run_cli("-m", "cascade_nb.sample", "--checkpoint", fake_run, "--prompt", "x", "--seed",
+                           "99999999999999999999", check=False), "--seed: 99999999999999999999 must be <= 4294967295")
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", fake_run, "--prompt", "x", "--seed", "-1", check=False)
+    one_line_error(res, "--seed: -1 must be >= 0")
+
+@pytest.fixture(scope="module")
+def random_run(tmp_path_factory):
+    "A run directory with real (randomly initialised) tiny weights: enough to sample from."
+    from safetensors.torch import save_file
+    from cascade_nb.config import load_config
+    from cascade_nb.modes import build_generator
+    run = tmp_path_factory.mktemp("run") / "demo"; run.mkdir()
+    cfg = load_config(DEMO, [f"webdataset_path={ROOT / 'data_samples' / 'emoji'}"])
+    info = {"config": cfg.to_yaml_dict(), "update": 2, "state_dir": "state-00000002"}
+    (run / "info.json").write_text(json.dumps(info))
+    save_file(build_generator(cfg).state_dict(), run / "generator.safetensors")
+    return run
+
+def test_sample_in_batches_and_overwrite_on_request(random_run, tmp_path):
+    out = tmp_path / "s"
+    args = ("-m", "cascade_nb.sample", "--checkpoint", random_run, "--prompt", "red apple", "--prompt", "cactus",
+            "--n", "20", "--batch", "8", "--steps", "1", "--out", out)
+    res = run_cli(*args, env={"OMP_NUM_THREADS": "1"})
+    assert "wrote 40 images" in res.stdout
+    from PIL import Image
+    names = sorted(p.name for p in out.iterdir())
+    assert len(names) == 41 and "0_39_cactus.png" in names and "0_grid.png" in names, names
+    # the grid: a row per prompt, at most 16 images each (16 px images, 2 px padding)
+    assert Image.open(out / "0_grid.png").size == (16 * 18 + 2, 2 * 18 + 2)
+    first = (out / "0_0_red_apple.png").read_bytes()
+    one_line_error(run_cli(*args, check=False),
+                   "0_0_red_apple.png: --out already holds this file (and 40 more of the 41")
+    res = run_cli(*args, "--overwrite", env={"OMP_NUM_THREADS": "1"})
+    assert (out / "0_0_red_apple.png").read_bytes() == first   # same seed, same images

@@ -107,3 +107,62 @@ def test_lora_step_leaves_the_base_frozen():
     assert torch.equal(te.get_input_embeddings().base.weight, emb_before)     # base rows untouched (weight decay too)
     rows = te.get_input_embeddings().rows()
     assert not torch.equal(rows, emb_before[te.get_input_embeddings().ids])   # the selected rows trained
+
+def token_captions(folder: Path, n: int = 8) -> Path:
+    "A folder of emoji whose captions hold the trained token (the token gets gradients only where a caption has it)."
+    import tarfile
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(ROOT / "data_samples" / "emoji" / "shard-000005.tar") as tar:
+        for m in tar.getmembers():
+            key, ext = m.name.split(".", 1)
+            if int(key) >= 320 + n or ext == "json": continue
+            data = tar.extractfile(m).read()
+            (folder / m.name).write_bytes(b"a [fernando] " + data if ext == "txt" else data)
+    return folder
+
+def test_lora_with_tokens_samples_from_the_cli(tmp_path):
+    "Tutorial 02's last step: `python -m cascade_nb.sample` takes a LoRA run with train_tokens and uses its trained token."
+    from cascade_nb.sample import load_run, sample_run
+    from cascade_nb.train import build_text_encoder
+    from cascade_nb.lora import add_train_tokens
+    run_cli("-m", "cascade_nb.train", *lora_args(tmp_path, "tok", "updates=2", "save_every=2", "lr=1e-2",
+                                                 f"webdataset_path={token_captions(tmp_path / 'data')}"), env={"OMP_NUM_THREADS": "1"})
+    run = tmp_path / "ckpt" / "tok"
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "a [fernando] face", "--n", "1",
+                  "--steps", "2", "--out", tmp_path / "samples")
+    assert "wrote 1 images" in res.stdout and (tmp_path / "samples" / "0_0_a_fernando_face.png").is_file(), res.stdout
+    mode, gdf, cfg = load_run(run)
+    trained = released(tmp_path, "tok")["tokens.embeddings"][0]
+    fid = mode.tokenizer.convert_tokens_to_ids("[fernando]")
+    assert fid == 49408 and mode.tokenizer("[fernando]").input_ids[1] == fid            # one token, the trained one
+    row = mode.text_model.get_input_embeddings().weight[fid]
+    assert torch.equal(row, trained.to(row))                                             # the sampler's row: the trained one
+    tok, te = build_text_encoder(cfg)
+    start = add_train_tokens(tok, te, cfg.lora.train_tokens) and te.get_input_embeddings().rows()[0]
+    assert not torch.allclose(start, trained)                                            # which moved from its start
+    a = sample_run(mode, gdf, cfg, ["a [fernando] face"], n=1, steps=2)
+    with torch.no_grad(): mode.text_model.get_input_embeddings().weight[fid] = start
+    b = sample_run(mode, gdf, cfg, ["a [fernando] face"], n=1, steps=2)
+    assert not torch.equal(a, b)                                                         # the trained row changes the sample
+
+def test_lora_with_tokens_in_the_pipeline_and_generate(tmp_path):
+    "`CascadePipeline.from_dir(stage_c_weights=RUN)` and `python -m cascade_nb.generate --stage-c-weights RUN` add the run's tokens."
+    from cascade_nb.inference import write_tiny_checkpoints, CascadePipeline
+    models = write_tiny_checkpoints(tmp_path / "models")
+    cfg = Path(tmp_path) / "lora.yaml"; cfg.write_text(OFFICIAL_CONFIGS["finetune_c_3b_lora.yaml"])
+    run_cli("-m", "cascade_nb.train", cfg, "model_version=tiny", "latent_space=effnet", "effnet_checkpoint_path=tiny",
+            "previewer_checkpoint_path=tiny", "clip_text_model_name=tiny", "clip_image_model_name=null", "wandb_project=null",
+            "tracker=none", f"webdataset_path={token_captions(tmp_path / 'data')}", "num_workers=0", "image_size=64",
+            "batch_size=4", "multi_aspect_ratio=null", "sample_steps=2", "use_fsdp=false", "updates=2", "save_every=2",
+            "lr=1e-2", f"generator_checkpoint_path={models / 'stage_c.safetensors'}", "experiment_id=tok",
+            f"checkpoint_path={tmp_path}/ckpt", f"output_path={tmp_path}/out", env={"OMP_NUM_THREADS": "1"})
+    run = tmp_path / "ckpt" / "tok"
+    trained = load_file(str(run / "lora.safetensors"))["tokens.embeddings"][0]
+    pipe = CascadePipeline.from_dir(models, stage_c_weights=run, device="cpu", dtype="float32", offload=True)
+    for _ in range(2):   # offload: the text encoder is loaded again, and gets the token again
+        with pipe.use("text_model") as te: row = te.get_input_embeddings().weight[pipe.tokenizer.convert_tokens_to_ids("[fernando]")]
+        assert torch.equal(row, trained)
+    res = run_cli("-m", "cascade_nb.generate", "a [fernando] face", "--models", models, "--stage-c-weights", run,
+                  "--out", tmp_path / "gen", "--seed", "1", "--height", "128", "--width", "128", "--steps-c", "2",
+                  "--steps-b", "2", "--device", "cpu", "--no-previews")
+    assert res.stdout.strip().splitlines()[-1].startswith("wrote 1 image(s)"), res.stdout

@@ -42,3 +42,44 @@ def test_unknown_mode_and_missing_module_are_config_errors(tmp_path):
     assert res.returncode == 2 and "did you mean 'x0_cli'" in res.stderr, res.stderr[-2000:]
     res = run_cli("-m", "cascade_nb.train", cfg, "imports=[not_my_modes]", "experiment_id=e", check=False, cwd=tmp_path.parent)
     assert res.returncode == 2 and "no module named 'not_my_modes'" in res.stderr, res.stderr[-2000:]
+
+STAGE_B_MODE = '''
+from pathlib import Path
+from cascade_nb.modes import FullTraining, StageBTraining, training_mode
+
+@training_mode("b_user")
+class MyStageB(StageBTraining):
+    "A user's Stage B mode: its own loss (the standard one, counted)."
+    def loss(self, net, gdf, x0, conds, rng=None, **kw):
+        with open(Path(self.cfg.checkpoint.checkpoint_path) / "user_loss_calls.txt", "a") as f: f.write(f"{type(self).__name__}\\n")
+        return super().loss(net, gdf, x0, conds, rng=rng, **kw)
+
+@training_mode("c_user")
+class MyStageC(FullTraining):
+    "A user's mode with Stage C's inputs."
+'''
+
+def stage_b_args(tmp: Path, *extra):
+    from official_configs import OFFICIAL_CONFIGS
+    (tmp / "my_b_modes.py").write_text(STAGE_B_MODE)
+    cfg = tmp / "finetune_b_700m.yaml"
+    cfg.write_text(OFFICIAL_CONFIGS["finetune_b_700m.yaml"] + "\nimports: [my_b_modes]\n")
+    return [cfg, "model_version=tiny", "stage=b", "stage_a_checkpoint_path=tiny", "effnet_checkpoint_path=tiny",
+            "clip_text_model_name=tiny", "clip_image_model_name=null", "generator_checkpoint_path=null", "wandb_project=null",
+            "tracker=none", f"webdataset_path={ROOT / 'data_samples' / 'emoji'}", "num_workers=0", "image_size=64",
+            "batch_size=2", "multi_aspect_ratio=null", "sample_steps=2", "use_fsdp=false", "updates=2", "save_every=2",
+            "experiment_id=b", f"checkpoint_path={tmp}/ckpt", f"output_path={tmp}/out", *extra]
+
+def test_user_stage_b_mode_keeps_its_loss(tmp_path):
+    "A subclass of StageBTraining loaded through `imports:` trains a Stage B config with its own class and loss."
+    run_cli("-m", "cascade_nb.train", *stage_b_args(tmp_path, "mode=b_user"), cwd=tmp_path.parent, env={"OMP_NUM_THREADS": "1"})
+    calls = (tmp_path / "ckpt" / "user_loss_calls.txt").read_text().split()
+    assert calls and set(calls) == {"MyStageB"}, calls                     # the user's loss ran, in the user's class
+    info = json.loads((tmp_path / "ckpt" / "b" / "info.json").read_text())
+    assert info["update"] == 2 and info["config"]["mode"] == "b_user"
+
+def test_stage_c_mode_on_a_stage_b_config_is_refused_at_start(tmp_path):
+    "A mode that cannot train the config's stage is a config error (exit 2) before any model is built."
+    res = run_cli("-m", "cascade_nb.train", *stage_b_args(tmp_path, "mode=c_user"), cwd=tmp_path.parent, check=False)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "mode 'c_user' (my_b_modes.MyStageC) trains Stage C only" in res.stderr and "StageBTraining" in res.stderr, res.stderr[-2000:]

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port, ROOT
 from test_train import demo_args, info
+from test_shipped_configs import overrides, check_run, UPDATES
 from cascade_nb.launch import descendants
 
 LONG = ["updates=400", "save_every=300", "log_every=1"]
@@ -44,7 +45,7 @@ def assert_saved(tmp, name, out, processes=1):
     assert "received SIG" in out and "saved update" in out, out[-3000:]
     assert "DataLoader worker" not in out and "Traceback" not in out, out[-3000:]
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signal_to_process_group_with_workers(tmp_path, sig):
     "Ctrl-C / a scheduler signalling the group: the workers used to die first ('DataLoader worker killed by signal')."
     proc = start([sys.executable, "-m", "cascade_nb.train", *demo_args(tmp_path, "group", *LONG, "num_workers=2")])
@@ -69,18 +70,8 @@ def test_sigterm_to_bare_accelerate_launcher(tmp_path):
     assert rc == -signal.SIGTERM, out[-3000:]
     assert_saved(tmp_path, "bare", out)
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_sigterm_to_launch_wrapper(tmp_path, processes):
-    "`python -m cascade_nb.launch` (accelerate launch's arguments): SIGTERM to it saves and it exits 0, on 1 and 2 processes."
-    acc = ACC_1PROC if processes == 1 else ["--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
-                                            "--main_process_port", free_port()]
-    proc = start([sys.executable, "-m", "cascade_nb.launch", *acc, "cascade_nb/train.py",
-                  *demo_args(tmp_path, "wrapped", *LONG, "num_workers=1", f"batch_size={4 * processes}")])
-    tracked = wait_until_training(proc, tmp_path, "wrapped")
-    proc.send_signal(signal.SIGTERM)
-    out, rc = finish(proc, tracked)
-    assert rc == 0, out[-3000:]
-    assert_saved(tmp_path, "wrapped", out, processes)
+# SIGTERM to `python -m cascade_nb.launch` on 1 and 2 processes (and nothing left running afterwards): every shipped
+# config, in tests/test_shipped_configs.py
 
 SRUN = """#!/bin/bash
 # stand-in for srun: start the step command once per node, SLURM_NODEID set, and wait for all (srun's options skipped)
@@ -104,8 +95,10 @@ def test_slurm_script_saves_on_sigterm_to_every_process(tmp_path):
            "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1", "MASTER_PORT": str(free_port()),
            # CPU processes: multi_node.yaml's HSDP needs GPUs (accelerate refuses a ParallelismConfig on MULTI_CPU)
            "LAUNCH_CONFIG": str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")}
-    proc = start(["bash", ROOT / "configs" / "slurm" / "train_multinode.sbatch",
-                  *demo_args(tmp_path, "slurm", *LONG, "num_workers=1", "batch_size=8", "mixed_precision=no")], env=env)
+    # the demo as shipped (its data filter and evaluation included), shortened as tests/test_shipped_configs.py does
+    step_cmd = ["bash", ROOT / "configs" / "slurm" / "train_multinode.sbatch", ROOT / "configs" / "demo.yaml",
+                *overrides("demo.yaml", tmp_path, "slurm"), "mixed_precision=no"]
+    proc = start(step_cmd, env=env)
     tracked = wait_until_training(proc, tmp_path, "slurm")
     srun = next(p for p in tracked if "srun" in Path(f"/proc/{p}/cmdline").read_text())
     step = descendants(srun)
@@ -115,3 +108,8 @@ def test_slurm_script_saves_on_sigterm_to_every_process(tmp_path):
     out, rc = finish(proc, tracked)
     assert rc == 0, out[-3000:]
     assert_saved(tmp_path, "slurm", out, processes=2)
+    # the job resubmitted: it resumes and finishes, and its evaluation is what one process computes from its weights
+    proc = start(step_cmd, env=env)
+    out, rc = finish(proc, [])
+    assert rc == 0 and f"done at update {UPDATES} of {UPDATES}" in out, out[-3000:]
+    check_run(tmp_path, "slurm", processes=2)

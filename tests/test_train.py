@@ -113,6 +113,17 @@ def test_nonfinite_losses(tmp_path):
     assert "update skipped" in res.stdout
     assert info(tmp_path, "nan1")["nonfinite_total"] == 1
 
+def test_a_diverging_run_never_replaces_good_weights(tmp_path):
+    "lr 1e10 after 4 good updates: no save commits the diverged state; the error names the checkpoint that is kept."
+    run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "div", "updates=4", "save_every=4"))
+    good = weights(tmp_path, "div")
+    res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "div", "updates=14", "save_every=2", "lr=1e10",
+                                                      "max_nan_steps=6"), check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "non-finite losses in a row" in res.stderr and "checkpoint of update 4" in res.stderr, res.stderr[-2000:]
+    assert info(tmp_path, "div")["update"] == 4 and "not saved" in res.stdout
+    assert_identical(weights(tmp_path, "div"), good)
+
 def _launch_2proc(*args, check=True):
     return run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
                    "--main_process_port", str(free_port()), DRIVER, *args, env={"OMP_NUM_THREADS": "1"}, check=check)

@@ -28,7 +28,10 @@ def format_report(rep: dict) -> str:
     "Human-readable lines for an `inspect_source` report."
     lines = [f"source: {rep['source']} ({rep['shards']} shard(s))", f"usable samples: {rep['samples']}",
              "skipped: " + (", ".join(f"{k} {v}" for k, v in sorted(rep["skipped"].items())) or "none")]
-    for url, skips in rep["bad_shards"]: lines.append(f"  unusable shard: {url} {skips}")
+    if rep.get("filters"): lines.append(f"dataset_filters: keep {rep['filters']['kept']}, exclude {rep['filters']['excluded']}")
+    for url, skips in rep["bad_shards"]:
+        why = rep.get("errors", {}).get(url)
+        lines.append(f"  unusable shard: {url} {skips}" + (f": {why}" if why else ""))
     if rep["caption_chars"]:
         c, w = rep["caption_chars"], rep["caption_words"]
         lines.append(f"caption length: chars min {c['min']} mean {c['mean']} max {c['max']}; words min {w['min']} mean {w['mean']} max {w['max']}")
@@ -143,7 +146,9 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parse_cli(make_parser(), argv)   # options anywhere, as in every cascade_nb command
     if args.command == "inspect" and len(args.source) == 1: args.source = args.source[0]
-    with cli_errors(OSError, ValueError):   # missing/unreadable files and folders, bad values: one line, exit 2
+    from cascade_nb.data.sources import DataError
+    # missing/unreadable files and folders, data that cannot be read, bad values: one line, exit 2
+    with cli_errors(OSError, ValueError, DataError):
         return args.fn(args)
 
 # %% ../../nbs/34_data.cli.ipynb #ffc92c09

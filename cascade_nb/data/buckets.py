@@ -15,9 +15,10 @@ from PIL import Image
 from .sources import SkipCounter, _worker_seed
 
 # %% auto #0
-__all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'bucket_sizes', 'saliency_map', 'saliency_center', 'closest_bucket',
-           'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket', 'BucketResize',
-           'materialize_samples', 'collate_samples', 'BucketBatcher', 'resolution_at', 'bucket_at', 'resize_cover']
+__all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'COUNTS_ONLY', 'bucket_sizes', 'saliency_map', 'saliency_center',
+           'closest_bucket', 'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket',
+           'BucketResize', 'materialize_samples', 'collate_samples', 'BucketBatcher', 'resolution_at', 'bucket_at',
+           'resize_cover']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
 def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[int, int], ...]:
@@ -164,8 +165,8 @@ def materialize_samples(samples: list[dict], counter: SkipCounter | None = None)
     for s in samples:
         if not hasattr(s.get("image"), "materialize"): out.append(s); continue
         try: out.append(s["image"].materialize(s))
-        except Exception:
-            if counter is not None: counter.add("bad_image")
+        except Exception as e:   # undecodable: bad_image; decodable without faithful RGB: the error's `skip_reason`
+            if counter is not None: counter.add(getattr(e, "skip_reason", "bad_image"))
             out.append(None)
     good = [s for s in out if s is not None]
     if not good: return []
@@ -189,23 +190,30 @@ def collate_samples(samples: list[dict]) -> dict:
         else: batch[name] = vals
     return batch
 
+COUNTS_ONLY = "__counts_only__"
+"Key of the item a reader yields after its last batch with the filter counts no batch carried (`counts_item`)."
+
 class BucketBatcher:
-    "Pipeline stage: samples → batches of `batch_size` from a single bucket each, with the skip counts since the last batch."
+    "Pipeline stage: samples → batches of `batch_size` from one bucket each, with the skip and filter counts since the last."
     def __init__(self, batch_size: int, counter: SkipCounter | None = None, drop_last: bool = True, group_key: str = "bucket"):
         if batch_size < 1: raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.counter, self.drop_last, self.group_key = batch_size, counter, drop_last, group_key
         self.fast_forward = 0   # batches (all readers together) the next pass hands over undecoded: a resume's fast-forward
+        self.counts_item = False   # True (a loader that removes it): a last item {COUNTS_ONLY, filters} per pass
 
     def _emit(self, samples):
         if self._ff > 0:   # a batch the resumed run already trained on: its samples' pixels are never decoded
             self._ff -= 1
             return {"fast_forwarded": True, "bucket": samples[0][self.group_key], "keys": [s.get("__key__") for s in samples],
-                    "skipped": self.counter.take() if self.counter is not None else {}}
+                    **self._counts()}
         samples = materialize_samples(samples, self.counter)
         if not samples: return None   # not one of them decodes: counted, dropped
-        batch = collate_samples(samples)
-        batch["skipped"] = self.counter.take() if self.counter is not None else {}
-        return batch
+        return {**collate_samples(samples), **self._counts()}
+
+    def _counts(self) -> dict:
+        "What a batch reports: {skipped: bad data since the last batch, filters: `dataset_filters` counts since then}."
+        if self.counter is None: return {"skipped": {}, "filters": {}}
+        return {"skipped": self.counter.take(), "filters": self.counter.take_filters()}
 
     def __call__(self, samples):
         info = torch.utils.data.get_worker_info()   # readers hand out batches in turn: this one's share of the fast-forward
@@ -222,6 +230,8 @@ class BucketBatcher:
                 if group and (batch := self._emit(group)) is not None: yield batch
         if self.counter is not None and (tail := self.counter.take()):   # skips after the last batch: not silent either
             warnings.warn(f"data: skipped after this reader's last batch: {tail}")
+        if self.counts_item and self.counter is not None and (tail := self.counter.take_filters()):
+            yield {COUNTS_ONLY: True, "filters": tail, "skipped": {}}
 
 # %% ../../nbs/31_data.buckets.ipynb #1c5fbf44
 def resolution_at(schedule, update: int, default: int) -> int:

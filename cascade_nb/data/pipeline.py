@@ -9,20 +9,23 @@ from __future__ import annotations
 import io, json, math, random, struct, warnings
 from collections import Counter
 from pathlib import Path
+import numpy as np
 import torch
 import webdataset as wds
 from safetensors.torch import load as st_load
 from PIL import Image, ImageOps
 from ..config import CaptionsGetter, DatasetFilter
 from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_shards, ShardList,
-                                     ResampledShardList, ShardReader, _worker_seed, is_remote, local_path)
-from .buckets import bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize, BucketBatcher
+                                     ResampledShardList, ShardReader, _worker_seed, is_remote, local_path, DataError)
+from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize,
+                                     BucketBatcher, COUNTS_ONLY)
 
 # %% auto #0
-__all__ = ['CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'to_rgb', 'default_min_side', 'default_max_pixels',
-           'SampleDecoder', 'LazyImage', 'Shuffle', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError',
-           'CachedDecoder', 'ImageTextDataset', 'resolve_crop', 'build_dataset', 'build_dataloader',
-           'dataloader_from_config', 'default_num_workers', 'sum_skips', 'inspect_source']
+__all__ = ['MAX_CAPTION_CHARS', 'CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'UnsupportedImage', 'to_rgb',
+           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'LazyImage', 'Shuffle', 'find_cache_info',
+           'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset', 'resolve_crop',
+           'build_dataset', 'FilterReportingLoader', 'build_dataloader', 'dataloader_from_config',
+           'default_num_workers', 'sum_skips', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -34,16 +37,34 @@ def as_dataset_filters(specs) -> tuple[DatasetFilter, ...]:
     "`DatasetFilter`s from config entries `[key_or_keys, 'lambda ...']` (or `DatasetFilter`s)."
     return tuple(f if isinstance(f, DatasetFilter) else DatasetFilter.from_yaml(f) for f in (specs or ()))
 
-# %% ../../nbs/32_data.pipeline.ipynb #e2a2d5f4
+# %% ../../nbs/32_data.pipeline.ipynb #e2a2d5f1
+class UnsupportedImage(ValueError):
+    "Pixels that have no faithful 8-bit RGB; counted as `unsupported_mode` (`skip_reason`), not as a broken file."
+    skip_reason = "unsupported_mode"
+
+_DEEP_GREY = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
+"High-depth grey modes and the value that is white in each."
+
+def _deep_to_l(img: Image.Image) -> Image.Image:
+    "An `L` image from a 16/32-bit integer or float grey one, scaled so that `_DEEP_GREY[mode]` is 255."
+    a, white = np.asarray(img), _DEEP_GREY[img.mode]
+    if a.size and (not np.isfinite(a).all() or a.min() < 0 or a.max() > white):
+        raise UnsupportedImage(f"{img.mode} pixels in {a.min()}..{a.max()}, outside 0..{white}")
+    return Image.fromarray(np.round(a.astype(np.float64) * (255 / white)).astype(np.uint8), "L")
+
 def to_rgb(img: Image.Image) -> Image.Image:
-    "RGB image: EXIF rotation applied, transparency composited on white."
+    "RGB uint8 image of any PIL mode: high-depth grey scaled, EXIF rotation applied, transparency composited on white."
     if img.format in ("JPEG", "MPO", "WEBP", "TIFF"):   # formats that carry EXIF rotation
         ImageOps.exif_transpose(img, in_place=True)      # in place: no copy when there is nothing to rotate
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+    if img.mode in _DEEP_GREY: img = _deep_to_l(img)
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return img if img.mode == "RGB" else img.convert("RGB")
+    if img.mode == "RGB": return img
+    try: return img.convert("RGB")
+    except ValueError as e: raise UnsupportedImage(f"mode {img.mode}: {e}") from e
 
+# %% ../../nbs/32_data.pipeline.ipynb #e2a2d5f4
 def default_min_side(image_size: int) -> int:
     "Images with a shorter side below this are skipped as `too_small` (upscaling them 8× teaches blur)."
     return max(16, image_size // 8)
@@ -51,6 +72,12 @@ def default_min_side(image_size: int) -> int:
 def default_max_pixels(image_size: int) -> int:
     "Images that would decode to more pixels than this are skipped as `too_large`: 64× the training area (8× per side), at least 4096²."
     return max(64 * image_size ** 2, 4096 ** 2)
+
+MAX_CAPTION_CHARS = 4096
+"Captions are cut to this many characters when read (counted as `caption_cut`): 10× what CLIP's 77 tokens hold."
+
+_FILTERED_SHARDS: set = set()
+"Shards this process has said `dataset_filters` empty (said once per run, not every epoch or every loader)."
 
 class SampleDecoder:
     "Pipeline stage: raw samples → `{image (PIL), caption, meta, bucket}`; counts skips; fails on a shard with nothing usable."
@@ -61,7 +88,8 @@ class SampleDecoder:
         self.counter, self.getter, self.filters = counter, as_captions_getter(captions_getter), as_dataset_filters(dataset_filters)
         self.min_side, self.n_shards, self.strict, self.bad_shards, self.max_pixels = min_side, n_shards, strict, [], max_pixels
         self.buckets, self.p_random_ratio, self.seed, self.epoch = buckets, p_random_ratio, seed, 0
-        self._rng = random.Random(seed)
+        self.shard_errors = {}   # url → why it could not be read (`failure_reason`), for reports
+        self._rng, self._pass = random.Random(seed), 0
 
     def decode(self, s: dict) -> tuple[dict | None, str | None]:
         "One raw sample → (decoded sample, None) or (None, skip reason)."
@@ -79,6 +107,9 @@ class SampleDecoder:
         ext = next((e for e in IMAGE_EXTS if e in s), None)
         if ext is None: return None, "missing_image"
         out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(), "meta": meta}
+        # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
+        if len(out["caption"]) > MAX_CAPTION_CHARS:
+            out["caption"], out["caption_cut"] = out["caption"][:MAX_CAPTION_CHARS], True
         try:
             img, draft = Image.open(io.BytesIO(s[ext])), None   # reads the header only
             h, w = img.height, img.width
@@ -93,28 +124,45 @@ class SampleDecoder:
                 return out, None
             img.load()
             out["image"], out["original_size"] = to_rgb(img), (h, w)
+        except UnsupportedImage: return None, "unsupported_mode"
         except Exception: return None, "bad_image"
         return out, None
 
     def _end_of_shard(self, marker, stats):
         "A shard is done: forget past failures if it gave something, else count it and stop only when no shard can."
         url, usable, skips = marker[SHARD_END], stats["usable"], Counter(marker["skips"]) + stats["skips"]
+        if marker.get("error"): self.shard_errors[url] = marker["error"]
         if usable: self._unusable.clear(); return
         self._unusable[url] = dict(skips)
         only_filtered = all(set(s) <= {"filtered"} and s for s in self._unusable.values())
         if not self.strict: self.bad_shards.append((url, dict(skips))); return
-        warnings.warn(f"data: shard {url} yielded no usable sample ({marker['n']} samples read; skipped: {dict(skips) or 'none'}); "
-                      "skipped, training goes on with the other shards")
+        if set(skips) == {"filtered"}: self._filtered_shard(url, marker["n"])
+        else: warnings.warn(f"data: shard {url} yielded no usable sample ({marker['n']} samples read; skipped: "
+                            f"{dict(skips) or 'none'}); skipped, training goes on with the other shards")
         if len(self._unusable) < self.n_shards: return
-        raise RuntimeError(
+        if all(set(s) == {"unreadable_shard"} for s in self._unusable.values()):   # network, permissions, addresses
+            why = "; ".join(f"{u}: {self.shard_errors.get(u, 'cannot be opened')}" for u in list(self._unusable)[-2:])
+            raise DataError(f"data: none of the {self.n_shards} shard(s) of the source could be read ({why}"
+                            f"{', ...' if self.n_shards > 2 else ''}); check the address, the network and the "
+                            "credentials")
+        raise DataError(
             f"data: all {self.n_shards} shard(s) of the source yielded no usable sample (skipped: "
             f"{dict(sum(map(Counter, self._unusable.values()), Counter()))}); nothing is left to train on. "
             + (f"Every sample was rejected by dataset_filters {[f.to_yaml() for f in self.filters]}." if only_filtered else
                "Check that they are tars of NNNN.jpg|png + NNNN.txt members (tar --sort=name keeps them together), that "
                "they can be opened from this machine, and run `python -m cascade_nb.data inspect SOURCE`."))
 
+    def _filtered_shard(self, url, n: int):
+        "A shard whose every sample the filters exclude: the config's choice, said once (first pass, once a process)."
+        key = (url, str([f.to_yaml() for f in self.filters]))
+        if self._pass > 0 or key in _FILTERED_SHARDS: return
+        _FILTERED_SHARDS.add(key)
+        warnings.warn(f"data: dataset_filters exclude all {n} samples of shard {url}, so it gives no batch "
+                      "(the config's choice, not bad data; said once)")
+
     def __call__(self, samples):
-        self._rng = random.Random(_worker_seed(self.seed + 1, self.epoch)); self.epoch += 1
+        self._rng, self._pass = random.Random(_worker_seed(self.seed + 1, self.epoch)), self.epoch
+        self.epoch += 1
         self._unusable, open_shards, seen, usable_total = {}, {}, 0, 0
         for s in samples:
             stats = open_shards.setdefault(s["__shard__"], {"usable": 0, "skips": Counter()})
@@ -123,12 +171,19 @@ class SampleDecoder:
                 self._end_of_shard(s, open_shards.pop(s["__shard__"]))
                 continue
             out, reason = self.decode(s)
+            # the filters' outcomes are counted apart from the skips: excluding a sample is not a fault of the data
+            if self.filters: self.counter.add_filter("seen")
+            if self.filters and reason != "bad_json":
+                self.counter.add_filter("excluded" if reason == "filtered" else "kept")
             if reason is not None:
-                self.counter.add(reason); stats["skips"][reason] += 1
+                if reason != "filtered": self.counter.add(reason)
+                stats["skips"][reason] += 1
                 continue
+            if out.pop("caption_cut", False): self.counter.add("caption_cut")   # kept, and counted
             stats["usable"] += 1; usable_total += 1
             yield out
-        if self.strict and seen and not usable_total:   # this reader's share was all bad; other readers may have data
+        # this reader's share was all bad data (not only filtered out); other readers may have data
+        if self.strict and seen and not usable_total and self.counter.total:
             warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: {dict(self.counter.total)}")
 
 
@@ -274,6 +329,37 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
     if epoch_length: ds = ds.with_epoch(epoch_length)
     return ds
 
+# %% ../../nbs/32_data.pipeline.ipynb #7d4e1f21
+_FILTER_COUNTS_SAID: set = set()
+"Sources whose `dataset_filters` counts this process has said."
+
+class FilterReportingLoader(torch.utils.data.DataLoader):
+    "A DataLoader that drops the readers' counts-only items and says once what `dataset_filters` keep and exclude."
+    source, filters, share = "", "", 1   # set by `build_dataloader`: the source, its filters, the processes sharing it
+
+    def __iter__(self):
+        counts, ds, target = Counter(), self.dataset, None
+        for batch in super().__iter__():
+            counts.update(batch.get("filters") or {})
+            if not batch.get(COUNTS_ONLY): yield batch
+            # an endless stream: once the filters have seen the samples of a pass's worth of shards drawn
+            if ds.resampled and target is None and counts["shards"] >= len(ds.shards): target = counts["read"]
+            if target is not None and counts["seen"] >= target: self._say(counts)
+        self._say(counts)   # the end of a pass
+
+    def _say(self, counts: Counter):
+        if not (counts["kept"] or counts["excluded"]) or (self.source, self.filters) in _FILTER_COUNTS_SAID: return
+        _FILTER_COUNTS_SAID.add((self.source, self.filters))
+        from webdataset.utils import pytorch_worker_info
+        if pytorch_worker_info()[0] != 0: return   # the main process says it
+        kept, n = counts["kept"], counts["kept"] + counts["excluded"]
+        if self.dataset.resampled:   # drawn with replacement: a share of the draws, not of distinct samples
+            msg = f"keep {kept / n:.1%} of the samples drawn from {self.source} ({kept} of the first {n})"
+        else:
+            share = f" (process 0's share, 1/{self.share} of the shards)" if self.share > 1 else ""
+            msg = f"keep {kept} of the {n} samples of {self.source}{share}, exclude {n - kept}"
+        print(f"data: dataset_filters {msg}; excluded samples are not counted as skipped", flush=True)
+
 # %% ../../nbs/32_data.pipeline.ipynb #16f99a24
 def build_dataloader(source, batch_size: int, *, num_workers: int | None = None, pin_memory: bool = False,
                      prefetch_factor: int | None = 2, persistent_workers: bool = False,
@@ -288,13 +374,17 @@ def build_dataloader(source, batch_size: int, *, num_workers: int | None = None,
                       "pack more, smaller shards (python -m cascade_nb.data pack ... --shard-size N)")
     kw = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
               multiprocessing_context=multiprocessing_context, worker_init_fn=_ignore_stop_signals) if num_workers > 0 else {}
-    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                                       collate_fn=_as_is, **kw)
+    for stage in ds.pipeline:
+        if isinstance(stage, BucketBatcher): stage.counts_item = True   # the loader removes that item
+    loader = FilterReportingLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, collate_fn=_as_is,
+                                   **kw)
+    loader.source, loader.filters, loader.share = str(source), str(dataset_kwargs.get("dataset_filters")), world
+    return loader
 
 def _ignore_stop_signals(worker_id: int):
-    "Workers ignore SIGTERM/SIGINT: a group-wide signal must reach the trainer, which saves, not kill the workers first."
+    "Workers ignore SIGTERM/SIGINT/SIGHUP: a group-wide signal must reach the trainer, which saves, not kill the workers first."
     import signal
-    for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, signal.SIG_IGN)   # they still end with the DataLoader
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)   # they still end with the DataLoader
 
 def _as_is(batch):
     "The DataLoader's collate_fn: batches leave the dataset already collated."
@@ -340,7 +430,9 @@ def inspect_source(source, image_size: int = 768, multi_aspect_ratio=None, capti
         n += 1
         if limit and n >= limit: break
     stats = lambda v: dict(min=min(v), mean=round(sum(v) / len(v), 1), max=max(v)) if v else {}
-    return dict(source=str(source), shards=len(shards), samples=n, skipped=dict(counter.total), bad_shards=dec.bad_shards,
+    filters = {k: counter.filters[k] for k in ("kept", "excluded")} if dec.filters else {}   # the config's choice: not skips
+    return dict(source=str(source), shards=len(shards), samples=n, skipped=dict(counter.total), filters=filters,
+                bad_shards=dec.bad_shards, errors=dec.shard_errors,
                 caption_chars=stats(chars), caption_words=stats(words),
                 sizes={f"{h}x{w}": c for (h, w), c in sizes.most_common()},
                 bucket_of_size={f"{h}x{w}": "{}x{}".format(*closest_bucket(h, w, buckets)) for (h, w) in sizes})

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.sources.html.md"""
 
 # %% ../../nbs/30_data.sources.ipynb #2067da0c
 from __future__ import annotations
-import io, os, re, json, random, shutil, tarfile, warnings
+import errno, io, os, re, json, random, shutil, socket, tarfile, warnings
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
@@ -16,10 +16,11 @@ from webdataset.utils import pytorch_worker_info
 from ..config import ConfigError
 
 # %% auto #0
-__all__ = ['SKIP_REASONS', 'IMAGE_EXTS', 'SAMPLE_EXTS', 'REMOTE_CLIENTS', 'REMOTE_OPTIONS', 'SHARD_END', 'SkipCounter',
-           'format_skips', 'split_key', 'folder_split', 'is_remote', 'local_path', 'folder_keys', 'resolve_shards',
-           'check_remote', 'ShardList', 'ResampledShardList', 'open_url', 'ShardReader', 'safe_key', 'write_shards',
-           'pack_folder']
+__all__ = ['SKIP_REASONS', 'KEPT_REASONS', 'FILTER_COUNTS', 'IMAGE_EXTS', 'OTHER_IMAGE_EXTS', 'SAMPLE_EXTS', 'REMOTE_CLIENTS',
+           'REMOTE_TIMEOUT_S', 'SHARD_END', 'SkipCounter', 'format_skips', 'DataError', 'SourceNotFoundError',
+           'split_key', 'folder_split', 'is_remote', 'local_path', 'folder_keys', 'resolve_shards', 'check_remote',
+           'ShardList', 'ResampledShardList', 'remote_timeout', 'remote_options', 'is_timeout', 'failure_reason',
+           'open_url', 'ShardReader', 'safe_key', 'write_shards', 'pack_folder']
 
 # %% ../../nbs/30_data.sources.ipynb #175a818d
 SKIP_REASONS = {
@@ -27,40 +28,80 @@ SKIP_REASONS = {
     "empty_shard": "the shard opened but holds no member at all",
     "truncated_tar": "the tar ended early or is corrupt; the rest of the shard is lost",
     "missing_image": "no .jpg/.jpeg/.png/.webp member for the key",
+    "unsupported_format": "the key's image is a .gif, .bmp, .tiff, ... file: a format this reader does not train on",
     "bad_image": "the image bytes do not decode (truncated or not an image)",
+    "unsupported_mode": "the image decodes, but its pixels have no faithful 8-bit RGB (floats beyond 0..1, ints > 65535)",
     "too_small": "the image's shorter side is below `min_side`",
     "too_large": "the image would decode to more than `max_pixels` pixels (a decompression bomb, or far above image_size)",
     "missing_caption": "no caption member (e.g. .txt) for the key",
     "bad_text": "the caption is not valid UTF-8",
     "empty_caption": "the caption is empty or only whitespace",
+    "caption_cut": "the caption was longer than `MAX_CAPTION_CHARS` and was cut to that length: the sample is KEPT",
     "bad_json": "the .json member is not a valid JSON object",
-    "filtered": "rejected by `dataset_filters` (not an error)",
     "bad_cache": "a cached sample that is corrupt or lacks the expected tensors",
     "other_file": "a file in a loose folder that is not an image, caption or JSON (README, .DS_Store, ...)",
 }
 
+KEPT_REASONS = ("caption_cut",)
+"Counted like skips, but the sample still trains (`format_skips` leaves them out of the skipped total)."
+
+FILTER_COUNTS = {
+    "kept": "passed `dataset_filters`",
+    "excluded": "excluded by `dataset_filters`: the config's choice, not bad data, so never counted as skipped",
+    "seen": "samples the filters were asked about (kept, excluded, or with unreadable metadata)",
+    "shards": "shards read to their end (of an endless stream, a pass's worth tells when to report)",
+    "read": "samples in the shards read to their end",
+}
+
 class SkipCounter:
-    "Per-reason counts of skipped samples; `take()` returns the increments since the last `take()`."
-    def __init__(self): self.total, self._taken = Counter(), Counter()
+    "Per-reason counts of skipped samples (and, apart, `dataset_filters` outcomes); `take()` returns the increments."
+    def __init__(self):
+        self.total, self._taken, self.filters, self._filters_taken = Counter(), Counter(), Counter(), Counter()
     def add(self, reason: str, n: int = 1):
         if reason not in SKIP_REASONS: raise KeyError(f"unknown skip reason {reason!r}; known: {sorted(SKIP_REASONS)}")
         self.total[reason] += n
+    def add_filter(self, outcome: str, n: int = 1):
+        if outcome not in FILTER_COUNTS: raise KeyError(f"unknown filter count {outcome!r}; known: {list(FILTER_COUNTS)}")
+        self.filters[outcome] += n
     def take(self) -> dict[str, int]:
-        "Counts added since the previous call (what a batch reports)."
+        "Skip counts added since the previous call (what a batch reports)."
         delta = self.total - self._taken
         self._taken = self.total.copy()
+        return dict(delta)
+    def take_filters(self) -> dict[str, int]:
+        "`dataset_filters` counts added since the previous call (a batch's `filters`)."
+        delta = self.filters - self._filters_taken
+        self._filters_taken = self.filters.copy()
         return dict(delta)
     def __repr__(self): return f"SkipCounter({dict(self.total)})"
 
 # %% ../../nbs/30_data.sources.ipynb #49b8d928
 def format_skips(counts: dict) -> str:
-    "Skip totals as one short phrase for console lines (`skipped 3: bad_image 2, unreadable_shard 1`); '' when none."
-    counts = {k: v for k, v in counts.items() if v}
-    if not counts: return ""
-    return f"skipped {sum(counts.values())}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    """Skip totals as one short phrase for console lines (`skipped 3: bad_image 2, unreadable_shard 1`); '' when none.
+    Only bad data is skipped: what `dataset_filters` exclude is the config's choice and is left out; what is kept but
+    changed (`KEPT_REASONS`, e.g. `caption_cut`) follows after a `;`, outside the skipped total."""
+    counts = {k: v for k, v in counts.items() if v and k in SKIP_REASONS}
+    skipped = {k: v for k, v in counts.items() if k not in KEPT_REASONS}
+    kept = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k in KEPT_REASONS)
+    head = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+    head = f"skipped {sum(skipped.values())}: {head}" if skipped else ""
+    return "; ".join(p for p in (head, kept) if p)
+
+# %% ../../nbs/30_data.sources.ipynb #d1a0e001
+class DataError(RuntimeError):
+    "Data that cannot be read at all: one line for the user (the trainer's and data CLI's `cli_errors` print it)."
+    def __init__(self, msg: str = "", message: str | None = None):
+        # torch re-raises a worker's exception as `type(message=...)`, the message ending in `module.DataError: msg`
+        if message is not None: msg = message.strip().splitlines()[-1].partition(": ")[2] or message
+        super().__init__(msg)
+
+class SourceNotFoundError(DataError, FileNotFoundError):
+    "A local data source (file, folder, shard of a brace pattern) that does not exist, or a folder without images."
 
 # %% ../../nbs/30_data.sources.ipynb #8df878e7
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+OTHER_IMAGE_EXTS = ("gif", "bmp", "tif", "tiff", "heic", "heif", "avif", "jxl", "jp2", "ico")
+"Image files of formats not trained on: their key is a sample counted as `unsupported_format`, not a stray file."
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key = path up to the first dot of the basename
 
 def split_key(name: str) -> tuple[str, str] | None:
@@ -82,7 +123,7 @@ def local_path(url: str) -> Path:
     "The filesystem path of a local URL (strips `file:` / `file://`)."
     return Path(re.sub(r"^file:(//)?", "", url))
 
-SAMPLE_EXTS = (*IMAGE_EXTS, "txt", "json")
+SAMPLE_EXTS = (*IMAGE_EXTS, *OTHER_IMAGE_EXTS, "txt", "json")
 
 def folder_keys(root: Path) -> tuple[list[str], int, list[str]]:
     "Sorted sample keys of a folder of loose files (any key with an image, caption or JSON file), the image count, other files."
@@ -107,11 +148,11 @@ def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[
         tars = sorted(p for p in path.iterdir() if p.suffix == ".tar")
         if tars: return [dict(url=str(p)) for p in tars]
         keys, n_images, other = folder_keys(path)   # a caption without its image is a sample: it is counted as missing_image
-        if not n_images: raise FileNotFoundError(f"data source {src!r}: folder has neither .tar shards nor images ({', '.join(IMAGE_EXTS)})")
+        if not n_images: raise SourceNotFoundError(f"data source {src!r}: folder has neither .tar shards nor images ({', '.join(IMAGE_EXTS)})")
         chunks = [dict(url=f"{path}#{i}", root=str(path), keys=keys[i:i + folder_chunk]) for i in range(0, len(keys), folder_chunk)]
         if other: chunks[0]["other_files"] = other   # counted (once) by the reader of the first chunk
         return chunks
-    if not path.is_file(): raise FileNotFoundError(f"data source {src!r}: no such file or folder ({path})")
+    if not path.is_file(): raise SourceNotFoundError(f"data source {src!r}: no such file or folder ({path})")
     return [dict(url=str(path))]
 
 def resolve_shards(source, folder_chunk: int = 64, allow_pipe: bool = False) -> list[dict]:
@@ -170,9 +211,61 @@ class ResampledShardList:
         self.epoch += 1
         while True: yield rng.choice(self.shards)
 
-# %% ../../nbs/30_data.sources.ipynb #c25ec608
-REMOTE_OPTIONS = {"http": dict(block_size=0), "https": dict(block_size=0)}   # block_size 0: stream, no range requests
+# %% ../../nbs/30_data.sources.ipynb #d1a0e004
+REMOTE_TIMEOUT_S = 60.0
+"Seconds a remote read waits for a connection, and then for each chunk of a shard."
 
+def remote_timeout() -> float:
+    "The remote read timeout in seconds: `CASCADE_NB_REMOTE_TIMEOUT` when set, else `REMOTE_TIMEOUT_S`."
+    return float(os.environ.get("CASCADE_NB_REMOTE_TIMEOUT") or REMOTE_TIMEOUT_S)
+
+def remote_options(scheme: str) -> dict:
+    "fsspec options for streaming one shard: http(s) without range requests; a connect and a read timeout on every client."
+    t = remote_timeout()
+    if scheme in ("http", "https"):
+        import aiohttp
+        # no `total` limit: a big shard streams for as long as it keeps sending
+        return dict(block_size=0, client_kwargs={"timeout": aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)})
+    if scheme in ("s3", "s3a"): return dict(config_kwargs={"connect_timeout": t, "read_timeout": t})
+    if scheme in ("gs", "gcs"): return dict(timeout=t)
+    return {}
+
+# %% ../../nbs/30_data.sources.ipynb #d1a0e005
+def _causes(e: BaseException) -> list[BaseException]:
+    "`e` and what it was raised from: `__cause__`, else `__context__`, else botocore's `error=`."
+    chain = []
+    while e is not None and e not in chain and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__ or (getattr(e, "kwargs", None) or {}).get("error")
+    return chain
+
+def is_timeout(e: BaseException) -> bool:
+    "True when `e` or a cause is a timeout (socket, asyncio/aiohttp, botocore's Connect/ReadTimeoutError)."
+    return any(isinstance(x, TimeoutError) or "Timeout" in type(x).__name__ for x in _causes(e))
+
+def failure_reason(e: BaseException) -> str:
+    "Why a shard could not be read, in a few words: not found, connection refused, no answer, access denied, ..."
+    chain = _causes(e)
+    text = " ".join(f"{type(x).__name__} {x}" for x in chain)
+    status = next((s for x in chain if isinstance(s := getattr(x, "status", None), int)), None)
+    if status in (401, 403) or any(isinstance(x, PermissionError) for x in chain) or re.search(
+            r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|\(403\)|Forbidden", text):
+        return f"access denied{f' (HTTP {status})' if status else ''}: check the credentials and their permissions"
+    if "NoCredentials" in text or "Unable to locate credentials" in text:
+        return "no credentials found (e.g. AWS_ACCESS_KEY_ID / AWS_PROFILE for s3://)"
+    if status == 404 or re.search(r"NoSuchKey|NoSuchBucket|\(404\)", text): return "not found (HTTP 404)"
+    if status: return f"HTTP {status} from the server"
+    if is_timeout(e): return f"no answer within {remote_timeout():g} s (CASCADE_NB_REMOTE_TIMEOUT sets the limit)"
+    if any(isinstance(x, ConnectionRefusedError) or getattr(x, "errno", None) == errno.ECONNREFUSED for x in chain) \
+            or "Connection refused" in text:
+        return "connection refused (nothing listens at that host and port)"
+    if any(isinstance(x, socket.gaierror) for x in chain) or "Name or service not known" in text:
+        return "host not found (DNS)"
+    if isinstance(chain[-1], FileNotFoundError): return "not found"
+    last = chain[-1]
+    return f"{type(last).__name__}: {' '.join(str(last).split())[:200]}"
+
+# %% ../../nbs/30_data.sources.ipynb #c25ec608
 def open_url(url: str, allow_pipe: bool = False):
     "Open a shard for streaming reads: local paths and `file:` directly, s3/gs/http(s) through fsspec, an allowed `pipe:` via `wds.gopen`."
     if not is_remote(url): return open(local_path(url), "rb")
@@ -180,7 +273,7 @@ def open_url(url: str, allow_pipe: bool = False):
     scheme = urlparse(url).scheme
     if scheme == "pipe": return wds.gopen(url, "rb")
     import fsspec
-    return fsspec.open(url, "rb", **REMOTE_OPTIONS.get(scheme, {})).open()
+    return fsspec.open(url, "rb", **remote_options(scheme)).open()
 
 SHARD_END = "__shard_end__"
 
@@ -188,20 +281,28 @@ class ShardReader:
     "Pipeline stage: shard dicts → raw samples (dicts of bytes), then an end-of-shard marker per shard."
     def __init__(self, counter: SkipCounter, allow_pipe: bool = False): self.counter, self.allow_pipe = counter, allow_pipe
 
+    def _skip(self, reason: str, n: int = 1):
+        "Count a skip in the shared counter and in this shard's own tally (the decoder adds to the counter meanwhile)."
+        self.counter.add(reason, n); self._own[reason] += n
+
     def __call__(self, shards):
         for visit, shard in enumerate(shards):   # `visit` tells apart two reads of one shard (resampled streams)
-            n, before = 0, self.counter.total.copy()
+            n, self._own, self._error = 0, Counter(), None
             for sample in (self._folder(shard) if "keys" in shard else self._tar(shard["url"])):
+                # an image only in a format not trained on: named the same by `pack`, `inspect` and training
+                if not any(e in sample for e in IMAGE_EXTS) and any(e in sample for e in OTHER_IMAGE_EXTS):
+                    self._skip("unsupported_format"); continue
                 n += 1
                 sample["__shard__"] = visit
                 yield sample
-            if n == 0 and self.counter.total == before: self.counter.add("empty_shard")   # opened fine, held nothing
-            yield {SHARD_END: shard["url"], "__shard__": visit, "n": n, "skips": dict(self.counter.total - before)}
+            if n == 0 and not self._own: self._skip("empty_shard")   # opened fine, held nothing
+            self.counter.add_filter("shards"); self.counter.add_filter("read", n)
+            yield {SHARD_END: shard["url"], "__shard__": visit, "n": n, "skips": dict(self._own), "error": self._error}
 
     def _folder(self, shard):
         root = Path(shard["root"])
         if shard.get("other_files"):
-            self.counter.add("other_file", len(shard["other_files"]))
+            self._skip("other_file", len(shard["other_files"]))
             warnings.warn(f"data: {root} holds {len(shard['other_files'])} file(s) that are not samples, ignored: "
                           f"{', '.join(shard['other_files'][:5])}{' ...' if len(shard['other_files']) > 5 else ''}")
         wanted = set(shard["keys"])
@@ -220,8 +321,8 @@ class ShardReader:
         try: stream = open_url(url, self.allow_pipe)
         except ConfigError: raise   # refused by policy or a missing client: not a bad shard
         except Exception as e:
-            self.counter.add("unreadable_shard")
-            warnings.warn(f"data: cannot open shard {url}: {e!r}")
+            self._skip("unreadable_shard"); self._error = failure_reason(e)
+            warnings.warn(f"data: cannot open shard {url}: {self._error}")
             return
         sample, started, headers = None, False, type("_TarInfo", (_EndCheckingTarInfo,), {})   # fresh class: per-shard end flag
         try:
@@ -240,9 +341,12 @@ class ShardReader:
                     sample[ext] = data
             if not headers.clean_end: raise tarfile.ReadError("no end-of-archive marker (cut at a member boundary)")
         except Exception as e:   # tarfile.ReadError, EOFError, OSError from a pipe: the tail of the shard is lost
-            self.counter.add("truncated_tar" if started else "unreadable_shard")
+            self._skip("truncated_tar" if started else "unreadable_shard")
             where = sample["__key__"] if sample else "its start"
-            warnings.warn(f"data: shard {url} is truncated or corrupt after {where}: {e!r}")
+            if is_timeout(e):   # a server that stopped sending: not a corrupt tar
+                self._error = failure_reason(e)
+                warnings.warn(f"data: shard {url} stalled after {where}: {self._error}; the rest of it is skipped")
+            else: warnings.warn(f"data: shard {url} is truncated or corrupt after {where}: {e!r}")
             if not headers.clean_end and isinstance(e, tarfile.ReadError) and "end-of-archive" in str(e): pass  # last sample may be whole
             else: sample = None   # the sample being read when the tar broke is incomplete
         if sample is not None: yield sample
