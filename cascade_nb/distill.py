@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/distill.html.md"""
 
 # %% ../nbs/62_distill.ipynb #d9fe37ac
 from __future__ import annotations
-import copy, json, math, warnings
+import contextlib, copy, json, math, warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -252,7 +252,8 @@ class StudentTarget(nn.Module):
     def __init__(self, student: nn.Module):
         super().__init__()
         self.student, self.target = student, copy.deepcopy(student).requires_grad_(False)
-    def forward(self, x, r, **conds): return self.student(x, r, **conds)
+        self.as_target = False   # called through this module (FSDP2's root hooks), the target answers instead
+    def forward(self, x, r, **conds): return (self.target if self.as_target else self.student)(x, r, **conds)
 
 from .run_state import ema_update_   # on each process's own tensors: under FSDP both are sharded alike, no gather
 
@@ -307,8 +308,14 @@ class LCMTraining(TeacherMode):
     def target(self, net) -> nn.Module:
         "The network whose consistency output is the target: the EMA target network, or (LCM-LoRA) the student itself, as diffusers."
         return net if self.lora else _inner(net).target
-    # evaluation scores what the run releases as generator_ema and the sample CLI samples: the target network
-    evaluated = target
+    @contextlib.contextmanager
+    def evaluated(self, net):
+        "Evaluation scores what the run releases as generator_ema and the sample CLI samples: the target network."
+        if self.lora: yield net; return
+        # through the root module, so that FSDP2 gathers the target's shards as for any forward
+        inner = _inner(net); inner.as_target = True
+        try: yield inner
+        finally: inner.as_target = False
     def after_update(self, state):
         if not self.lora: ema_update_(self.net.target, self.net.student, self.cfg.distill.target_ema_beta)
     def released(self, accelerator, net) -> dict:

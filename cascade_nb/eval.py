@@ -215,8 +215,7 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
     from accelerate.utils import broadcast_object_list
     # an `EMA` computes through `ema_weights` (under FSDP: the sharded `net` with the EMA's shards swapped in, all processes)
     # without one, the mode says which weights it releases as the run's (an lcm student's target network)
-    plain = contextlib.nullcontext(mode.evaluated(acc.unwrap_model(net)))
-    with ema_weights(ema, acc.unwrap_model(net)) if ema is not None else plain as model:
+    with ema_weights(ema, acc.unwrap_model(net)) if ema is not None else mode.evaluated(acc.unwrap_model(net)) as model:
         was_training = model.training
         results, samples = evaluate_run(evaluator, mode, gdf, net=model.eval(), device=acc.device)
         model.train(was_training)

@@ -6,6 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/modes.html.md"""
 
 # %% ../nbs/40b_modes.ipynb #9f59922c
 from __future__ import annotations
+import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -274,9 +275,9 @@ class TrainingMode:
             for m in [*self.frozen_train_modules(net), *self.trainable_modules(net)]: m.train(True)
         return net
     def after_update(self, state): pass                        # after each optimizer update, e.g. a teacher's EMA
-    def evaluated(self, net) -> nn.Module:
-        "What in-training evaluation samples with when there is no EMA: `net`; lcm: its target network, released as EMA."
-        return net
+    def evaluated(self, net):
+        "A context giving what in-training evaluation samples with when there is no EMA: `net` (lcm: its target network)."
+        return contextlib.nullcontext(net)
 
     # --- what the run shows and writes
     def preview_rows(self, batch, n: int = 8, size=None) -> dict: return {}

@@ -715,8 +715,14 @@ def main(argv=None):
     args = parse_cli(cli_parser("cascade_nb.train", main.__doc__, config="training YAML (official StableCascade keys or cascade_nb's)"), argv)
     import os
     if "ACCELERATE_MIXED_PRECISION" in os.environ: die_with_parent()   # started by `accelerate launch`: never outlive it
-    with cli_errors(RunDirError, NonFiniteLossError):   # config and run-directory problems: one line, exit 2
-        train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
+    try:
+        with cli_errors(RunDirError, NonFiniteLossError):   # config and run-directory problems: one line, exit 2
+            train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
+    finally:
+        # DataLoader workers ignore SIGTERM (see `_ignore_stop_signals`): after an error, the interpreter's exit would
+        # wait for them forever; none is left once train() returns, so this only ends what an exception left running
+        import multiprocessing
+        for p in multiprocessing.active_children(): p.kill()
     gc.collect()   # FSDP-sharded modules must die before interpreter shutdown: gloo aborts if they outlive it
 
 if __name__ == "__main__" and "__file__" in globals(): main()   # not when this notebook runs

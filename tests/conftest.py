@@ -36,7 +36,7 @@ def free_port() -> int:
 # they did not group here: marked tests still went to both workers and their fixtures were built twice, measured.)
 # Workers take files in collection order, so the files whose tests launch training runs or notebooks go first: the run
 # then ends on short files instead of one worker finishing a long one while the other idles.
-LONG_FIRST = ("test_notebooks.py", "test_train.py", "test_train_state.py", "test_docs.py", "test_signals.py", "test_distill.py",
+LONG_FIRST = ("test_shipped_configs.py", "test_notebooks.py", "test_nothing_lost.py", "test_train.py", "test_train_state.py", "test_docs.py", "test_signals.py", "test_distill.py",
               "test_compile.py", "test_memory_fsdp.py", "test_ema_fsdp.py", "test_resolution.py", "test_rundir.py", "test_lora_train.py",
               "test_controlnet_train.py", "test_fidelity_train.py", "test_eval.py", "test_gpu_check.py")
 

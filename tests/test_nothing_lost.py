@@ -100,3 +100,11 @@ def test_disk_full_during_a_save_costs_one_line_and_leaves_nothing(tmp_path, sma
     # nothing half written is left to fill the disk: only the committed states remain
     assert {p.name for p in run_dir.glob("state-*")} <= {committed["state_dir"], committed["previous_state_dir"]}
     assert f"update {committed['update']}" in res.stderr
+
+@pytest.mark.parametrize("args, says", [(["--steps", "0"], "argument --steps: 0 must be >= 1"),
+                                        (["--cfg", "nan"], "argument --cfg: 'nan' is not a finite number"),
+                                        (["--json", "DIR"], "--json")])
+def test_eval_cli_bad_arguments_are_one_line(run, args, says):
+    args = [str(run) if a == "DIR" else a for a in args]
+    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", run / "ckpt" / "r", "--captions", "2", *args, check=False)
+    assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]

@@ -91,8 +91,9 @@ def format_skips(counts: dict) -> str:
 class DataError(RuntimeError):
     "Data that cannot be read at all: one line for the user (the trainer's and data CLI's `cli_errors` print it)."
     def __init__(self, msg: str = "", message: str | None = None):
-        # torch re-raises a worker's exception as `type(message=...)`, the message ending in `module.DataError: msg`
-        if message is not None: msg = message.strip().splitlines()[-1].partition(": ")[2] or message
+        msg = msg if message is None else message
+        # torch re-raises a worker's exception with its traceback as the message, ending in `module.DataError: msg`
+        if msg.startswith("Caught ") and "Traceback" in msg: msg = msg.strip().splitlines()[-1].partition(": ")[2] or msg
         super().__init__(msg)
 
 class SourceNotFoundError(DataError, FileNotFoundError):
