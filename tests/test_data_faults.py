@@ -169,7 +169,8 @@ def test_no_readable_shard_is_one_line_from_a_worker():
         next(iter(dl))
     msg = str(e.value)
     # before: a RuntimeError carrying the worker's traceback, and the "tars of NNNN.jpg" layout hint
-    assert "\n" not in msg and msg.startswith("data: none of the 2 shard(s)") and "connection refused" in msg
+    assert "\n" not in msg and msg.startswith("data: all 2 shard(s)") and "none could be read" in msg
+    assert "connection refused" in msg and "the network and the credentials" in msg
     assert "NNNN" not in msg and "shard-000001.tar" in msg
 
 def test_s3_endpoint_that_refuses_is_named():

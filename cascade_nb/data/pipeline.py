@@ -142,9 +142,10 @@ class SampleDecoder:
         if len(self._unusable) < self.n_shards: return
         if all(set(s) == {"unreadable_shard"} for s in self._unusable.values()):   # network, permissions, addresses
             why = "; ".join(f"{u}: {self.shard_errors.get(u, 'cannot be opened')}" for u in list(self._unusable)[-2:])
-            raise DataError(f"data: none of the {self.n_shards} shard(s) of the source could be read ({why}"
-                            f"{', ...' if self.n_shards > 2 else ''}); check the address, the network and the "
-                            "credentials")
+            hint = ("check the address, the network and the credentials" if all(map(is_remote, self._unusable))
+                    else "check that the files are whole tar archives")
+            raise DataError(f"data: all {self.n_shards} shard(s) of the source yielded no usable sample, none could be "
+                            f"read ({why}{', ...' if self.n_shards > 2 else ''}); nothing is left to train on: {hint}")
         raise DataError(
             f"data: all {self.n_shards} shard(s) of the source yielded no usable sample (skipped: "
             f"{dict(sum(map(Counter, self._unusable.values()), Counter()))}); nothing is left to train on. "

@@ -344,6 +344,7 @@ class ShardReader:
         except Exception as e:   # tarfile.ReadError, EOFError, OSError from a pipe: the tail of the shard is lost
             self._skip("truncated_tar" if started else "unreadable_shard")
             where = sample["__key__"] if sample else "its start"
+            if not started: self._error = failure_reason(e)
             if is_timeout(e):   # a server that stopped sending: not a corrupt tar
                 self._error = failure_reason(e)
                 warnings.warn(f"data: shard {url} stalled after {where}: {self._error}; the rest of it is skipped")
