@@ -716,7 +716,8 @@ def main(argv=None):
     import os
     if "ACCELERATE_MIXED_PRECISION" in os.environ: die_with_parent()   # started by `accelerate launch`: never outlive it
     try:
-        with cli_errors(RunDirError, NonFiniteLossError):   # config and run-directory problems: one line, exit 2
+        from cascade_nb.data.sources import DataError
+        with cli_errors(RunDirError, NonFiniteLossError, DataError):   # config and run-directory problems: one line, exit 2
             train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
     finally:
         # DataLoader workers ignore SIGTERM (see `_ignore_stop_signals`): after an error, the interpreter's exit would
