@@ -22,7 +22,8 @@ class X0Training(FullTraining):
 
 def write_run(tmp: Path) -> Path:
     (tmp / "my_modes.py").write_text(MODE)
-    cfg = (ROOT / "configs" / "demo.yaml").read_text()
+    # the demo's own webdataset_path replaced (a key given twice is refused)
+    cfg = "\n".join(l for l in (ROOT / "configs" / "demo.yaml").read_text().splitlines() if not l.startswith("webdataset_path:"))
     cfg += f"\nimports: [my_modes]\nmode: x0_cli\nwebdataset_path: {ROOT / 'data_samples' / 'emoji'}\n"
     (tmp / "x0.yaml").write_text(cfg)
     return tmp / "x0.yaml"
