@@ -304,8 +304,10 @@ class RunDirRecord:
         if not state.is_dir(): raise RunDirError(f"{self.info_path} names {state}, which does not exist")
         return state
 
-    def resume(self, load) -> Path | None:
-        "Call `load(state_dir)` on the latest state; if that fails, warn and load the previous one instead (None: new run)."
+    def resume(self, load, check=None) -> Path | None:
+        """Call `load(state_dir)` on the latest state; if that fails, warn and load the previous one instead (None: new run).
+        `check(state_dir)` runs first, before the recorded checksums are compared: a safety check (nothing in the folder
+        may run code) names what it refuses even when the file was also changed after its commit."""
         info = self.info()
         if info is None: return None
         names = [info["state_dir"], *([info["previous_state_dir"]] if info.get("previous_state_dir") else [])]
@@ -314,6 +316,7 @@ class RunDirRecord:
             d = self.path/name
             try:
                 if not d.is_dir(): raise FileNotFoundError(2, "No such file or directory", str(d))
+                if check is not None: check(d)
                 verify_checksums(d, sums[i])
                 load(d)
                 return d

@@ -309,16 +309,16 @@ def export_weights(run: Run):
     acc.wait_for_everyone()
 
 def load_checkpoint(run: Run, state_dir):
-    """Load one state dir: refuse it if a file could run code, then accelerate's state and the loop's own (counters,
-    streams, EMA, buckets); refuse weights that hold NaN or inf (the caller falls back to the previous state)."""
-    check_checkpoint_files(state_dir)   # a run directory may come from anywhere: nothing in it runs
+    """Load one state dir (`resume` has checked that no file in it could run code): accelerate's state and the loop's
+    own (counters, streams, EMA, buckets); refuse weights that hold NaN or inf (the caller falls back to the previous state)."""
     run.acc.load_state(str(state_dir))
     load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema)   # False (no stream of this rank): a fresh one
     if not weights_finite(run): raise ValueError("its weights hold NaN or inf")
 
 def resume(run: Run) -> Path:
     "Load the latest committed state, or (with a warning) the previous one when the latest is unreadable; the same on every process."
-    state_dir = run.run_dir.resume(lambda d: load_checkpoint(run, d))
+    # a run directory may come from anywhere: nothing in it runs (checked before the checksums, to name what it refuses)
+    state_dir = run.run_dir.resume(lambda d: load_checkpoint(run, d), check=check_checkpoint_files)
     if run.acc.num_processes > 1:   # a file only one rank reads (its rng_N) may have sent it to the fallback alone
         from accelerate.utils import gather_object
         picked = sorted(set(gather_object([state_dir.name])))
