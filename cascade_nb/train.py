@@ -32,12 +32,12 @@ from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
 
 # %% auto #0
 __all__ = ['QUIET_ON_RESUME', 'LATENT_COMPRESSION', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss',
-           'per_process_batch', 'StopFlag', 'die_with_parent', 'StopAgreement', 'batch_stream', 'whole_source',
-           'training_data', 'preview_batch', 'Run', 'build_optimizer', 'last_checkpoint', 'weights_finite', 'save',
-           'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
-           'tracker_image', 'log_samples', 'log_metrics', 'validate', 'size_rule', 'check_resolution_schedule',
-           'at_resolution', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary',
-           'check_optimizer', 'train', 'plot_metrics', 'main']
+           'per_process_batch', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement',
+           'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run', 'build_optimizer',
+           'last_checkpoint', 'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights',
+           'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'tracker_image', 'log_samples', 'log_metrics',
+           'validate', 'size_rule', 'check_resolution_schedule', 'at_resolution', 'init_trackers', 'duration', 'Clock',
+           'report_partial_states', 'run_summary', 'check_optimizer', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -105,11 +105,15 @@ def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
                           f"use a multiple of {processes * accum}")
     return b
 
+class StopWaiting(BaseException):
+    "Raised by `StopFlag`'s handler inside `StopFlag.interruptible`: a BaseException, so a reader's `except Exception` lets it through."
+
 class StopFlag:
     """Set by SIGTERM / SIGINT / SIGHUP (SLURM pre-emption, `docker stop`, Ctrl-C, a closed terminal or SSH session): the
     loop saves at the next update boundary and exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever
-    does not want to wait for that save."""
-    def __init__(self): self.signal = None
+    does not want to wait for that save. Inside `interruptible()` (a wait for data at an update boundary) the signal
+    also raises `StopWaiting`, so a stalled source cannot hold the save back."""
+    def __init__(self): self.signal, self.waiting = None, False
     def install(self):
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(ValueError): signal.signal(s, self._handle)   # not in the main thread: skip
@@ -117,7 +121,21 @@ class StopFlag:
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.signal == "SIGINT": raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
+        if self.waiting: raise StopWaiting(self.signal)
     def __bool__(self): return self.signal is not None
+    @contextlib.contextmanager
+    def interruptible(self, on: bool = True):
+        "While inside (and `on`), a stop signal raises `StopWaiting` where the code is instead of only setting the flag."
+        self.waiting = on
+        try: yield
+        finally: self.waiting = False
+
+def next_batch(stream, stop: StopFlag, interruptible: bool):
+    """The stream's next batch, or None when a stop signal came while waiting for it (`interruptible`: the caller is at
+    an update boundary, where a save loses nothing; the batch is drawn again on resume, as the counters never saw it)."""
+    try:
+        with stop.interruptible(interruptible): return next(stream)
+    except StopWaiting: return None
 
 # %% ../nbs/41_train.ipynb #a0a70f78
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -237,6 +255,11 @@ def last_checkpoint(run: Run) -> str:
     committed = (run.run_dir.info() or {}).get("update")
     return f"the checkpoint of update {committed} in {run.run_dir.path}" if committed is not None else \
         f"no checkpoint yet in {run.run_dir.path}"
+
+def stop_message(run: Run, stop: StopFlag, saved: bool) -> str:
+    "The line a stop by signal ends with: what was saved, or kept."
+    return (f"received {stop.signal or 'a stop signal'}: " + (f"saved update {run.state.update} to {run.run_dir.path}" if saved
+            else f"kept {last_checkpoint(run)}") + "; exiting")
 
 def weights_finite(run: Run) -> bool:
     "Whether the weights and the EMA are free of NaN and inf on every process (their shards under FSDP)."
@@ -627,9 +650,17 @@ def train(cfg: Config) -> dict:
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
     clock = Clock(state.update, t.updates)
     for _ in bar:
+        # one process at an update boundary: a stop signal during a stalled read ends the wait (a collective that the
+        # other processes are in cannot be left, so there the read's timeout bounds the wait, as it does mid-update)
+        if (first := next_batch(stream, stop, interruptible=acc.num_processes == 1)) is None:
+            report_nonfinite(run, guard)
+            saved = (run_dir.info() or {}).get("update") == state.update or save(run)
+            acc.print(f"{stop_message(run, stop, saved)} (it came while the data stream waited for a batch)")
+            break
         lr_now = set_lr(opt, base_lrs, lr_at, state.update)   # a function of the update count only
-        for _micro in range(t.grad_accum_steps):
-            batch = at_resolution(next(stream), cfg, state.update, device); state.batches_drawn += 1   # resolution_schedule
+        for micro in range(t.grad_accum_steps):
+            batch = at_resolution(first if micro == 0 else next(stream), cfg, state.update, device)   # resolution_schedule
+            state.batches_drawn += 1
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
             x0, conds = mode.encode(batch, device, training=True, rng=rng)
             with acc.accumulate(net):
@@ -663,9 +694,7 @@ def train(cfg: Config) -> dict:
             saved = save(run)
             if saved and not stop_now: log_samples(run, at_resolution(preview, cfg, state.update - 1, device))
         if stop_now:
-            acc.print(f"received {stop.signal or 'a stop signal'}: "
-                      + (f"saved update {state.update} to {run_dir.path}" if saved else f"kept {last_checkpoint(run)}")
-                      + "; exiting")
+            acc.print(stop_message(run, stop, saved))
             break
 
     stop_agreed.close()

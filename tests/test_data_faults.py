@@ -1,7 +1,7 @@
 """Faults a user's world injects into the data reader (issue 25): high-depth and odd image modes, a 10 MB caption, an
 animated GIF, an HTTP server that refuses, 404s or accepts and never answers (all on 127.0.0.1, started and stopped
 here), an S3 endpoint that refuses; each is decoded right or named in one line, and no wait is endless."""
-import io, os, signal, socket, subprocess, sys, threading, time, warnings
+import io, json, os, signal, socket, subprocess, sys, threading, time, warnings
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -221,3 +221,48 @@ def test_a_signal_ends_the_wait(stalled, workers):
     finally: p.kill()
     assert p.returncode == 0 and out.startswith("stopped by SIGTERM"), out
     assert float(out.split()[-2]) < 20   # the signal came 3 s in; the read's own timeout is 600 s
+
+class Stallable(Quiet):
+    "Serves files until the test sets `stall`; from then on it accepts each request and never answers it."
+    state: dict
+    def do_GET(self):
+        if self.state["stall"].is_set():
+            self.state["stalled"].append(self.path)
+            self.state["release"].wait(); return
+        super().do_GET()
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_signal_during_a_stalled_read_ends_the_run_with_a_save(tmp_path, workers):
+    "The trainer itself (one process): SIGTERM while its source never answers saves the last update and exits 0 at once."
+    from test_train import demo_args
+    state = {"stall": threading.Event(), "release": threading.Event(), "stalled": []}
+    handler = type("H", (Stallable,), {"state": state})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), partial(handler, directory=str(EMOJI)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/shard-{{000000..000001}}.tar"
+    args = [ROOT / "cascade_nb" / "train.py", *demo_args(tmp_path, "r", "updates=400", "save_every=300",
+            f"webdataset_path={url}", f"num_workers={workers}", "resampled=true")]
+    env = {**os.environ, "CASCADE_NB_REMOTE_TIMEOUT": "600", "PYTHONUNBUFFERED": "1"}
+    env.pop("IN_TEST", None)
+    metrics = tmp_path / "out" / "r" / "metrics.jsonl"
+    p = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        t0 = time.time()
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert p.poll() is None and time.time() - t0 < 300, p.stdout.read()[-3000:] if p.poll() is not None else "no update"
+            time.sleep(0.1)
+        state["stall"].set()
+        while not state["stalled"]: assert time.time() - t0 < 300; time.sleep(0.1)
+        time.sleep(3)   # the batches read before the stall are used up: the trainer now waits in its read
+        p.send_signal(signal.SIGTERM); t1 = time.time()
+        out, _ = p.communicate(timeout=120)
+        waited = time.time() - t1
+    finally:
+        p.kill(); os.killpg(p.pid, signal.SIGKILL) if p.poll() is None else None
+        state["release"].set(); srv.shutdown(); srv.server_close()
+    done = json.loads((tmp_path / "ckpt" / "r" / "info.json").read_text())["update"]
+    logged = max(json.loads(l)["update"] for l in metrics.read_text().splitlines() if '"loss"' in l)
+    assert p.returncode == 0 and waited < 30, (p.returncode, waited, out[-3000:])   # before: until the read's timeout (600 s)
+    assert f"received SIGTERM: saved update {done} to" in out and "while the data stream waited for a batch" in out, out[-3000:]
+    assert done == logged and "Traceback" not in out, out[-3000:]   # the last finished update, nothing half done

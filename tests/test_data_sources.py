@@ -84,3 +84,19 @@ def test_http_shards_via_fsspec(all_emoji_keys):
             list(missing)
         assert missing.counter.total == {"unreadable_shard": 1} and any("nope.tar" in str(x.message) for x in w)
     finally: srv.shutdown(); srv.server_close()
+
+@pytest.mark.parametrize("text, says", [
+    ("a: 1\n", "lists sources (a YAML list of paths or URLs), not dict"),
+    ("- a.tar\n- {b: 1}\n", "not list"),
+    ("- !!python/object/apply:os.system [echo pwned]\n", "could not determine a constructor"),   # never runs code
+    ("- &a [x, x, x, x, x, x, x, x, x, x]\n- &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "- &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n- &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     "- [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n", "more than 100000 values"),   # a billion-laughs listing
+])
+def test_a_yml_listing_is_read_as_the_config_is(tmp_path, text, says):
+    "A `.yml` source goes through the config's loader: a list of sources, safe tags only, no alias bomb."
+    from cascade_nb.config import ConfigError
+    from cascade_nb.data.sources import DataError
+    (tmp_path / "list.yml").write_text(text)
+    with pytest.raises((ConfigError, DataError)) as e: resolve_shards(str(tmp_path / "list.yml"))
+    assert says in str(e.value), str(e.value)

@@ -143,7 +143,13 @@ def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[
     path = local_path(src)
     if path.suffix in (".yml", ".yaml") and path.is_file():
         import yaml
-        listed = yaml.safe_load(path.read_text())
+        from ..config import read_yaml   # the config's loader: safe tags, duplicate keys and alias bombs refused
+        try: listed = read_yaml(path.read_text(errors="replace"))
+        except (yaml.YAMLError, ConfigError) as e:
+            raise DataError(f"data source {src!r}: not a readable listing of sources: {' '.join(str(e).split())}") from None
+        if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
+            raise SourceNotFoundError(f"data source {src!r}: a .yml source lists sources (a YAML list of paths or URLs), "
+                                      f"not {type(listed).__name__}")
         return [s for item in listed for s in _resolve_one(str(item), folder_chunk, allow_pipe)]
     if path.is_dir():
         tars = sorted(p for p in path.iterdir() if p.suffix == ".tar")
