@@ -10,7 +10,7 @@ from official_configs import OFFICIAL_CONFIGS
 DRIVER = ROOT / "tests" / "train_driver.py"
 TINY = ["webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0", "image_size=32", "batch_size=4",
         "log_every=1", "lr=1e-3", "warmup_updates=2", "ema_start_iters=2", "ema_iters=1", "ema_beta=0.9",
-        "dataset_filters=null", "eval_every=null", "best_metric=null"]   # the demo's caption filter and evaluation off
+        "dataset_filters=null", "eval_every=null", "best_metric=null", "sample_steps=2"]   # the demo's caption filter and evaluation off
 
 def demo_args(tmp, name, *extra):
     return [str(ROOT / "configs" / "demo.yaml"), *TINY, f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt",
