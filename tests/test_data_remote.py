@@ -16,6 +16,7 @@ def s3():
            "AWS_MAX_ATTEMPTS": "2"}   # bounded retries: a failure is seen quickly
     old = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL"]}
     os.environ.update(env)
+    import s3fs; s3fs.S3FileSystem.clear_instance_cache()   # none made for another endpoint earlier in this process
     srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     srv.start()
     host, port = srv.get_host_and_port()
