@@ -148,8 +148,8 @@ def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[
         except (yaml.YAMLError, ConfigError) as e:
             raise DataError(f"data source {src!r}: not a readable listing of sources: {' '.join(str(e).split())}") from None
         if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
-            raise SourceNotFoundError(f"data source {src!r}: a .yml source lists sources (a YAML list of paths or URLs), "
-                                      f"not {type(listed).__name__}")
+            raise DataError(f"data source {src!r}: a .yml source lists sources (a YAML list of paths or URLs), "
+                            f"not {type(listed).__name__}")
         return [s for item in listed for s in _resolve_one(str(item), folder_chunk, allow_pipe)]
     if path.is_dir():
         tars = sorted(p for p in path.iterdir() if p.suffix == ".tar")
@@ -350,9 +350,8 @@ class ShardReader:
         except Exception as e:   # tarfile.ReadError, EOFError, OSError from a pipe: the tail of the shard is lost
             self._skip("truncated_tar" if started else "unreadable_shard")
             where = sample["__key__"] if sample else "its start"
-            if not started: self._error = failure_reason(e)
-            if is_timeout(e):   # a server that stopped sending: not a corrupt tar
-                self._error = failure_reason(e)
+            if not started or is_timeout(e): self._error = failure_reason(e)   # the shard's one line (a stall: not a corrupt tar)
+            if is_timeout(e):
                 warnings.warn(f"data: shard {url} stalled after {where}: {self._error}; the rest of it is skipped")
             else: warnings.warn(f"data: shard {url} is truncated or corrupt after {where}: {e!r}")
             if not headers.clean_end and isinstance(e, tarfile.ReadError) and "end-of-archive" in str(e): pass  # last sample may be whole
