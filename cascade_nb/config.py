@@ -12,17 +12,18 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import yaml
+from .registry import REGISTRIES, Registry, UnknownChoice, registry
 
 # %% auto #0
-__all__ = ['CAPTION_GETTERS', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'LOSS_WEIGHTS', 'TIMESTEP_SAMPLINGS', 'SAMPLERS',
-           'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY',
-           'RANGES', 'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES',
-           'TRAINING_MODES', 'MODE_MODULES', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter',
-           'caption_identity', 'caption_from_json', 'register_caption_getter', 'CaptionsGetter', 'ModelConfig',
-           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig',
-           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config', 'read_yaml',
-           'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config', 'save_config',
-           'cli_parser', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'output_dir', 'readable_weights']
+__all__ = ['CAPTION_GETTERS', 'register_caption_getter', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS',
+           'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES', 'NULL_TURNS_OFF',
+           'BUILTIN_SECTIONS', 'SECTION_MODES', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'MODE_MODULES', 'ConfigError',
+           'SafeFilter', 'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'CaptionsGetter',
+           'Choice', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id',
+           'LogConfig', 'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config',
+           'read_yaml', 'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config',
+           'save_config', 'cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_line', 'cli_errors',
+           'at_least', 'output_dir', 'readable_weights']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -133,12 +134,9 @@ def caption_from_json(x):
     d = x if isinstance(x, dict) else json.loads(caption_identity(x))
     return d["caption"]
 
-CAPTION_GETTERS = {"identity": caption_identity, "json_caption": caption_from_json}
-
-def register_caption_getter(name: str, fn):
-    "Make `fn` available as `captions_getter: [key, name]` in configs."
-    CAPTION_GETTERS[name] = fn
-    return fn
+CAPTION_GETTERS = registry("caption_getter", {"identity": caption_identity, "json_caption": caption_from_json})
+register_caption_getter = CAPTION_GETTERS.register
+"`@register_caption_getter('name')` (or `register_caption_getter(name, fn)`): `captions_getter: [key, name]` in configs."
 
 @dataclass(frozen=True)
 class CaptionsGetter:
@@ -152,8 +150,8 @@ class CaptionsGetter:
     def from_yaml(cls, entry):
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
             raise ConfigError(f"captions_getter must be [member_key, getter_name], e.g. ['txt', 'identity'], got {entry!r}")
-        if entry[1] not in CAPTION_GETTERS:
-            raise ConfigError(f"captions_getter {entry!r}: unknown getter {entry[1]!r}; registered: {sorted(CAPTION_GETTERS)}")
+        try: CAPTION_GETTERS.choose(entry[1])
+        except UnknownChoice as e: raise ConfigError(f"captions_getter {entry!r}: {e}") from None
         return cls(*entry)
 
 # %% ../nbs/01_config.ipynb #906819ef
@@ -162,13 +160,21 @@ REQUIRED: Any = "___REQUIRED___"
 
 STAGE_C_PRESETS = ("3.6B", "1B", "tiny")
 STAGE_B_PRESETS = ("3B", "700M", "tiny")
-LOSS_WEIGHTS = ("p2", "adaptive", "min_snr", "min_snr_plus_one", "snr", "snr_plus_one", "truncated_snr", "sech",
-                "debiased", "sigmoid", "constant")
-TIMESTEP_SAMPLINGS = ("default", "logit_normal")
-SAMPLERS = ("ddpm", "ddim", "lcm")
-# each names the keys of a registry in cascade_nb.gdf (LOSS_WEIGHTS and TIMESTEP_SAMPLINGS in gdf.presets, SAMPLERS in
-# gdf.samplers); the GDF notebooks test that the names match
 
+
+# %% ../nbs/01_config.ipynb #cf5d841b
+class Choice(str):
+    "Annotation `Choice['kind']`: a name registered in `REGISTRIES['kind']`, checked when a config is validated."
+    choice_kind: str | None = None
+    _kinds: dict[str, type] = {}
+    def __class_getitem__(cls, kind: str) -> type:
+        return cls._kinds.setdefault(kind, type(f"Choice[{kind!r}]", (cls,), {"choice_kind": kind}))
+
+def _registry_of(tp) -> Registry:
+    "The registry a `Choice[kind]` annotation names; it must be loaded (the module defining its parts imported)."
+    if tp.choice_kind not in REGISTRIES:
+        raise TypeError(f"no {tp.choice_kind!r} registry is loaded: import the module that defines it first")
+    return REGISTRIES[tp.choice_kind]
 
 # %% ../nbs/01_config.ipynb #44eec9e4
 @dataclass
@@ -195,15 +201,15 @@ class ModelConfig:
 class GDFConfig:
     "The diffusion recipe (see the GDF notebooks)."
     adaptive_loss_weight: Optional[bool] = None  # official key: AdaptiveLossWeight instead of P2
-    loss_weight: Optional[Literal[LOSS_WEIGHTS]] = None  # explicit choice; None = 'adaptive' if adaptive_loss_weight else 'p2'
+    loss_weight: Optional[Choice["loss_weight"]] = None  # explicit choice; None = 'adaptive' if adaptive_loss_weight else 'p2'
     shift: float = 1.0                    # logSNR shift (resolution shift); official key
     stage_b_shift: Literal["reference", "config"] = "reference"  # Stage B trains at shift 1 as train_b.py, or at `shift` (explanations/differences_from_reference)
     offset_noise: Optional[float] = 0.0   # per-channel offset noise strength (ControlNet configs use 0.1)
     edm_objective: bool = False           # official key (finetune_c_3b_v.yaml): train with the v-objective
-    timestep_sampling: Literal[TIMESTEP_SAMPLINGS] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
+    timestep_sampling: Choice["timestep_sampling"] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
     sample_cfg: float = 5.0               # CFG scale of the in-training sample grids (reference: 5 for C, 1.5 for B)
     sample_steps: int = 20                # sampler steps of the in-training sample grids
-    sample_sampler: Literal[SAMPLERS] = "ddpm"
+    sample_sampler: Choice["sampler"] = "ddpm"
 
 # %% ../nbs/01_config.ipynb #ed3a8de0
 @dataclass
@@ -237,9 +243,9 @@ class TrainConfig:
     warmup_updates: int = 1               # linear warm-up from 0 (official semantics)
     updates: int = 10000                  # optimizer updates in the whole run
     grad_accum_steps: int = 1
-    lr_schedule: Literal["constant", "cosine"] = "constant"  # after warm-up
+    lr_schedule: Choice["lr_schedule"] = "constant"  # after warm-up: 'constant', 'cosine' or a registered one
     scale_lr: bool = False                # lr *= batch per process * accumulation * processes (SD v1 rule)
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"  # adamw8bit needs bitsandbytes
+    optimizer: Choice["optimizer"] = "adamw"  # 'adamw', 'adamw8bit' (needs bitsandbytes) or a registered one
     weight_decay: float = 0.01
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -418,6 +424,7 @@ def _type_name(tp) -> str:
     if origin is Union: return " or ".join(_type_name(a) for a in args)
     if origin in (list, tuple, dict): return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     if tp is Fraction: return "fraction like 3/4"
+    if getattr(tp, "choice_kind", None): return f"the name of a registered {_registry_of(tp).words}"
     return getattr(tp, "__name__", str(tp))
 
 def coerce(value, tp, key: str = "value"):
@@ -425,6 +432,11 @@ def coerce(value, tp, key: str = "value"):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = lambda: ConfigError(f"key '{key}': {value!r} is not valid; expected {_type_name(tp)}")
     if tp is Any: return value
+    if getattr(tp, "choice_kind", None):   # a registered name (duck-typed: this notebook's Choice or the package's)
+        if not isinstance(value, str): raise bad()
+        try: _registry_of(tp).choose(value)
+        except UnknownChoice as e: raise ConfigError(f"key '{key}': {e}") from None
+        return value
     if origin is Union:
         if value is None and type(None) in args: return None
         errors = []
@@ -647,8 +659,6 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
     return config_from_dict(raw, overrides, training=training, source=str(path) if path is not None else None)
 
 # %% ../nbs/01_config.ipynb #b41ceb2e
-TRAINING_MODES: dict[str, type] = {}
-"Training modes by name (`mode:` in a config), filled by `cascade_nb.modes.training_mode`."
 MODE_MODULES = ("cascade_nb.modes", "cascade_nb.distill", "cascade_nb.lora", "cascade_nb.controlnet")
 "The modules that register the built-in modes (imported when a config is validated, like a config's `imports:`)."
 
@@ -672,19 +682,16 @@ def resolve_mode(cfg: Config, where: str = "config") -> type:
     "The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks."
     hook_modules = ("cascade_nb.eval",) if cfg.checkpoint.eval_every else ()   # registers its training hook
     import_modules([*MODE_MODULES, *hook_modules, *(cfg.train.imports or ())], where, Path(cfg.source).parent if cfg.source else None)
-    t = cfg.train
-    if t.mode is None: t.mode = next((n for n, c in TRAINING_MODES.items() if c.selected_by(cfg)), "full")
-    if t.mode not in TRAINING_MODES:
-        close = difflib.get_close_matches(t.mode, TRAINING_MODES, n=3, cutoff=0.5)
-        raise ConfigError(f"{where}: key 'mode': unknown training mode {t.mode!r}"
-                          + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
-                          + f" (registered: {', '.join(TRAINING_MODES)}; a mode defined elsewhere needs its module in 'imports')")
+    t, modes = cfg.train, REGISTRIES["training_mode"]
+    if t.mode is None: t.mode = next((n for n, c in modes.items() if c.selected_by(cfg)), "full")
+    try: mode = modes.choose(t.mode)
+    except UnknownChoice as e: raise ConfigError(f"{where}: key 'mode': {e}") from None
     try:
-        TRAINING_MODES[t.mode].check_config(cfg)
+        mode.check_config(cfg)
         # a mode trains the stages it declares (`TrainingMode.for_stage`): said now, not after the models are built
-        if cfg.model.stage is not None: TRAINING_MODES[t.mode].for_stage(cfg.model.stage)
+        if cfg.model.stage is not None: mode.for_stage(cfg.model.stage)
     except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
-    return TRAINING_MODES[t.mode]
+    return mode
 
 # %% ../nbs/01_config.ipynb #34de7e48
 def _check_resolution_schedule(cfg: Config, need):
@@ -725,13 +732,7 @@ def _check(cfg: Config, where: str, training: bool):
         for f in fields(default):
             need(getattr(getattr(cfg, sec), f.name) == getattr(default, f.name),
                  f"key '{f.name}' belongs to section '{sec}', which mode '{t.mode}' does not use (modes: {', '.join(modes)})")
-    for key, sec, lo in [("lr", t, 0), ("batch_size", d, 1), ("updates", t, 1), ("grad_accum_steps", t, 1),
-                         ("image_size", d, 8), ("save_every", cfg.checkpoint, 1), ("backup_every", cfg.checkpoint, 1)]:
-        v = getattr(sec, key)
-        need(v > lo if key == "lr" else v >= lo, f"key '{key}': {v!r} must be {'>' if key == 'lr' else '>='} {lo}")
-    for key in ("caption_dropout", "image_embed_prob", "bucketeer_random_ratio"):
-        need(0 <= getattr(d, key) <= 1, f"key '{key}': {getattr(d, key)!r} must be a probability in [0, 1]")
-    if t.ema_beta is not None: need(0 <= t.ema_beta < 1, f"key 'ema_beta': {t.ema_beta!r} must be in [0, 1)")
+    # single-key ranges were checked as the keys were read (`RANGES`); what follows needs several keys
     if d.resolution_schedule is not None: _check_resolution_schedule(cfg, need)
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
@@ -769,6 +770,17 @@ def cli_parser(prog: str, description: str, config: str | None = None) -> argpar
         p.add_argument("config", help=config)
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=3e-4 batch_size=8")
     return p
+
+def add_import_option(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    "`--import MODULE` (repeatable): modules of the user's that a command imports first, e.g. one registering a sampler."
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="a module of your own to import first, e.g. one that registers a sampler (repeat for several)")
+    return p
+
+def cli_choice(registry: Registry, name: str, option: str):
+    "The part `name` of `registry` for command-line option `option`; a `ConfigError` naming the option if unknown."
+    try: return registry.choose(name)
+    except UnknownChoice as e: raise ConfigError(f"{option}: {e}") from None
 
 def parse_cli(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     "Parse `argv` with options, positionals and `key=value` overrides in any order (a subcommand's arguments too)."

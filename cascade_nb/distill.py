@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import nn
 from .core import append_dims, frozen, resolve_dtype, seeded_rand, seeded_randn
-from .config import Config, ConfigError, config_section, SAMPLERS, GDFConfig, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, DECAY
+from .config import Config, ConfigError, config_section, Choice, GDFConfig, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, DECAY
 from .gdf.core import cfg_batch, guide
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDIMSampler
@@ -48,7 +48,7 @@ class DistillConfig:
     huber_c: float = 0.001               # lcm: c of the pseudo-Huber loss
     target_ema_beta: float = 0.95        # lcm: the target network is an EMA of the student with this decay
     init_from_teacher: bool = True       # distill: start the student from the teacher's tensors where names and shapes match
-    student_sampler: Optional[Literal[SAMPLERS]] = None  # the student's sampler (sets sample_sampler); None: the mode's (lcm: lcm, progressive: ddim)
+    student_sampler: Optional[Choice["sampler"]] = None  # the student's sampler (sets sample_sampler); None: the mode's (lcm: lcm, progressive: ddim)
     student_steps: Optional[int] = None  # the student's steps (sets sample_steps); None: the mode's (lcm: 4, progressive: teacher_steps / 2)
     student_cfg: Optional[float] = None  # the student's CFG (sets sample_cfg); None: the mode's (lcm, progressive: 1, the guidance is distilled in)
 

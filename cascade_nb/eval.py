@@ -269,7 +269,7 @@ def _finite(text: str) -> float:
 _finite.__name__ = "finite number"
 
 def _parser() -> argparse.ArgumentParser:
-    from cascade_nb.config import at_least
+    from cascade_nb.config import at_least, add_import_option
     p = argparse.ArgumentParser(prog="python -m cascade_nb.eval", description="Evaluate cascade_nb training runs: caption "
                                 "retrieval, FID/KID, CLIP score of samples for fixed captions and seeds.")
     p.add_argument("--checkpoint", action="append", required=True, help="run directory {checkpoint_path}/{experiment_id} (repeat to compare)")
@@ -278,12 +278,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default=None, help="reference images (data source; default: the run's eval_reference or training data)")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=_finite, default=None, help="CFG scale (default: the run's sample_cfg)")
-    p.add_argument("--sampler", choices=sorted(SAMPLERS), default=None, help="sampler (default: the run's sample_sampler)")
+    p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
+                   "(default: the run's sample_sampler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")
-    return p
+    return add_import_option(p)
 
 # %% ../nbs/43_eval.ipynb #eb2e24da
 def main(argv=None) -> dict:
@@ -291,8 +292,11 @@ def main(argv=None) -> dict:
     a = _parser().parse_args(argv)
     results, weights, evaluator = [], [], None
     try:
+        from cascade_nb.config import import_modules, cli_choice
+        import_modules(a.imports, "--import")
         for run in a.checkpoint:
             mode, gdf, cfg = load_run(run, ema=not a.no_ema, best=a.best)
+            if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
             weights.append(mode.weights_file)
             if a.reference: cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, eval_reference=a.reference))
             shared = dict(captions=evaluator.captions, reference=(evaluator.ref_images, evaluator.ref_captions)) if evaluator else {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse, re, sys
 from pathlib import Path
 from .core import atomic_write
-from .config import cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line
+from .config import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line,
+    add_import_option, cli_choice, import_modules)
 from .inference import CascadePipeline, to_pil
 from .gdf.samplers import SAMPLERS
 
@@ -37,8 +38,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-c", choices=("3.6B", "1B"), default=None, help="Stage C preset (default: inferred)")
     p.add_argument("--stage-c-weights", default=None, help="a Stage C .safetensors or a training run directory (e.g. a distilled "
                    "student) used instead of --models' stage_c*")
-    p.add_argument("--sampler-c", choices=sorted(SAMPLERS), default="ddpm", help="Stage C sampler (lcm for an LCM student, "
-                   "e.g. --steps-c 4 --cfg-c 1)")
+    p.add_argument("--sampler-c", default="ddpm", help=f"Stage C sampler, a registered one: {', '.join(SAMPLERS)} or one of "
+                   "--import's (lcm for an LCM student, e.g. --steps-c 4 --cfg-c 1)")
     p.add_argument("--stage-b", choices=("3B", "700M"), default=None, help="Stage B preset (default: inferred)")
     p.add_argument("--text-encoder", default=None, help="CLIP text encoder dir or hub id (default: models/text_encoder or bigG)")
     p.add_argument("--image-encoder", default=None, help="CLIP image encoder dir or hub id (for --image)")
@@ -49,7 +50,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bf16 on GPU, fp32 on CPU; fp16 is refused)")
     p.add_argument("--offload", action="store_true", help="load one stage at a time (low memory)")
     p.add_argument("--no-previews", action="store_true", help="don't write the Stage C previews")
-    return p
+    return add_import_option(p)
 
 def _save_png(image, path: Path):
     with atomic_write(path) as f: image.save(f, format="PNG")
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     args = parse_cli(make_parser(), argv)
     from PIL import Image
     try:
+        import_modules(args.imports, "--import")
+        cli_choice(SAMPLERS, args.sampler_c, "--sampler-c")
         out_dir = output_dir(args.out)          # a file, or not writable: said now, not after the sampling
         for f in (args.image, args.init_image):
             if f is not None and not Path(f).is_file(): raise FileNotFoundError(2, "no such image file", f)

@@ -219,7 +219,7 @@ class CascadePipeline(ModelStore):
             return encode_text(self.tokenizer, text_model, prompts), encode_text(self.tokenizer, text_model, negative_prompts)
 
     def _sample(self, gdf, model, cond, uncond, shape, steps, cfg, shift, generator, t_start=1.0, x_init=None, sampler="ddpm") -> torch.Tensor:
-        run = gdf.sample(_in_dtype(model, self.dtype), cond, shape, uncond, timesteps=steps, cfg=cfg, shift=shift, sampler=SAMPLERS[sampler](),
+        run = gdf.sample(_in_dtype(model, self.dtype), cond, shape, uncond, timesteps=steps, cfg=cfg, shift=shift, sampler=SAMPLERS.choose(sampler)(),
                          cfg_rho=SAMPLING_DEFAULTS['stage_c']['cfg_rho'], t_start=t_start, x_init=x_init,
                          device=self.device, generator=generator)
         for step in run: pass

@@ -11,16 +11,18 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 import torch
 from torch import nn
-from .config import Config, ConfigError, load_config, cli_parser, parse_cli, cli_errors, at_least, TRAINING_MODES
+from .config import Config, ConfigError, load_config, cli_parser, parse_cli, cli_errors, at_least
+from .modes import TRAINING_MODES
+from .run_state import OPTIMIZERS
 from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet   # declared with the ControlNet; measured here
 from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
 
 
 # %% auto #0
-__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'ADAMW8BIT_FSDP', 'OFFICIAL_3B',
-           'RECOMMENDED', 'Precision', 'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes',
-           'Activations', 'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes',
-           'calibration_models', 'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'plan_memory',
+__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'OFFICIAL_3B', 'RECOMMENDED', 'Precision',
+           'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes', 'Activations',
+           'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes', 'calibration_models',
+           'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'fsdp_refusal', 'plan_memory',
            'official_config', 'Suggestion', 'suggest', 'format_suggestions', 'main', 'stage_c_flops']
 
 # %% ../nbs/70_memory.ipynb #3acbc337
@@ -248,8 +250,10 @@ class MemoryPlan:
         return "\n".join(lines + [f"peak per GPU ≈ {self.peak_gb:.1f} GB"] * peak_line)
     def __str__(self): return self.table()
 
-ADAMW8BIT_FSDP = ("optimizer 'adamw8bit' cannot run under FSDP: bitsandbytes' 8-bit AdamW does not take FSDP2's sharded "
-                  "(DTensor) parameters; use optimizer: adamw (its state is sharded too) or drop FSDP")
+def fsdp_refusal(name: str) -> str | None:
+    "Why optimizer `name` cannot run under FSDP (the planner's one-line error), or None when it can."
+    why = OPTIMIZERS.choose(name).fsdp_refusal
+    return why and f"optimizer {name!r} cannot run under FSDP: {why}; use optimizer: adamw (its state is sharded too) or drop FSDP"
 
 def _encoder_params(cfg: Config) -> dict[str, int]:
     "Parameters of the frozen models `train(cfg)` loads next to the generator."
@@ -274,7 +278,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     the model. HSDP: `shard_size` GPUs (a node) share one sharded copy, replicated across the `world_size / shard_size` groups."""
     from cascade_nb.train import per_process_batch
     m, t, d = cfg.model, cfg.train, cfg.data
-    if fsdp and t.optimizer == "adamw8bit": raise ConfigError(ADAMW8BIT_FSDP)
+    if fsdp and fsdp_refusal(t.optimizer): raise ConfigError(fsdp_refusal(t.optimizer))
     gen = meta_generator(cfg)
     n_gen = sum(p.numel() for p in gen.parameters())
     amp = (t.mixed_precision or "bf16") == "bf16"
@@ -305,7 +309,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
         rows["gradients"] = n_train * (2 if amp else train_b)
         notes.append(f"grad_accum_steps={t.grad_accum_steps} under FSDP: gradients stay unsharded (full size) between "
                      "micro-steps and are reduce-scattered only at the last one")
-    opt_b = 2 if t.optimizer == "adamw8bit" else 2 * train_b
+    opt_b = OPTIMIZERS.choose(t.optimizer).state_bytes(train_b)
     rows[f"optimizer state ({t.optimizer})"] = 0 if offload else n_train * opt_b // shard
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
     if fsdp: rows["FSDP gathered blocks"] = 2 * max(b.params for b in stage_c_blocks(gen)) * (2 if amp else wb)
@@ -375,7 +379,7 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
     def plan_for(ov, ws, fs):
         c = config_from_dict({**base, **ov}, training=False)
         return c, plan_memory(c, ws, fs)
-    if fsdp and cfg.train.optimizer == "adamw8bit":   # not a memory option: the trainer refuses the combination
+    if fsdp and fsdp_refusal(cfg.train.optimizer):   # not a memory option: the trainer refuses the combination
         overrides = {"optimizer": "adamw"}
         steps.append(Suggestion("AdamW (8-bit AdamW cannot run under FSDP)", dict(overrides), ws, fs, plan_for(overrides, ws, fs)[1]))
     c, plan = plan_for(overrides, ws, fs)

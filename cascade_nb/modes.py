@@ -12,14 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, images_to_device
 from typing import NamedTuple
-from .config import Config, ConfigError, TRAINING_MODES
+from .config import Config, ConfigError
+from .registry import registry
 from .gdf.presets import training_shift
 
 # %% auto #0
-__all__ = ['build_generator', 'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
-           'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'stage_c_inputs',
-           'unwrap_state_dict', 'MemoryTerms', 'TrainingMode', 'training_mode', 'build_training_mode', 'FullTraining',
-           'StageBTraining']
+__all__ = ['TRAINING_MODES', 'build_generator', 'check_model_overrides', 'build_text_encoder', 'build_image_encoder',
+           'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space',
+           'diffusion_loss', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'TrainingMode', 'training_mode',
+           'build_training_mode', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #a59c23d0
 def build_generator(cfg: Config) -> nn.Module:
@@ -150,11 +151,13 @@ def build_latent_space(cfg: Config, device=None, dtype=torch.float32) -> nn.Modu
 
 # %% ../nbs/40b_modes.ipynb #8fc91b8c
 def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None = None, shift: float = 1.,
-                   epsilon=None, t=None):
-    "(weighted mean loss, per-sample raw loss, Diffused) for one batch; `epsilon`/`t` fix the noise for tests."
+                   epsilon=None, t=None, weight: torch.Tensor | None = None):
+    "(weighted mean loss, per-sample raw loss, Diffused); `weight`: per-element, broadcast; `epsilon`/`t` fix the noise."
     d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
     pred = generator(d.noised, d.noise_cond, **conds)
-    raw = F.mse_loss(pred.float(), d.target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))  # (B,)
+    squared = F.mse_loss(pred.float(), d.target.float(), reduction="none")
+    if weight is not None: squared = squared * weight.to(squared.device, torch.float32)
+    raw = squared.mean(dim=tuple(range(1, pred.ndim)))   # (B,)
     return (raw * d.loss_weight).mean(), raw, d
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
@@ -250,8 +253,9 @@ class TrainingMode:
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
         return MemoryTerms(sum(p.numel() for p in generator.parameters()), resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize)
 
-    # --- the data: a batch → the network's inputs
+    # --- the data: a batch → the network's inputs, and per-sample extras for `loss` (e.g. `weight`: a loss mask)
     def encode(self, batch, device, training=True, rng=None): return stage_c_inputs(self, batch, device, training, rng)
+    def extras(self, batch, x0) -> dict: return {}
     def uncond(self, conds: dict) -> dict:
         "Unconditional inputs for CFG: empty captions, zero image embedding."
         return conditions([""] * len(next(iter(conds.values()))), self.tokenizer, self.text_model, self.c_clip_img)
@@ -284,6 +288,9 @@ class TrainingMode:
     def released(self, accelerator, net) -> dict: return {"generator": unwrap_state_dict(accelerator, net)}
 
 # %% ../nbs/40b_modes.ipynb #891820f1
+TRAINING_MODES = registry("training_mode", how="@training_mode('name') in a module the config lists in 'imports'")
+"Training modes by name (`mode:` in a config)."
+
 def training_mode(name: str):
     "Class decorator: register a `TrainingMode` subclass as `mode: name` (a later registration of `name` replaces it)."
     def register(cls):

@@ -12,32 +12,79 @@ from pathlib import Path
 import torch
 from torch import nn
 from .core import atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header
+from .registry import registry
 
 # %% auto #0
-__all__ = ['TRAINING_HOOKS', 'RESUME_KEYS', 'LRSchedule', 'set_lr', 'local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at',
-           'resharded', 'EMA', 'gather_ema', 'ema_weights', 'TrainState', 'training_hook', 'NonFiniteLossError',
-           'check_finite', 'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums',
-           'verify_checksums', 'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator', 'save_ema',
-           'save_training_state', 'write_weights', 'fsync_tree', 'load_ema', 'load_training_state',
-           'check_checkpoint_files', 'save_sample_grid']
+__all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'OPTIMIZERS', 'register_optimizer', 'TRAINING_HOOKS', 'RESUME_KEYS',
+           'constant_decay', 'cosine_decay', 'LRSchedule', 'set_lr', 'OptimizerSpec', 'FusedAdamW', 'AdamW8bit',
+           'local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights',
+           'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
+           'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
+           'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
+           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
+def constant_decay(progress: float) -> float:
+    "1 after the warm-up (the official trainer's schedule)."
+    return 1.0
+
+def cosine_decay(progress: float) -> float:
+    "Half a cosine from 1 after the warm-up to 0 at the last update."
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+LR_SCHEDULES = registry("lr_schedule", {"constant": constant_decay, "cosine": cosine_decay})
+register_lr_schedule = LR_SCHEDULES.register
+"`@register_lr_schedule('name')` on a function of the progress after the warm-up (0 → 1) to the LR multiplier."
+
 class LRSchedule:
-    "LR multiplier for `torch.optim.lr_scheduler.LambdaLR`: linear warm-up, then constant or cosine decay to 0."
+    "LR multiplier for `torch.optim.lr_scheduler.LambdaLR`: linear warm-up, then the decay `kind` names in `LR_SCHEDULES`."
     def __init__(self, warmup_updates: int, updates: int, kind: str = "constant"):
-        if kind not in ("constant", "cosine"): raise ValueError(f"LRSchedule: kind must be 'constant' or 'cosine', got {kind!r}")
         self.warmup, self.total, self.kind = max(1, warmup_updates), updates, kind
+        self.decay = LR_SCHEDULES.choose(kind)
     def __call__(self, k: int) -> float:
-        warm = min(1.0, (k + 1) / self.warmup)
-        if self.kind == "constant" or k < self.warmup: return warm
-        progress = min(1.0, (k - self.warmup) / max(1, self.total - self.warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress))
+        if k < self.warmup: return (k + 1) / self.warmup
+        return self.decay(min(1.0, (k - self.warmup) / max(1, self.total - self.warmup)))
 
 # %% ../nbs/40_run_state.ipynb #00944fab
 def set_lr(optimizer, base_lrs: list[float], schedule, update: int) -> float:
     "Set each param group's LR to its base LR × `schedule(update)` (`update` = optimizer updates done); returns the first."
     for group, lr in zip(optimizer.param_groups, base_lrs): group["lr"] = lr * schedule(update)
     return optimizer.param_groups[0]["lr"]
+
+# %% ../nbs/40_run_state.ipynb #29f78889
+class OptimizerSpec:
+    "A registered optimizer: `build` from the config's `train` keys, its state bytes per parameter, what it needs."
+    package: str | None = None      # the package `build` imports, e.g. 'bitsandbytes'
+    fsdp_refusal: str | None = None  # why it cannot step FSDP2's sharded (DTensor) parameters; None: it can
+    @staticmethod
+    def build(params, t, lr: float) -> torch.optim.Optimizer: raise NotImplementedError
+    @staticmethod
+    def state_bytes(param_bytes: int) -> float:
+        "Bytes of optimizer state per trained parameter of `param_bytes` bytes (Adam: two moments of its dtype)."
+        return 2 * param_bytes
+
+OPTIMIZERS = registry("optimizer")
+register_optimizer = OPTIMIZERS.register
+"`@register_optimizer('name')` on an `OptimizerSpec` subclass: `optimizer: name` in configs."
+
+@register_optimizer("adamw")
+class FusedAdamW(OptimizerSpec):
+    "torch's AdamW, fused: one kernel for all tensors, and a non-finite update skipped on the device."
+    @staticmethod
+    def build(params, t, lr):
+        return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, fused=True)
+
+@register_optimizer("adamw8bit")
+class AdamW8bit(OptimizerSpec):
+    "bitsandbytes' 8-bit AdamW: each moment in one byte (block-wise quantised)."
+    package = "bitsandbytes"
+    fsdp_refusal = "bitsandbytes' 8-bit AdamW cannot update FSDP2's sharded (DTensor) parameters"
+    @staticmethod
+    def build(params, t, lr):
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+    @staticmethod
+    def state_bytes(param_bytes): return 2
 
 # %% ../nbs/40_run_state.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse, json, os, re, sys
 from pathlib import Path
 import torch
-from .config import config_from_dict, ConfigError, cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights
+from .config import (config_from_dict, ConfigError, cli_parser, parse_cli, cli_errors, at_least, output_dir,
+    readable_weights, add_import_option, cli_choice, import_modules)
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
 from .train import (build_text_encoder, build_latent_space, build_training_mode,
@@ -134,7 +135,8 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=at_least(1), default=4, help="images per prompt")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: the run's sample_cfg)")
-    p.add_argument("--sampler", choices=sorted(SAMPLERS), default=None)
+    p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
+                   "(default: the run's sample_sampler)")
     # torch's CPU generator keeps a seed's low 32 bits: a larger one would repeat a smaller one's images
     p.add_argument("--seed", type=at_least(0, at_most=2**32 - 1), default=0, help="0 to 2**32 - 1")
     p.add_argument("--batch", type=at_least(1), default=16,
@@ -143,7 +145,7 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
-    return p
+    return add_import_option(p)
 
 def main(argv=None):
     a = parse_cli(sample_parser(), argv)
@@ -151,8 +153,10 @@ def main(argv=None):
     names = [f"{a.seed}_{i}_{_slug(q)}.png" for i, q in enumerate(captions)] + [f"{a.seed}_grid.png"]
     # missing or corrupt run files, --out a file or holding these names: one line, exit 2, before the slow work
     with cli_errors(OSError, ValueError):
+        import_modules(a.imports, "--import")
         *paths, grid = unused_paths(output_dir(a.out), names, a.overwrite)
         mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema, best=a.best)
+        if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
     shown = {}
     with cli_errors(OSError):   # a disk that fills up, a file that appeared meanwhile
         for start, images in sample_chunks(mode, gdf, cfg, a.prompt, a.n, a.batch, a.seed, steps=a.steps,

@@ -25,7 +25,7 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)   # also `cascade_nb.train.X`, as before
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (LRSchedule, set_lr, ema_update_, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, check_finite, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (LRSchedule, OPTIMIZERS, set_lr, ema_update_, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, check_finite, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
@@ -84,15 +84,16 @@ def validation_noise(mode, x0, seed: int, level: int, first: int) -> torch.Tenso
 
 @torch.no_grad()
 def validation_loss(mode, net, gdf, chunks, levels: int = 8, seed: int = 0) -> float:
-    """Mean of the mode's raw loss over held-out `chunks` of (first sample index, x0, conds), each sample at `levels`
+    """Mean of the mode's raw loss over held-out `chunks` of (first sample index, x0, conds[, extras]), each sample at `levels`
     fixed noise levels with its own fixed noise (a mode that draws its own levels, like a distillation, draws them
     from a fixed stream)."""
     total, count = 0.0, 0
     for level, t in enumerate(torch.linspace(0.05, 0.95, levels)):
-        for first, x0, conds in chunks:
+        for first, x0, conds, *extras in chunks:
             eps = validation_noise(mode, x0, seed, level, first)
             rng = torch.Generator().manual_seed(((seed * 1009 + level) << 32) + first)
-            _, raw, _ = mode.loss(net, gdf, x0.float(), conds, rng=rng, epsilon=eps, t=torch.full((len(x0),), float(t)))
+            _, raw, _ = mode.loss(net, gdf, x0.float(), conds, rng=rng, epsilon=eps, t=torch.full((len(x0),), float(t)),
+                                  **(extras[0] if extras else {}))
             total, count = total + raw.float().sum().item(), count + len(raw)
     return total / max(count, 1)
 
@@ -243,11 +244,8 @@ class Run:
     def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
 
 def build_optimizer(t, params, lr: float, device):
-    "AdamW (fused: one kernel, and it skips a non-finite update on the device) or bitsandbytes' 8-bit AdamW over `params`."
-    if t.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-        return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, fused=True)
+    "The registered optimizer `t.optimizer` names (`OPTIMIZERS`: fused AdamW, bitsandbytes' 8-bit AdamW...) over `params`."
+    return OPTIMIZERS.choose(t.optimizer).build(params, t, lr)
 
 # %% ../nbs/41_train.ipynb #3016ac91
 def last_checkpoint(run: Run) -> str:
@@ -412,8 +410,9 @@ def validate(run: Run, val_batches) -> float:
     "Validation loss of the current weights, through the mode (`validation_loss`); a new best writes `{name}_best.safetensors`."
     acc, state, mode, net = run.acc, run.state, run.mode, run.net
     chunks, first = [], 0
-    for x0, conds in (mode.encode(b, acc.device, training=False) for b in val_batches):
-        chunks.append((first, x0, conds)); first += len(x0)
+    for b in val_batches:
+        x0, conds = mode.encode(b, acc.device, training=False)
+        chunks.append((first, x0, conds, mode.extras(b, x0))); first += len(x0)
     mode.train_mode(net, False)
     with acc.autocast(): vl = validation_loss(mode, acc.unwrap_model(net), run.gdf, chunks)
     mode.train_mode(net, True)
@@ -556,12 +555,12 @@ def run_summary(run: Run, clock: Clock) -> str:
 def check_optimizer(name: str, distributed_type) -> None:
     "Raise a ConfigError if optimizer `name` cannot run under accelerate's `distributed_type` or is not installed."
     from accelerate.utils import DistributedType
-    if name != "adamw8bit": return
-    if distributed_type == DistributedType.FSDP:
-        raise ConfigError("optimizer 'adamw8bit' does not work with FSDP: bitsandbytes' 8-bit AdamW cannot update FSDP2's "
-                          "sharded (DTensor) parameters. Use optimizer: adamw, or a DDP / single-GPU launch config")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes), which is not installed")
+    spec = OPTIMIZERS.choose(name)
+    if distributed_type == DistributedType.FSDP and spec.fsdp_refusal:
+        raise ConfigError(f"optimizer {name!r} does not work with FSDP: {spec.fsdp_refusal}. Use optimizer: adamw, or a "
+                          "DDP / single-GPU launch config")
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        raise ConfigError(f"optimizer {name!r} needs {spec.package} (pip install {spec.package}), which is not installed")
 
 # %% ../nbs/41_train.ipynb #4b466ff3
 def train(cfg: Config) -> dict:
@@ -664,7 +663,7 @@ def train(cfg: Config) -> dict:
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
             x0, conds = mode.encode(batch, device, training=True, rng=rng)
             with acc.accumulate(net):
-                with acc.autocast(): loss, raw, d = mode.loss(net, gdf, x0, conds, rng=rng)
+                with acc.autocast(): loss, raw, d = mode.loss(net, gdf, x0, conds, rng=rng, **mode.extras(batch, x0))
                 gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()),   # adaptive parts; same on every process
                                    shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)

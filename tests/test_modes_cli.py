@@ -1,6 +1,6 @@
 """A training mode defined outside the package: a module named in the config's `imports:` registers it with
 `@training_mode`, and the command line trains it (python -m and the script path accelerate launches)."""
-import json, sys
+import json, re, sys
 from pathlib import Path
 import pytest
 from conftest import ROOT, run_cli
@@ -84,3 +84,87 @@ def test_stage_c_mode_on_a_stage_b_config_is_refused_at_start(tmp_path):
     res = run_cli("-m", "cascade_nb.train", *stage_b_args(tmp_path, "mode=c_user"), cwd=tmp_path.parent, check=False)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "mode 'c_user' (my_b_modes.MyStageC) trains Stage C only" in res.stderr and "StageBTraining" in res.stderr, res.stderr[-2000:]
+
+PARTS = '''
+from pathlib import Path
+import torch
+from cascade_nb.gdf import BaseLossWeight, DDIMSampler, register_loss_weight, register_sampler
+from cascade_nb.modes import FullTraining, training_mode
+from cascade_nb.run_state import OptimizerSpec, register_optimizer, register_lr_schedule
+
+def mark(what):
+    with open(Path(__file__).with_name("calls.txt"), "a") as f: f.write(what + "\\n")
+
+@register_loss_weight("flat_mid")
+class FlatMid(BaseLossWeight):
+    "1 for logSNR in [-2, 2], 0.1 elsewhere."
+    def weight(self, logsnr):
+        mark("loss_weight")
+        return 0.1 + 0.9 * (logsnr.abs() <= 2).to(logsnr.dtype)
+
+@register_sampler("ddim_half")
+class HalfNoiseDDIM(DDIMSampler):
+    "DDIM with eta = 0.5."
+    def __init__(self): super().__init__(eta=0.5)
+    def sigma(self, *args, **params):
+        mark("sampler")
+        return super().sigma(*args, **params)
+
+@register_optimizer("plain_sgd")
+class PlainSGD(OptimizerSpec):
+    "SGD without momentum: no state."
+    @staticmethod
+    def build(params, t, lr):
+        mark("optimizer")
+        return torch.optim.SGD(params, lr=lr)
+    @staticmethod
+    def state_bytes(param_bytes): return 0
+
+@register_lr_schedule("halving")
+def halving(progress):
+    "Half the LR after the warm-up."
+    mark("lr_schedule")
+    return 0.5
+
+@training_mode("counted")
+class CountedTraining(FullTraining):
+    "Full fine-tuning on the left half of each image (a loss mask passed from `extras` to `loss`), counting its updates."
+    def extras(self, batch, x0):
+        mask = torch.zeros_like(x0[:, :1]); mask[..., : x0.shape[-1] // 2] = 1
+        return {"weight": mask}
+    def loss(self, net, gdf, x0, conds, rng=None, **kw):
+        mark("masked" if kw["weight"].shape == (len(x0), 1, *x0.shape[2:]) else "unmasked")
+        return super().loss(net, gdf, x0, conds, rng=rng, **kw)
+    def after_update(self, state): mark("mode")
+'''
+
+def test_user_registered_parts_train_sample_and_plan(tmp_path):
+    """A module outside the package registers a loss weight, a sampler, an optimizer, an LR schedule and a mode (with a
+    loss mask from `extras`):
+    `accelerate launch` trains with them, `python -m cascade_nb.sample --sampler` samples with the sampler, the memory
+    planner plans the mode; no package edit."""
+    (tmp_path / "my_parts.py").write_text(PARTS)
+    cfg = tmp_path / "parts.yaml"
+    cfg.write_text("\n".join(l for l in (ROOT / "configs" / "demo.yaml").read_text().splitlines()
+                             if not l.startswith(("webdataset_path:", "loss_weight:", "lr_schedule:")))
+                   + f"\nimports: [my_parts]\nmode: counted\nloss_weight: flat_mid\noptimizer: plain_sgd\nlr_schedule: halving\n"
+                   f"webdataset_path: {ROOT / 'data_samples' / 'emoji'}\n")
+    calls = tmp_path / "calls.txt"
+    run_cli("-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no", ROOT / "cascade_nb" / "train.py", cfg, "num_workers=0", "batch_size=4", "updates=2", "warmup_updates=1",
+            "save_every=2", "eval_every=null", "ema_start_iters=null", "sample_steps=2", "tracker=none",
+            f"checkpoint_path={tmp_path}/ckpt", f"output_path={tmp_path}/out", "experiment_id=parts", cwd=tmp_path)
+    trained = calls.read_text().split()
+    assert trained.count("mode") == 2 and "loss_weight" in trained and "sampler" not in trained, trained
+    assert trained.count("masked") == 2 and "unmasked" not in trained, trained   # one micro-batch per update
+    assert trained.count("optimizer") == 1 and "lr_schedule" in trained, trained
+    calls.unlink()
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", tmp_path / "ckpt" / "parts", "--prompt", "red apple", "--n", "1",
+                  "--steps", "3", "--sampler", "ddim_half", "--out", tmp_path / "samples", cwd=tmp_path)
+    assert "wrote 1 images" in res.stdout and calls.read_text().split().count("sampler") == 3, calls.read_text()  # once per step
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", tmp_path / "ckpt" / "parts", "--prompt", "x", "--sampler", "ddim_hlaf",
+                  "--out", tmp_path / "typo", check=False, cwd=tmp_path)
+    assert res.returncode == 2 and "--sampler: 'ddim_hlaf' is not a registered sampler; did you mean 'ddim_half'" in res.stderr, res.stderr
+    res = run_cli("-m", "cascade_nb.memory", cfg, "experiment_id=parts", cwd=tmp_path)
+    assert res.stdout.startswith("counted tiny (543.76K generator, 543.76K trainable)") and "peak per GPU" in res.stdout, res.stdout
+    assert re.search(r"optimizer state \(plain_sgd\)\s+0\.00\n", res.stdout), res.stdout

@@ -19,10 +19,11 @@ from cascade_nb.gdf.noise_conditions import (BaseNoiseCond, CosineTNoiseCond, ED
 from .loss_weights import (BaseLossWeight, ConstantLossWeight, SNRLossWeight, P2LossWeight,
     SNRPlusOneLossWeight, MinSNRLossWeight, MinSNRPlusOneLossWeight, TruncatedSNRLossWeight, SechLossWeight,
     DebiasedLossWeight, SigmoidLossWeight, ComposedLossWeight, AdaptiveLossWeight)
-from .samplers import BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, SAMPLERS, renoise, seeded_randn
+from .samplers import BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, SAMPLERS, register_sampler, renoise, seeded_randn
 from .core import GDF, Diffused, SampleStep, cfg_batch, cfg_scale, guide
 from .presets import (LOSS_WEIGHTS, TARGETS, SAMPLING_DEFAULTS, make_loss_weight, make_gdf,
-    stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift, TIMESTEP_SAMPLINGS)
+    stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift, TIMESTEP_SAMPLINGS, register_loss_weight,
+    register_timestep_sampling)
 
 # %% ../../nbs/19_gdf.ipynb #4a9374ec
 __all__ = [
@@ -41,8 +42,8 @@ __all__ = [
     "MinSNRPlusOneLossWeight", "TruncatedSNRLossWeight", "SechLossWeight", "DebiasedLossWeight", "SigmoidLossWeight",
     "ComposedLossWeight", "AdaptiveLossWeight",
     # samplers, GDF, presets
-    "BaseSampler", "DDIMSampler", "DDPMSampler", "LCMSampler", "SAMPLERS", "renoise",
+    "BaseSampler", "DDIMSampler", "DDPMSampler", "LCMSampler", "SAMPLERS", "register_sampler", "renoise",
     "GDF", "Diffused", "SampleStep", "cfg_batch", "cfg_scale", "guide",
     "LOSS_WEIGHTS", "TARGETS", "SAMPLING_DEFAULTS", "make_loss_weight", "make_gdf", "stage_c_gdf", "stage_b_gdf",
-    "gdf_from_config", "training_shift", "TIMESTEP_SAMPLINGS",
+    "gdf_from_config", "training_shift", "TIMESTEP_SAMPLINGS", "register_loss_weight", "register_timestep_sampling",
 ]

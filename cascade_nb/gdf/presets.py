@@ -15,38 +15,46 @@ from .loss_weights import (BaseLossWeight, P2LossWeight, AdaptiveLossWeight, Min
     MinSNRPlusOneLossWeight, SNRLossWeight, SNRPlusOneLossWeight, TruncatedSNRLossWeight, SechLossWeight,
     DebiasedLossWeight, SigmoidLossWeight, ConstantLossWeight, ComposedLossWeight)
 from .core import GDF
+from ..registry import registry
 
 # %% auto #0
-__all__ = ['LOSS_WEIGHTS', 'TARGETS', 'TIMESTEP_SAMPLINGS', 'SAMPLING_DEFAULTS', 'make_loss_weight', 'make_gdf', 'stage_c_gdf',
-           'stage_b_gdf', 'gdf_from_config', 'training_shift']
+__all__ = ['LOSS_WEIGHTS', 'register_loss_weight', 'TARGETS', 'TIMESTEP_SAMPLINGS', 'register_timestep_sampling',
+           'SAMPLING_DEFAULTS', 'make_loss_weight', 'make_gdf', 'stage_c_gdf', 'stage_b_gdf', 'gdf_from_config',
+           'training_shift']
 
 # %% ../../nbs/17_gdf.presets.ipynb #a83bafb5
-LOSS_WEIGHTS = {"p2": P2LossWeight, "adaptive": AdaptiveLossWeight, "min_snr": MinSNRLossWeight,
-                "min_snr_plus_one": MinSNRPlusOneLossWeight, "snr": SNRLossWeight, "snr_plus_one": SNRPlusOneLossWeight,
-                "truncated_snr": TruncatedSNRLossWeight, "sech": SechLossWeight, "debiased": DebiasedLossWeight,
-                "sigmoid": SigmoidLossWeight, "constant": ConstantLossWeight}
+LOSS_WEIGHTS = registry("loss_weight", {
+    "p2": P2LossWeight, "adaptive": AdaptiveLossWeight, "min_snr": MinSNRLossWeight,
+    "min_snr_plus_one": MinSNRPlusOneLossWeight, "snr": SNRLossWeight, "snr_plus_one": SNRPlusOneLossWeight,
+    "truncated_snr": TruncatedSNRLossWeight, "sech": SechLossWeight, "debiased": DebiasedLossWeight,
+    "sigmoid": SigmoidLossWeight, "constant": ConstantLossWeight})
+register_loss_weight = LOSS_WEIGHTS.register
+"`@register_loss_weight('name')` on a `BaseLossWeight` subclass (built with no arguments): `loss_weight: name` in configs."
 TARGETS = {"epsilon": EpsilonTarget, "v": VTarget}
 
-def _default_t(cosine: CosineSchedule): return cosine
-def _logit_normal_t(cosine: CosineSchedule): return LogitNormalSchedule(logsnr_range=(cosine.limits[0], cosine.limits[1]))
-TIMESTEP_SAMPLINGS = {"default": _default_t, "logit_normal": _logit_normal_t}
+def _default_t(cosine: CosineSchedule):
+    "Uniform t on Stable Cascade's clamped cosine schedule (the reference)."
+    return cosine
+def _logit_normal_t(cosine: CosineSchedule):
+    "SD3's logit-normal t, logSNR ~ N(0, 2^2) kept inside the cosine schedule's range."
+    return LogitNormalSchedule(logsnr_range=(cosine.limits[0], cosine.limits[1]))
+TIMESTEP_SAMPLINGS = registry("timestep_sampling", {"default": _default_t, "logit_normal": _logit_normal_t})
 "How training draws noise levels (`timestep_sampling`): a schedule built from Stable Cascade's clamped cosine."
+register_timestep_sampling = TIMESTEP_SAMPLINGS.register
 
 def make_loss_weight(name: str, target: str = "epsilon") -> BaseLossWeight:
-    "The loss weight called `name` (a key of LOSS_WEIGHTS); 'min_snr' is expressed in `target`'s space."
-    if name not in LOSS_WEIGHTS: raise ValueError(f"unknown loss_weight {name!r}; expected one of {sorted(LOSS_WEIGHTS)}")
+    "The loss weight called `name` (in LOSS_WEIGHTS); 'min_snr' is expressed in `target`'s space."
+    weight = LOSS_WEIGHTS.choose(name)
     if name == "min_snr" and target in TARGETS:
         return ComposedLossWeight(div=SNRLossWeight() if target == "epsilon" else SNRPlusOneLossWeight(), mul=MinSNRLossWeight())
-    return LOSS_WEIGHTS[name]()
+    return weight()
 
 def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling: str = "default",
              offset_noise: float = 0.) -> GDF:
     "Stable Cascade's GDF (cosine, VP, CosineT) with a chosen loss weight, target, timestep sampling and offset noise."
     if target not in TARGETS: raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
     cosine = CosineSchedule(clamp_range=(1e-4, 0.9999))
-    if timestep_sampling not in TIMESTEP_SAMPLINGS:
-        raise ValueError(f"unknown timestep_sampling {timestep_sampling!r}; expected one of {sorted(TIMESTEP_SAMPLINGS)}")
-    schedule = TIMESTEP_SAMPLINGS[timestep_sampling](cosine)
+    schedule = TIMESTEP_SAMPLINGS.choose(timestep_sampling)(cosine)
     return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS[target](), noise_cond=CosineTNoiseCond(),
                loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from ..core import append_dims, seeded_randn
 from .scalers import BaseScaler
+from ..registry import registry
 
 # %% auto #0
-__all__ = ['SAMPLERS', 'renoise', 'BaseSampler', 'DDIMSampler', 'DDPMSampler', 'LCMSampler']
+__all__ = ['SAMPLERS', 'register_sampler', 'renoise', 'BaseSampler', 'DDIMSampler', 'DDPMSampler', 'LCMSampler']
 
 # %% ../../nbs/15_gdf.samplers.ipynb #0e3f2770
 def renoise(x0: torch.Tensor, eps: torch.Tensor, a_next, b_next, sigma, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -52,4 +53,6 @@ class LCMSampler(BaseSampler):
     def sigma(self, a, b, a_next, b_next): return b_next
 
 # %% ../../nbs/15_gdf.samplers.ipynb #d5550cc2
-SAMPLERS = {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler}
+SAMPLERS = registry("sampler", {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler})
+register_sampler = SAMPLERS.register
+"`@register_sampler('name')` on a `BaseSampler` subclass: `sample_sampler: name` in configs, `--sampler name` in CLIs."
