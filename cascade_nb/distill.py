@@ -131,6 +131,26 @@ class TeacherMode(FullTraining):
             setattr(cfg.gdf, k, v)   # the student's sampler: in-training grids, and the sample CLI reads it from the run
     @classmethod
     def inference(cls, cfg: Config, *models, **kw): return FullTraining(cfg, *models, **kw)   # a student is a plain Stage C
+    @classmethod
+    def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
+        return _teacher_memory_terms(cls, cfg, generator, batch, side, prec)
+    @classmethod
+    def extra_memory(cls, cfg: Config, generator: nn.Module) -> dict: return {}   # more rows: lcm's target network
+
+    def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
+        FullTraining.__init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
+        _load_teacher_into(self, cfg, generator, device=next(text_model.parameters()).device)
+    def uncond(self, conds: dict) -> dict:
+        "The empty caption's conditions, encoded once and repeated (the teacher's CFG needs them every step)."
+        if self._empty is None: self._empty = FullTraining.uncond(self, {k: v[:1] for k, v in conds.items()})
+        n = len(next(iter(conds.values())))
+        return {k: v.expand(n, *v.shape[1:]).to(conds[k].device) for k, v in self._empty.items()}
+    def guidance(self, n: int, rng, device) -> torch.Tensor:
+        "The teacher's CFG scale per sample: `cfg_scale`, or uniform in [lo, hi]."
+        w = self.cfg.distill.cfg_scale
+        if not isinstance(w, tuple): return torch.full((n,), float(w), device=device)
+        return w[0] + (w[1] - w[0]) * seeded_rand(n, rng, device)
+    def preview_rows(self, batch, n: int = 8, size=None) -> dict: return _teacher_rows(self, batch, n)
 
 # %% ../nbs/62_distill.ipynb #86d89b04
 def _teacher_params(cfg: Config) -> int:
@@ -143,9 +163,8 @@ def _teacher_params(cfg: Config) -> int:
     except (OSError, ValueError, KeyError): m = cfg.model   # a run directory that is not here (planning elsewhere)
     with torch.device("meta"): return sum(p.numel() for p in StageC.from_preset(m.model_version, **m.model_overrides).parameters())
 
-def _teacher_init(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-    FullTraining.__init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-    device = next(text_model.parameters()).device
+def _load_teacher_into(self, cfg, generator, device):
+    "Load the frozen teacher (and its config and GDF) into the mode `self`; start the student from it as the mode says."
     teacher, self.teacher_cfg = load_teacher(cfg, device)
     if self.student_from_teacher:
         try: generator.load_state_dict(teacher.state_dict(), strict=True)
@@ -157,8 +176,6 @@ def _teacher_init(self, cfg, generator, tokenizer, text_model, image_model, spac
     self.teacher = FrozenTeacher(teacher, teacher_dtype(cfg)).to(device)
     self.teacher_gdf, self._empty = gdf_from_config(self.teacher_cfg.gdf), None
 
-TeacherMode.__init__ = _teacher_init
-
 # %% ../nbs/62_distill.ipynb #3393b62d
 def copy_matching(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
     "Copy every teacher tensor whose name and shape the student has; (copied, student's tensors)."
@@ -168,20 +185,8 @@ def copy_matching(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
     return len(same), len(sd)
 
 # %% ../nbs/62_distill.ipynb #f724de2a
-def _uncond(self, conds: dict) -> dict:
-    "The empty caption's conditions, encoded once and repeated (the teacher's CFG needs them every step)."
-    if self._empty is None: self._empty = FullTraining.uncond(self, {k: v[:1] for k, v in conds.items()})
-    n = len(next(iter(conds.values())))
-    return {k: v.expand(n, *v.shape[1:]).to(conds[k].device) for k, v in self._empty.items()}
-
-def _guidance(self, n: int, rng, device) -> torch.Tensor:
-    "The teacher's CFG scale per sample: `cfg_scale`, or uniform in [lo, hi]."
-    w = self.cfg.distill.cfg_scale
-    if not isinstance(w, tuple): return torch.full((n,), float(w), device=device)
-    return w[0] + (w[1] - w[0]) * seeded_rand(n, rng, device)
-
 @torch.no_grad()
-def _preview_rows(self, batch, n: int = 8, size=None) -> dict:
+def _teacher_rows(self, batch, n: int = 8) -> dict:
     "The teacher's samples (its own sampler, steps and CFG) on the grid's captions and initial noise, above the student's."
     from cascade_nb.train import sample_latents
     device = next(self.text_model.parameters()).device
@@ -191,18 +196,14 @@ def _preview_rows(self, batch, n: int = 8, size=None) -> dict:
     x = sample_latents(self.teacher, self.teacher_gdf, conds, self.uncond(conds), x0.shape, self.teacher_cfg, device=device)
     return {f"teacher ({g.sample_sampler}@{g.sample_steps})": self.space.decode(x.float())}
 
-TeacherMode.uncond, TeacherMode.guidance, TeacherMode.preview_rows = _uncond, _guidance, _preview_rows
-
 # %% ../nbs/62_distill.ipynb #dc8b7bfe
-def _memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
+def _teacher_memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
+    "The student's terms (LoRA's for LCM-LoRA), plus the frozen teacher in its dtype and the mode's `extra_memory` rows."
     lora = cfg.lora.module_filters and cls is LCMTraining   # LCM-LoRA: LoRA's terms (adapters train, the base is frozen)
     base = (LoraTraining if lora else FullTraining).memory_terms.__func__(cls, cfg, generator, batch, side, prec)
     rows = {f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})": _teacher_params(cfg) * teacher_dtype(cfg).itemsize,
             **cls.extra_memory(cfg, generator)}
     return base._replace(rows={**(base.rows or {}), **rows})
-
-TeacherMode.memory_terms = classmethod(_memory_terms)
-TeacherMode.extra_memory = classmethod(lambda cls, cfg, generator: {})
 
 # %% ../nbs/62_distill.ipynb #59dcac98
 TIMESTEP_SCALING, SIGMA_DATA = 10., 0.5   # diffusers' LCM scalings: s = 10 * integer timestep (0..999), sigma_data = 0.5
@@ -328,6 +329,7 @@ class LCMTraining(TeacherMode):
         "A student's weights; an LCM-LoRA merged into the teacher, the base it was trained on."
         if not cfg.lora.module_filters: return super().released_generator(cfg, run, ema)
         return merged_lora_run(cfg, run, load_teacher(cfg)[0])   # the frozen base: the student started as the teacher
+    def loss(self, net, gdf, x0, conds: dict, rng=None, **kw): return _lcm_loss(self, net, gdf, x0, conds, rng, **kw)
 
 # %% ../nbs/62_distill.ipynb #17e2da87
 def _lcm_loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
@@ -350,8 +352,6 @@ def _lcm_loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
         target = consistency_fn(self.target(net), gdf, x, logsnr, conds, r_min, edge)
     raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min, edge), target, dc.distill_loss, dc.huber_c)
     return raw.mean(), raw, d
-
-LCMTraining.loss = _lcm_loss
 
 
 # %% ../nbs/62_distill.ipynb #77cfe5e6

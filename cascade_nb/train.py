@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
-import argparse, contextlib, copy, gc, importlib.util, inspect, json, resource, shutil, signal, sys, time, warnings
+import contextlib, gc, importlib.util, inspect, json, resource, shutil, signal, sys, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,17 +15,17 @@ if __name__ == "__main__" and not __package__ and "__file__" in globals():
     sys.path[0] = str(Path(__file__).resolve().parents[1])
     __package__ = "cascade_nb"
 import torch
-import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn, enable_tf32
 from .models.blocks import compile_blocks, compile_seconds
 from .config import Config, load_config, save_config, ConfigError, cli_parser, parse_cli, cli_errors, error_line
+# the modes' names are also `cascade_nb.train.X` (they lived here before `cascade_nb.modes`): some are re-exports only
 from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
                               EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
-                              FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)   # also `cascade_nb.train.X`, as before
+                              FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (LRSchedule, OPTIMIZERS, set_lr, ema_update_, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, check_finite, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (LRSchedule, OPTIMIZERS, set_lr, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
 from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
