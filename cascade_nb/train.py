@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
-import contextlib, gc, importlib.util, inspect, json, resource, shutil, signal, sys, time, warnings
+import contextlib, gc, importlib.util, inspect, json, resource, shutil, sys, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,19 +25,19 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (LRSchedule, OPTIMIZERS, set_lr, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
-from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
+from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover, LATENT_COMPRESSION, size_rule,
+    check_resolution_schedule, at_resolution)
 
 # %% auto #0
-__all__ = ['QUIET_ON_RESUME', 'LATENT_COMPRESSION', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss',
-           'per_process_batch', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement',
+__all__ = ['QUIET_ON_RESUME', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss', 'per_process_batch',
            'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run', 'build_optimizer',
            'last_checkpoint', 'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights',
            'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'tracker_image', 'log_samples', 'log_metrics',
-           'validate', 'size_rule', 'check_resolution_schedule', 'at_resolution', 'init_trackers', 'duration', 'Clock',
-           'report_partial_states', 'run_summary', 'check_optimizer', 'train', 'plot_metrics', 'main']
+           'validate', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
+           'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -106,68 +106,6 @@ def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
                           f"use a multiple of {processes * accum}")
     return b
 
-class StopWaiting(BaseException):
-    "Raised by `StopFlag`'s handler inside `StopFlag.interruptible`: a BaseException, so a reader's `except Exception` lets it through."
-
-class StopFlag:
-    """Set by SIGTERM / SIGINT / SIGHUP (SLURM pre-emption, `docker stop`, Ctrl-C, a closed terminal or SSH session): the
-    loop saves at the next update boundary and exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever
-    does not want to wait for that save. Inside `interruptible()` (a wait for data at an update boundary) the signal
-    also raises `StopWaiting`, so a stalled source cannot hold the save back."""
-    def __init__(self): self.signal, self.waiting = None, False
-    def install(self):
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            with contextlib.suppress(ValueError): signal.signal(s, self._handle)   # not in the main thread: skip
-        return self
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signal == "SIGINT": raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-        if self.waiting: raise StopWaiting(self.signal)
-    def __bool__(self): return self.signal is not None
-    @contextlib.contextmanager
-    def interruptible(self, on: bool = True):
-        "While inside (and `on`), a stop signal raises `StopWaiting` where the code is instead of only setting the flag."
-        self.waiting = on
-        try: yield
-        finally: self.waiting = False
-
-def next_batch(stream, stop: StopFlag, interruptible: bool):
-    """The stream's next batch, or None when a stop signal came while waiting for it (`interruptible`: the caller is at
-    an update boundary, where a save loses nothing; the batch is drawn again on resume, as the counters never saw it)."""
-    try:
-        with stop.interruptible(interruptible): return next(stream)
-    except StopWaiting: return None
-
-# %% ../nbs/41_train.ipynb #a0a70f78
-def die_with_parent(sig: int = signal.SIGTERM) -> bool:
-    "Ask Linux to send `sig` to this process when its parent dies (`prctl(PR_SET_PDEATHSIG)`); False where unsupported."
-    if not sys.platform.startswith("linux"): return False
-    import ctypes, os
-    parent = os.getppid()
-    ok = ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0   # 1 = PR_SET_PDEATHSIG
-    if ok and os.getppid() != parent: os.kill(os.getpid(), sig)   # the parent died before the request: act now
-    return ok
-
-# %% ../nbs/41_train.ipynb #dd62bb78
-class StopAgreement:
-    "Whether any process got a stop signal: a CPU all-reduce over a gloo group, started each update and read the next."
-    def __init__(self, stop: StopFlag, num_processes: int = 1):
-        import torch.distributed as dist
-        self.stop, self.pending = stop, None
-        self.group = dist.new_group(backend="gloo") if num_processes > 1 else None   # all processes call this together
-    def __call__(self) -> bool:
-        "Call once per update on every process; True on all of them once any had a signal (a round later)."
-        if self.group is None: return bool(self.stop)
-        import torch.distributed as dist
-        agreed = False
-        if self.pending is not None:
-            work, flag = self.pending; work.wait(); agreed = bool(flag[0])   # a CPU tensor: no device sync
-        flag = torch.tensor([float(bool(self.stop))])
-        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
-        return agreed
-    def close(self):
-        "Finish the round in flight (every process calls it, after the loop)."
-        if self.pending is not None: self.pending[0].wait(); self.pending = None
 
 # %% ../nbs/41_train.ipynb #1644821e
 def batch_stream(loader, skip: int = 0):
@@ -428,42 +366,6 @@ def validate(run: Run, val_batches) -> float:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
     acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
     return vl
-
-# %% ../nbs/41_train.ipynb #9a0af018
-LATENT_COMPRESSION = {"pixels": 1, "effnet": 32, "stage_a": 4}
-"Image side / latent side of each latent space (the EfficientNet encoder: 768 → 24; Stage A: 1024 → 256)."
-
-def size_rule(cfg: Config) -> tuple[int, int]:
-    "(multiple, minimum) of an image side the generator trains on: compression × patch size, times 2^(levels − 1)."
-    m = cfg.model
-    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls, STAGE_B_PRESETS as presets
-    else: from cascade_nb.models.stage_c import StageC as cls, STAGE_C_PRESETS as presets
-    arch = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}, **presets[m.model_version], **m.model_overrides}
-    space = "stage_a" if m.stage == "b" else "pixels" if m.latent_space == "pixels" else "effnet"
-    multiple = LATENT_COMPRESSION[space] * arch["patch_size"]
-    return multiple, multiple * 2 ** (len(arch["c_hidden"]) - 1)
-
-def check_resolution_schedule(cfg: Config):
-    "Refuse a `resolution_schedule` side (or one of its aspect buckets) the model cannot take, naming the entry and the sides that work."
-    multiple, minimum = size_rule(cfg) if cfg.data.resolution_schedule else (1, 1)
-    for start, side in cfg.data.resolution_schedule or ():
-        where = f"{cfg.source or 'config'}: key 'resolution_schedule': entry {[start, side]}"
-        try: buckets = bucket_sizes(side, cfg.data.multi_aspect_ratio)
-        except ValueError as e: raise ConfigError(f"{where}: {e}") from None
-        for hw in buckets:
-            if min(hw) >= minimum and hw[0] % multiple == 0 and hw[1] % multiple == 0: continue
-            ok = sorted({max(minimum, side // multiple * multiple), max(minimum, -(-side // multiple) * multiple)})
-            what = f"side {side}" if hw == (side, side) else f"its bucket {hw[0]}×{hw[1]}"
-            raise ConfigError(f"{where}: {what} does not suit the model: image sides must be multiples of {multiple} (latent "
-                              f"compression × patch size) and at least {minimum} (each level halves the latent); e.g. "
-                              f"{' or '.join(map(str, ok))}")
-
-def at_resolution(batch: dict, cfg: Config, update: int, device) -> dict:
-    "`batch` at the side of update `update` (`resolution_schedule`): its images moved to `device` and scaled down there."
-    side = resolution_at(cfg.data.resolution_schedule, update, cfg.data.image_size)
-    if side == cfg.data.image_size or "images" not in batch: return batch
-    bucket = bucket_at(batch.get("bucket") or tuple(batch["images"].shape[-2:]), side, cfg.data.multi_aspect_ratio)
-    return {**batch, "images": resize_cover(batch["images"].to(device, non_blocking=True), bucket), "bucket": bucket}
 
 # %% ../nbs/41_train.ipynb #2b7518f7
 def _trackers(cfg: Config):
