@@ -1,4 +1,4 @@
-"""The small pieces the training loop is made of: learning-rate warm-up and decay, EMA, the run's counters, atomic checkpoint directories, the non-finite-loss guard and the sample grid.
+"""The small pieces the training loop is made of: learning-rate warm-up and decay, optimizers, EMA, the run's counters, atomic checkpoint directories, the non-finite-loss guard, the sample grid and stopping on a signal.
 
 Docs: https://cascade-nb.github.io/cascade_nb/run_state.html.md"""
 
@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/run_state.html.md"""
 
 # %% ../nbs/40_run_state.ipynb #8296e4f2
 from __future__ import annotations
-import contextlib, copy, hashlib, json, math, os, pickle, re, shutil, socket, time, warnings
+import contextlib, copy, hashlib, json, math, os, pickle, re, shutil, signal, socket, sys, time, warnings
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
@@ -21,7 +21,8 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'OPTIMIZERS', 'register_optim
            'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
            'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
            'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
-           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid']
+           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid', 'StopWaiting',
+           'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -626,3 +627,67 @@ def save_sample_grid(rows: dict[str, torch.Tensor], path, value_range=(0., 1.)) 
     tmp = path.with_name(f".{path.name}.tmp.png")
     canvas.save(tmp); os.replace(tmp, path)
     return path
+
+# %% ../nbs/40_run_state.ipynb #71fae65a
+class StopWaiting(BaseException):
+    "Raised by `StopFlag`'s handler inside `StopFlag.interruptible`: a BaseException, so a reader's `except Exception` lets it through."
+
+class StopFlag:
+    """Set by SIGTERM / SIGINT / SIGHUP (SLURM pre-emption, `docker stop`, Ctrl-C, a closed terminal or SSH session): the
+    loop saves at the next update boundary and exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever
+    does not want to wait for that save. Inside `interruptible()` (a wait for data at an update boundary) the signal
+    also raises `StopWaiting`, so a stalled source cannot hold the save back."""
+    def __init__(self): self.signal, self.waiting = None, False
+    def install(self):
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            with contextlib.suppress(ValueError): signal.signal(s, self._handle)   # not in the main thread: skip
+        return self
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == "SIGINT": raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        if self.waiting: raise StopWaiting(self.signal)
+    def __bool__(self): return self.signal is not None
+    @contextlib.contextmanager
+    def interruptible(self, on: bool = True):
+        "While inside (and `on`), a stop signal raises `StopWaiting` where the code is instead of only setting the flag."
+        self.waiting = on
+        try: yield
+        finally: self.waiting = False
+
+def next_batch(stream, stop: StopFlag, interruptible: bool):
+    """The stream's next batch, or None when a stop signal came while waiting for it (`interruptible`: the caller is at
+    an update boundary, where a save loses nothing; the batch is drawn again on resume, as the counters never saw it)."""
+    try:
+        with stop.interruptible(interruptible): return next(stream)
+    except StopWaiting: return None
+
+# %% ../nbs/40_run_state.ipynb #a0a70f78
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    "Ask Linux to send `sig` to this process when its parent dies (`prctl(PR_SET_PDEATHSIG)`); False where unsupported."
+    if not sys.platform.startswith("linux"): return False
+    import ctypes, os
+    parent = os.getppid()
+    ok = ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0   # 1 = PR_SET_PDEATHSIG
+    if ok and os.getppid() != parent: os.kill(os.getpid(), sig)   # the parent died before the request: act now
+    return ok
+
+# %% ../nbs/40_run_state.ipynb #dd62bb78
+class StopAgreement:
+    "Whether any process got a stop signal: a CPU all-reduce over a gloo group, started each update and read the next."
+    def __init__(self, stop: StopFlag, num_processes: int = 1):
+        import torch.distributed as dist
+        self.stop, self.pending = stop, None
+        self.group = dist.new_group(backend="gloo") if num_processes > 1 else None   # all processes call this together
+    def __call__(self) -> bool:
+        "Call once per update on every process; True on all of them once any had a signal (a round later)."
+        if self.group is None: return bool(self.stop)
+        import torch.distributed as dist
+        agreed = False
+        if self.pending is not None:
+            work, flag = self.pending; work.wait(); agreed = bool(flag[0])   # a CPU tensor: no device sync
+        flag = torch.tensor([float(bool(self.stop))])
+        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        return agreed
+    def close(self):
+        "Finish the round in flight (every process calls it, after the loop)."
+        if self.pending is not None: self.pending[0].wait(); self.pending = None

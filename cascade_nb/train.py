@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/train.html.md"""
 
 # %% ../nbs/41_train.ipynb #951fa604
 from __future__ import annotations
-import contextlib, gc, importlib.util, inspect, json, resource, shutil, signal, sys, time, warnings
+import contextlib, gc, importlib.util, json, resource, shutil, sys, time, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,19 +25,19 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (LRSchedule, OPTIMIZERS, set_lr, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
+from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
                                  training_generator, save_training_state, load_training_state, check_checkpoint_files,
                                  save_sample_grid)
-from .data.buckets import bucket_sizes, resolution_at, bucket_at, resize_cover
+from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover, LATENT_COMPRESSION, size_rule,
+    check_resolution_schedule, at_resolution)
 
 # %% auto #0
-__all__ = ['QUIET_ON_RESUME', 'LATENT_COMPRESSION', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss',
-           'per_process_batch', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement',
+__all__ = ['QUIET_ON_RESUME', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss', 'per_process_batch',
            'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run', 'build_optimizer',
            'last_checkpoint', 'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights',
            'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'tracker_image', 'log_samples', 'log_metrics',
-           'validate', 'size_rule', 'check_resolution_schedule', 'at_resolution', 'init_trackers', 'duration', 'Clock',
-           'report_partial_states', 'run_summary', 'check_optimizer', 'train', 'plot_metrics', 'main']
+           'validate', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
+           'start_launch', 'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -106,68 +106,6 @@ def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
                           f"use a multiple of {processes * accum}")
     return b
 
-class StopWaiting(BaseException):
-    "Raised by `StopFlag`'s handler inside `StopFlag.interruptible`: a BaseException, so a reader's `except Exception` lets it through."
-
-class StopFlag:
-    """Set by SIGTERM / SIGINT / SIGHUP (SLURM pre-emption, `docker stop`, Ctrl-C, a closed terminal or SSH session): the
-    loop saves at the next update boundary and exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever
-    does not want to wait for that save. Inside `interruptible()` (a wait for data at an update boundary) the signal
-    also raises `StopWaiting`, so a stalled source cannot hold the save back."""
-    def __init__(self): self.signal, self.waiting = None, False
-    def install(self):
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            with contextlib.suppress(ValueError): signal.signal(s, self._handle)   # not in the main thread: skip
-        return self
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signal == "SIGINT": raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-        if self.waiting: raise StopWaiting(self.signal)
-    def __bool__(self): return self.signal is not None
-    @contextlib.contextmanager
-    def interruptible(self, on: bool = True):
-        "While inside (and `on`), a stop signal raises `StopWaiting` where the code is instead of only setting the flag."
-        self.waiting = on
-        try: yield
-        finally: self.waiting = False
-
-def next_batch(stream, stop: StopFlag, interruptible: bool):
-    """The stream's next batch, or None when a stop signal came while waiting for it (`interruptible`: the caller is at
-    an update boundary, where a save loses nothing; the batch is drawn again on resume, as the counters never saw it)."""
-    try:
-        with stop.interruptible(interruptible): return next(stream)
-    except StopWaiting: return None
-
-# %% ../nbs/41_train.ipynb #a0a70f78
-def die_with_parent(sig: int = signal.SIGTERM) -> bool:
-    "Ask Linux to send `sig` to this process when its parent dies (`prctl(PR_SET_PDEATHSIG)`); False where unsupported."
-    if not sys.platform.startswith("linux"): return False
-    import ctypes, os
-    parent = os.getppid()
-    ok = ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0   # 1 = PR_SET_PDEATHSIG
-    if ok and os.getppid() != parent: os.kill(os.getpid(), sig)   # the parent died before the request: act now
-    return ok
-
-# %% ../nbs/41_train.ipynb #dd62bb78
-class StopAgreement:
-    "Whether any process got a stop signal: a CPU all-reduce over a gloo group, started each update and read the next."
-    def __init__(self, stop: StopFlag, num_processes: int = 1):
-        import torch.distributed as dist
-        self.stop, self.pending = stop, None
-        self.group = dist.new_group(backend="gloo") if num_processes > 1 else None   # all processes call this together
-    def __call__(self) -> bool:
-        "Call once per update on every process; True on all of them once any had a signal (a round later)."
-        if self.group is None: return bool(self.stop)
-        import torch.distributed as dist
-        agreed = False
-        if self.pending is not None:
-            work, flag = self.pending; work.wait(); agreed = bool(flag[0])   # a CPU tensor: no device sync
-        flag = torch.tensor([float(bool(self.stop))])
-        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
-        return agreed
-    def close(self):
-        "Finish the round in flight (every process calls it, after the loop)."
-        if self.pending is not None: self.pending[0].wait(); self.pending = None
 
 # %% ../nbs/41_train.ipynb #1644821e
 def batch_stream(loader, skip: int = 0):
@@ -429,42 +367,6 @@ def validate(run: Run, val_batches) -> float:
     acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
     return vl
 
-# %% ../nbs/41_train.ipynb #9a0af018
-LATENT_COMPRESSION = {"pixels": 1, "effnet": 32, "stage_a": 4}
-"Image side / latent side of each latent space (the EfficientNet encoder: 768 → 24; Stage A: 1024 → 256)."
-
-def size_rule(cfg: Config) -> tuple[int, int]:
-    "(multiple, minimum) of an image side the generator trains on: compression × patch size, times 2^(levels − 1)."
-    m = cfg.model
-    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls, STAGE_B_PRESETS as presets
-    else: from cascade_nb.models.stage_c import StageC as cls, STAGE_C_PRESETS as presets
-    arch = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}, **presets[m.model_version], **m.model_overrides}
-    space = "stage_a" if m.stage == "b" else "pixels" if m.latent_space == "pixels" else "effnet"
-    multiple = LATENT_COMPRESSION[space] * arch["patch_size"]
-    return multiple, multiple * 2 ** (len(arch["c_hidden"]) - 1)
-
-def check_resolution_schedule(cfg: Config):
-    "Refuse a `resolution_schedule` side (or one of its aspect buckets) the model cannot take, naming the entry and the sides that work."
-    multiple, minimum = size_rule(cfg) if cfg.data.resolution_schedule else (1, 1)
-    for start, side in cfg.data.resolution_schedule or ():
-        where = f"{cfg.source or 'config'}: key 'resolution_schedule': entry {[start, side]}"
-        try: buckets = bucket_sizes(side, cfg.data.multi_aspect_ratio)
-        except ValueError as e: raise ConfigError(f"{where}: {e}") from None
-        for hw in buckets:
-            if min(hw) >= minimum and hw[0] % multiple == 0 and hw[1] % multiple == 0: continue
-            ok = sorted({max(minimum, side // multiple * multiple), max(minimum, -(-side // multiple) * multiple)})
-            what = f"side {side}" if hw == (side, side) else f"its bucket {hw[0]}×{hw[1]}"
-            raise ConfigError(f"{where}: {what} does not suit the model: image sides must be multiples of {multiple} (latent "
-                              f"compression × patch size) and at least {minimum} (each level halves the latent); e.g. "
-                              f"{' or '.join(map(str, ok))}")
-
-def at_resolution(batch: dict, cfg: Config, update: int, device) -> dict:
-    "`batch` at the side of update `update` (`resolution_schedule`): its images moved to `device` and scaled down there."
-    side = resolution_at(cfg.data.resolution_schedule, update, cfg.data.image_size)
-    if side == cfg.data.image_size or "images" not in batch: return batch
-    bucket = bucket_at(batch.get("bucket") or tuple(batch["images"].shape[-2:]), side, cfg.data.multi_aspect_ratio)
-    return {**batch, "images": resize_cover(batch["images"].to(device, non_blocking=True), bucket), "bucket": bucket}
-
 # %% ../nbs/41_train.ipynb #2b7518f7
 def _trackers(cfg: Config):
     if cfg.log.tracker == "none": return None
@@ -562,51 +464,96 @@ def check_optimizer(name: str, distributed_type) -> None:
     if spec.package and importlib.util.find_spec(spec.package) is None:
         raise ConfigError(f"optimizer {name!r} needs {spec.package} (pip install {spec.package}), which is not installed")
 
-# %% ../nbs/41_train.ipynb #4b466ff3
-def train(cfg: Config) -> dict:
-    """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
-
-    Returns the run's summary and modules. In a multi-process FSDP run the returned modules are sharded: drop the result
-    and `gc.collect()` before the interpreter exits, as `main` does (gloo can abort when they die during shutdown)."""
+# %% ../nbs/41_train.ipynb #f8d5cda3
+def start_launch(cfg: Config) -> tuple:
+    "(acc, run_dir, out_dir, info): what the model cannot take refused, the processes, devices, precision and tracking set up, the run directory checked and locked."
     from accelerate import Accelerator
-    from accelerate.utils import set_seed, DistributedType
-    from fastprogress.fastprogress import progress_bar
-    from cascade_nb.data.sources import format_skips
-    stop = StopFlag().install()   # first: a signal during setup still ends in a save at the first update boundary
     ck, t = cfg.checkpoint, cfg.train
-    check_resolution_schedule(cfg)   # sides the model can take: before anything is built
+    # what the model cannot take is said before anything is built
+    check_resolution_schedule(cfg)
     check_model_overrides(cfg)
     # DDP's note on a depthwise convolution's gradient layout: harmless (its words), and printed by every process
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-
-    # --- setup: processes, devices, precision, tracking
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum_steps,
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
-    check_optimizer(t.optimizer, acc.distributed_type)   # fail before building anything
-    device, is_main = acc.device, acc.is_main_process
-    enable_tf32()   # fp32 matmuls/convolutions on tensor cores (CUDA); no effect on CPU
+    check_optimizer(t.optimizer, acc.distributed_type)
+    # TF32 matmuls and convolutions on CUDA tensor cores (no effect on CPU)
+    enable_tf32()
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
-    info = run_dir.info()   # None for a new run
-    _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), saved_config=str(out_dir/"config.yaml")),  # before overwriting
+    # None for a new run; a run to resume is checked before its saved config is overwritten
+    info = run_dir.info()
+    _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), saved_config=str(out_dir/"config.yaml")),
                            run_dir.check_writable(out_dir), run_dir.lock(), report_partial_states(run_dir)))
-    if is_main: save_config(cfg, out_dir/"config.yaml")
+    if acc.is_main_process: save_config(cfg, out_dir/"config.yaml")
+    return acc, run_dir, out_dir, info
 
-    # --- models: identical init on every process; frozen encoders in `frozen_dtype` (fp32 as the reference unless set); the mode says what trains
+def build_models(cfg: Config, acc) -> tuple:
+    "(mode, net, gdf, ema): the same initial weights on every process; frozen encoders in `frozen_dtype`; the mode says what trains."
+    from accelerate.utils import set_seed, DistributedType
+    t, device = cfg.train, acc.device
     set_seed(t.seed)
     generator, frozen_dtype = build_generator(cfg), resolve_dtype(cfg.model.frozen_dtype)
     tokenizer, text_model = build_text_encoder(cfg, device, frozen_dtype)
     mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, frozen_dtype),
                                build_latent_space(cfg, device, frozen_dtype), frozen_dtype)
     net, gdf = mode.net, gdf_from_config(cfg.gdf)
-    ema = (EMA(net, "cpu" if t.ema_on_cpu else device, sharded=acc.distributed_type == DistributedType.FSDP)   # FSDP: shards, after prepare
-           if t.ema_start_iters is not None and mode.supports_ema else None)
-    if cfg.model.compile: compile_blocks(net)   # regional: each block type compiled once; module tree (state-dict keys) unchanged
+    ema = None
+    if t.ema_start_iters is not None and mode.supports_ema:
+        # under FSDP the EMA keeps this process's shards, attached after `prepare`
+        ema = EMA(net, "cpu" if t.ema_on_cpu else device, sharded=acc.distributed_type == DistributedType.FSDP)
+    # regional compile: each block type compiled once; the module tree (the state-dict keys) is unchanged
+    if cfg.model.compile: compile_blocks(net)
     acc.print(f"{t.mode} training of {type(generator).__name__} {cfg.model.model_version}: {human_count(count_params(net))} parameters, "
               f"{human_count(count_params(net, trainable_only=True))} trainable; {acc.num_processes} process(es) on {device}, "
               f"mixed precision {acc.mixed_precision}")
+    return mode, net, gdf, ema
 
-    # --- optimizer and LR schedule
+def resume_run(run: Run, info: dict):
+    "Restore `run` from its checkpoint (weights, optimizer, RNG states, counters, EMA, adaptive buckets; no pickle runs); say what differs."
+    acc, state = run.acc, run.state
+    # the latest state, or (warned) the previous one when the latest is unreadable
+    state_dir = resume(run)
+    if info.get("num_processes") != acc.num_processes:
+        warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
+                      "training continues, but not on exactly the same batches")
+    acc.print(f"resumed {state_dir} at update {state.update}")
+    if changed := resume_changes(info.get("config", {}), run.cfg.to_yaml_dict()):
+        acc.print(f"resumed with other settings than the checkpoint's: {'; '.join(changed)}. Its counters, random "
+                  "streams and data position go on from there, so this is not the run those settings give from "
+                  "the start")
+
+def finish_run(run: Run, stream, stop_agreed: StopAgreement) -> nn.Module:
+    "End the launch on every process: the agreement's last round, the data workers, the loss plot, the process group; the unwrapped net."
+    acc = run.acc
+    stop_agreed.close()
+    # the DataLoader's workers end now (they ignore SIGTERM, so an interpreter exit could not end them)
+    stream.close()
+    if acc.is_main_process and run.metrics_path.exists(): plot_metrics(run.metrics_path, run.out_dir/"loss.png")
+    acc.wait_for_everyone()
+    net = acc.unwrap_model(run.net)
+    # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
+    acc.free_memory()
+    acc.end_training()
+    if acc.is_main_process: run.run_dir.unlock()
+    return net
+
+# %% ../nbs/41_train.ipynb #4b466ff3
+def train(cfg: Config) -> dict:
+    """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
+
+    Returns the run's summary and modules. In a multi-process FSDP run the returned modules are sharded: drop the result
+    and `gc.collect()` before the interpreter exits, as `main` does (gloo can abort when they die during shutdown)."""
+    from fastprogress.fastprogress import progress_bar
+    from cascade_nb.data.sources import format_skips
+    # first: a signal during setup still ends in a save at the first update boundary
+    stop = StopFlag().install()
+    ck, t = cfg.checkpoint, cfg.train
+    acc, run_dir, out_dir, info = start_launch(cfg)
+    device, is_main = acc.device, acc.is_main_process
+
+    # --- models, optimizer and LR schedule
+    mode, net, gdf, ema = build_models(cfg, acc)
     micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
     lr = t.lr * (micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1)
     opt = build_optimizer(t, [p for p in net.parameters() if p.requires_grad], lr, device)
@@ -615,37 +562,31 @@ def train(cfg: Config) -> dict:
     # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
     _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
     net, opt = acc.prepare(net, opt)
-    if ema is not None: ema.attach(acc.unwrap_model(net))   # under FSDP: a copy of this process's shards only
-    params = [p for p in net.parameters() if p.requires_grad]   # FSDP replaces parameters with sharded ones
-    state, rng = TrainState(), training_generator(t.seed, acc.process_index)   # CPU generator, one stream per process
+    # under FSDP: a copy of this process's shards only; FSDP replaces the parameters with sharded ones
+    if ema is not None: ema.attach(acc.unwrap_model(net))
+    params = [p for p in net.parameters() if p.requires_grad]
+    # a CPU generator, one stream per process: noise, timesteps, caption dropout
+    state, rng = TrainState(), training_generator(t.seed, acc.process_index)
     run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir)
-    hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]   # e.g. cascade_nb.eval's evaluation; built before training
+    # e.g. cascade_nb.eval's evaluation; built before training
+    hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]
+    if info is not None: resume_run(run, info)
 
-    # --- resume: weights, optimizer, RNG states, counters, EMA, adaptive loss buckets (no pickle runs)
-    if info is not None:
-        state_dir = resume(run)   # the latest state, or (warned) the previous one when the latest is unreadable
-        if info.get("num_processes") != acc.num_processes:
-            warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
-                          "training continues, but not on exactly the same batches")
-        acc.print(f"resumed {state_dir} at update {state.update}")
-        if changed := resume_changes(info.get("config", {}), cfg.to_yaml_dict()):
-            acc.print(f"resumed with other settings than the checkpoint's: {'; '.join(changed)}. Its counters, random "
-                      "streams and data position go on from there, so this is not the run those settings give from "
-                      "the start")
-
-    # --- data: this process's share of the stream, fast-forwarded to the restored data position
+    # --- data: this process's share of the stream, fast-forwarded to the restored data position; the grid's inputs
     stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
-    preview = preview_batch(cfg)   # the sample grid's fixed inputs, the same on every process
+    preview = preview_batch(cfg)
     init_trackers(acc, cfg)
     if state.update >= t.updates:
         acc.print(f"{run_dir.path} is at update {state.update}, and updates is {t.updates}: nothing to train "
                   "(raise `updates` to continue, or give a new `experiment_id` for a new run)")
 
-    # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches
-    mode.train_mode(net)   # only the trainable modules in train mode (a frozen generator keeps its dropout off)
-    guard, stop_agreed = NonFiniteGuard(opt, state, t.max_nan_steps), StopAgreement(stop, acc.num_processes)   # no host sync per update
+    # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches. Only the trainable modules
+    # are in train mode (a frozen generator keeps its dropout off); no host sync per update
+    mode.train_mode(net)
+    guard, stop_agreed = NonFiniteGuard(opt, state, t.max_nan_steps), StopAgreement(stop, acc.num_processes)
     losses, last_log, skipped = [], time.time(), {}
-    interactive = sys.stdout.isatty() or "ipykernel" in sys.modules   # a bar, or (log files) a line per log_every
+    # a progress bar, or (log files) a line per log_every
+    interactive = sys.stdout.isatty() or "ipykernel" in sys.modules
     bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
     clock = Clock(state.update, t.updates)
     for _ in bar:
@@ -656,27 +597,32 @@ def train(cfg: Config) -> dict:
             saved = (run_dir.info() or {}).get("update") == state.update or save(run)
             acc.print(f"{stop_message(run, stop, saved)} (it came while the data stream waited for a batch)")
             break
-        lr_now = set_lr(opt, base_lrs, lr_at, state.update)   # a function of the update count only
+        # the LR is a function of the update count only
+        lr_now = set_lr(opt, base_lrs, lr_at, state.update)
         for micro in range(t.grad_accum_steps):
-            batch = at_resolution(first if micro == 0 else next(stream), cfg, state.update, device)   # resolution_schedule
+            # at the side of this update (resolution_schedule)
+            batch = at_resolution(first if micro == 0 else next(stream), cfg, state.update, device)
             state.batches_drawn += 1
             for k, v in batch.get("skipped", {}).items(): skipped[k] = skipped.get(k, 0) + v
             x0, conds = mode.encode(batch, device, training=True, rng=rng)
             with acc.accumulate(net):
                 with acc.autocast(): loss, raw, d = mode.loss(net, gdf, x0, conds, rng=rng, **mode.extras(batch, x0))
-                gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()),   # adaptive parts; same on every process
+                # the adaptive parts learn from every process's samples: the same on every process
+                gdf.update_buckets(acc.gather(d.logsnr.detach()), acc.gather(raw.detach()),
                                    shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)
+                # a non-finite update is skipped on the device and counted in `guard`; accumulating, the optimizer waits
                 grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
-                if grad_norm is not None: guard.step(grad_norm)   # skipped on the device when non-finite; counted in `guard`
-                else: opt.step()                                  # accumulating: accelerate's optimizer waits
+                if grad_norm is not None: guard.step(grad_norm)
+                else: opt.step()
                 opt.zero_grad(set_to_none=True)
                 state.micro_step += 1
             losses.append(loss.detach())
         state.update += 1
         state.samples_seen += cfg.data.batch_size
+        # under FSDP the EMA steps on the local shards, with no communication
         beta = ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None else None
-        if beta is not None: ema.update_(acc.unwrap_model(net), beta)   # under FSDP: on the local shards, no communication
+        if beta is not None: ema.update_(acc.unwrap_model(net), beta)
         mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
@@ -689,25 +635,19 @@ def train(cfg: Config) -> dict:
         for hook in hooks: hook.after_update(run)
         stop_now = stop_agreed()
         if state.update % ck.save_every == 0 or state.update == t.updates or stop_now:
-            report_nonfinite(run, guard)   # the saved counters must be current
+            # the saved counters must be current
+            report_nonfinite(run, guard)
             saved = save(run)
             if saved and not stop_now: log_samples(run, at_resolution(preview, cfg, state.update - 1, device))
         if stop_now:
             acc.print(stop_message(run, stop, saved))
             break
 
-    stop_agreed.close()
-    # the DataLoader's workers end now (they ignore SIGTERM, so an interpreter exit could not end them)
-    stream.close()
-    if is_main and run.metrics_path.exists(): plot_metrics(run.metrics_path, out_dir/"loss.png")
-    acc.wait_for_everyone()
-    net = acc.unwrap_model(net)
-    acc.free_memory()   # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
-    acc.end_training()
-    if is_main: run_dir.unlock()
+    net = finish_run(run, stream, stop_agreed)
     acc.print(run_summary(run, clock))
     return {"update": state.update, "run_dir": str(run_dir.path), "output_dir": str(out_dir),
             "net": net, "ema": ema, "mode": mode, "state": state}
+
 
 # %% ../nbs/41_train.ipynb #e6c402e9
 def plot_metrics(metrics_path, out_png):

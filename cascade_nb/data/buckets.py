@@ -6,19 +6,20 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.buckets.html.md"""
 
 # %% ../../nbs/31_data.buckets.ipynb #8c487c0e
 from __future__ import annotations
-import math, random, warnings
+import inspect, math, random, warnings
 from fractions import Fraction
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from .sources import SkipCounter, _worker_seed
+from ..config import Config, ConfigError
 
 # %% auto #0
-__all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'COUNTS_ONLY', 'bucket_sizes', 'saliency_map', 'saliency_center',
-           'closest_bucket', 'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float', 'pick_bucket',
-           'BucketResize', 'materialize_samples', 'collate_samples', 'BucketBatcher', 'resolution_at', 'bucket_at',
-           'resize_cover']
+__all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'COUNTS_ONLY', 'LATENT_COMPRESSION', 'bucket_sizes', 'saliency_map',
+           'saliency_center', 'closest_bucket', 'crop_box', 'resize_crop', 'resize_crop_chw', 'images_to_float',
+           'pick_bucket', 'BucketResize', 'materialize_samples', 'collate_samples', 'BucketBatcher', 'resolution_at',
+           'bucket_at', 'resize_cover', 'size_rule', 'check_resolution_schedule', 'at_resolution']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
 def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[int, int], ...]:
@@ -255,3 +256,39 @@ def resize_cover(images: torch.Tensor, size) -> torch.Tensor:
     top, left = (sh - H) // 2, (sw - W) // 2
     x = x[..., top:top + H, left:left + W]                                   # (B, C, H, W)
     return (x.round().clamp(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else x.to(images.dtype)).contiguous()
+
+# %% ../../nbs/31_data.buckets.ipynb #9a0af018
+LATENT_COMPRESSION = {"pixels": 1, "effnet": 32, "stage_a": 4}
+"Image side / latent side of each latent space (the EfficientNet encoder: 768 → 24; Stage A: 1024 → 256)."
+
+def size_rule(cfg: Config) -> tuple[int, int]:
+    "(multiple, minimum) of an image side the generator trains on: compression × patch size, times 2^(levels − 1)."
+    m = cfg.model
+    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls, STAGE_B_PRESETS as presets
+    else: from cascade_nb.models.stage_c import StageC as cls, STAGE_C_PRESETS as presets
+    arch = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}, **presets[m.model_version], **m.model_overrides}
+    space = "stage_a" if m.stage == "b" else "pixels" if m.latent_space == "pixels" else "effnet"
+    multiple = LATENT_COMPRESSION[space] * arch["patch_size"]
+    return multiple, multiple * 2 ** (len(arch["c_hidden"]) - 1)
+
+def check_resolution_schedule(cfg: Config):
+    "Refuse a `resolution_schedule` side (or one of its aspect buckets) the model cannot take, naming the entry and the sides that work."
+    multiple, minimum = size_rule(cfg) if cfg.data.resolution_schedule else (1, 1)
+    for start, side in cfg.data.resolution_schedule or ():
+        where = f"{cfg.source or 'config'}: key 'resolution_schedule': entry {[start, side]}"
+        try: buckets = bucket_sizes(side, cfg.data.multi_aspect_ratio)
+        except ValueError as e: raise ConfigError(f"{where}: {e}") from None
+        for hw in buckets:
+            if min(hw) >= minimum and hw[0] % multiple == 0 and hw[1] % multiple == 0: continue
+            ok = sorted({max(minimum, side // multiple * multiple), max(minimum, -(-side // multiple) * multiple)})
+            what = f"side {side}" if hw == (side, side) else f"its bucket {hw[0]}×{hw[1]}"
+            raise ConfigError(f"{where}: {what} does not suit the model: image sides must be multiples of {multiple} (latent "
+                              f"compression × patch size) and at least {minimum} (each level halves the latent); e.g. "
+                              f"{' or '.join(map(str, ok))}")
+
+def at_resolution(batch: dict, cfg: Config, update: int, device) -> dict:
+    "`batch` at the side of update `update` (`resolution_schedule`): its images moved to `device` and scaled down there."
+    side = resolution_at(cfg.data.resolution_schedule, update, cfg.data.image_size)
+    if side == cfg.data.image_size or "images" not in batch: return batch
+    bucket = bucket_at(batch.get("bucket") or tuple(batch["images"].shape[-2:]), side, cfg.data.multi_aspect_ratio)
+    return {**batch, "images": resize_cover(batch["images"].to(device, non_blocking=True), bucket), "bucket": bucket}
