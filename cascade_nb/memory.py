@@ -278,7 +278,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     the model. HSDP: `shard_size` GPUs (a node) share one sharded copy, replicated across the `world_size / shard_size` groups."""
     from cascade_nb.train import per_process_batch
     m, t, d = cfg.model, cfg.train, cfg.data
-    if fsdp and fsdp_refusal(t.optimizer): raise ConfigError(fsdp_refusal(t.optimizer))
+    if fsdp and (why := fsdp_refusal(t.optimizer)): raise ConfigError(why)
     gen = meta_generator(cfg)
     n_gen = sum(p.numel() for p in gen.parameters())
     amp = (t.mixed_precision or "bf16") == "bf16"
