@@ -176,6 +176,18 @@ def test_staleness_names_the_refresh_command(toy, tmp_path):
     try: assert run_nbs.staleness(path, root) is not None
     finally: (root / "cascade_nb" / "__init__.py").write_text('__version__ = "9.9.9"\n')
 
+def test_fingerprint_follows_what_runs_not_how_it_is_written():
+    "Re-wrapping, comments, docstring wording and splitting a cell keep the fingerprint; what runs or shows changes it."
+    def fp(*cells): return run_nbs.fingerprint({"cells": [_cell("code", c) for c in cells]})
+    base = fp('def f(x):\n    "Add one."\n    return x + 1\ny = f(1)\ny')
+    assert fp('def f(x):\n    """Add\n    one."""\n    return (x\n            + 1)   # plus one\n',
+              "# the value\ny = f(1)\ny") == base                     # wrapped, commented, split in two
+    assert fp('def f(x):\n    "Add one."\n    return x + 2\ny = f(1)\ny') != base        # other code
+    assert fp('def f(x):\n    "Add one."\n    return x + 1\ny = f(1)', "y") == base      # shown at the same place
+    assert fp('def f(x):\n    "Add one."\n    return x + 1\ny = f(1)\ny', "z = 0") != base  # y no longer shown
+    assert fp('#| eval: false\ndef f(x):\n    "Add one."\n    return x + 1', "y = f(1)\ny") != base  # a cell left out
+    assert fp("%time x = 1") != fp("%time x = 2") and fp("!ls  a") == fp("!ls  a")   # magics count by their text
+
 def test_fingerprint_survives_nbdev_clean_of_the_repository():
     "nbdev-clean (ids, metadata) does not change any committed notebook's fingerprint."
     from nbdev.clean import clean_nb

@@ -23,15 +23,16 @@ made fit for git:
 * widgets: dropped (no widget state is saved; what the widget's function displayed, e.g. its plot, is kept);
 * metadata: nbdev's cleaning applied (`nbdev-clean` leaves the file unchanged), plus the fingerprint below.
 
-Staleness: the notebook's metadata records `cascade_nb.source_fingerprint`, a hash of its code cells' sources and of
-the package version. `tests/test_notebook_outputs.py` fails when the fingerprint no longer matches and names the
-command to refresh. Markdown, cell ids and metadata are not in the hash: prose edits and `nbdev-clean`/`nbdev-export`
-round trips don't make outputs stale.
+Staleness: the notebook's metadata records `cascade_nb.source_fingerprint`, a hash of what its code cells run (the
+parsed code, see `fingerprint`) and of the package version. `tests/test_notebook_outputs.py` fails when the fingerprint
+no longer matches and names the command to refresh. Markdown, comments, line wrapping, docstring wording, cell ids,
+metadata and the boundaries between cells that run alike are not in the hash: prose edits, re-formatting, splitting a
+cell and `nbdev-clean`/`nbdev-export` round trips don't make outputs stale.
 
 A notebook whose run fails is left as it was; the command reports it and exits 1.
 """
 from __future__ import annotations
-import argparse, base64, hashlib, io, json, os, re, subprocess, sys, tempfile, time
+import argparse, ast, base64, hashlib, io, json, os, re, subprocess, sys, tempfile, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,11 +82,48 @@ def _source(cell) -> str:
     s = "".join(s) if isinstance(s, list) else s
     return "\n".join(l.rstrip() for l in s.replace("\r\n", "\n").split("\n")).strip("\n")
 
+SKIP_DIRECTIVE = r"^#\|\s*(?:(?:{flags})\b|eval:\s*false)"      # a cell nbdev-test (and this tool) leaves out
+
+def _code_form(src: str) -> list[ast.stmt] | None:
+    """The cell's statements as Python sees them (IPython magics turned into calls), None if it does not parse.
+    Comments, formatting and the wording of function and class docstrings are not part of the code's meaning; a
+    last statement that is an expression (shown as the cell's output) gets a marker, so that where a cell shows a
+    value is part of it."""
+    from IPython.core.inputtransformer2 import TransformerManager
+    try: tree = ast.parse(TransformerManager().transform_cell(src))
+    except SyntaxError: return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                first.value.value = " ".join(first.value.value.split())
+    shown = [ast.Expr(ast.Name("__shown__"))] if tree.body and isinstance(tree.body[-1], ast.Expr) else []
+    return tree.body + shown
+
 def fingerprint(nb: dict, root: Path = ROOT) -> str:
-    "Hash of the code cells' sources (in order, whitespace at line ends ignored) and of the package version."
+    """Hash of what the code cells run (in order) and of the package version.
+
+    The code is compared as parsed Python (`_code_form`): re-wrapping lines, editing comments, re-wording a
+    docstring or splitting one cell into several leaves the fingerprint as it is; any change to what runs, to which
+    cells are left out (`#| eval: false`, the test flags) or to where a cell shows a value changes it. A cell that does
+    not parse counts by its text."""
+    from nbdev.config import get_config
+    skipped = re.compile(SKIP_DIRECTIVE.format(flags="|".join(get_config(root).tst_flags.split()) or "$^"), re.M)
     h = hashlib.sha256(f"cascade_nb {package_version(root)}\n".encode())
+    run, group = [], None                       # consecutive cells that run (or are skipped) alike form one program
+    def flush():
+        if run: h.update(f"\0{group}\0".encode() + ast.dump(ast.Module(run, [])).encode())
+        run.clear()
     for c in nb.get("cells", []):
-        if c.get("cell_type") == "code": h.update(b"\0" + _source(c).encode())
+        if c.get("cell_type") != "code": continue
+        src = _source(c)
+        key = "skipped" if skipped.search(src) else "runs"
+        form = _code_form(src)
+        if key != group or form is None: flush()
+        group = key
+        if form is None: h.update(b"\0text\0" + src.encode())
+        else: run.extend(form)
+    flush()
     return h.hexdigest()[:16]
 
 def read_json(path: Path) -> dict: return json.loads(Path(path).read_text(encoding="utf-8"))
