@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/config.html.md"""
 
 # %% ../nbs/01_config.ipynb #4427b049
 from __future__ import annotations
-import argparse, ast, contextlib, difflib, importlib, math, operator, os, re, sys, typing
+import ast, difflib, importlib, math, operator, os, re, sys, typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -22,8 +22,7 @@ __all__ = ['CAPTION_GETTERS', 'register_caption_getter', 'REQUIRED', 'STAGE_C_PR
            'Choice', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id',
            'LogConfig', 'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config',
            'read_yaml', 'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config',
-           'save_config', 'cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_line', 'cli_errors',
-           'at_least', 'output_dir', 'readable_weights']
+           'save_config']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -755,82 +754,3 @@ def save_config(cfg: Config, path):
     "Write `dump_config(cfg)` to `path` atomically."
     from cascade_nb.core import atomic_write_text
     atomic_write_text(path, dump_config(cfg))
-
-# %% ../nbs/01_config.ipynb #551fe829
-class _Parser(argparse.ArgumentParser):
-    "argparse, with a usage error as one line (`prog: error: ... (see --help)`) instead of the usage block and the error."
-    def error(self, message):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-def cli_parser(prog: str, description: str, config: str | None = None) -> argparse.ArgumentParser:
-    "An ArgumentParser for a cascade_nb command; with `config` (its help text), the positional CONFIG.yaml and `key=value` overrides."
-    p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    if config:
-        p.add_argument("config", help=config)
-        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=3e-4 batch_size=8")
-    return p
-
-def add_import_option(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "`--import MODULE` (repeatable): modules of the user's that a command imports first, e.g. one registering a sampler."
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="a module of your own to import first, e.g. one that registers a sampler (repeat for several)")
-    return p
-
-def cli_choice(registry: Registry, name: str, option: str):
-    "The part `name` of `registry` for command-line option `option`; a `ConfigError` naming the option if unknown."
-    try: return registry.choose(name)
-    except UnknownChoice as e: raise ConfigError(f"{option}: {e}") from None
-
-def parse_cli(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    "Parse `argv` with options, positionals and `key=value` overrides in any order (a subcommand's arguments too)."
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    subs = next((a for a in p._actions if isinstance(a, argparse._SubParsersAction)), None)
-    if subs is None: return p.parse_intermixed_args(argv)
-    i = next((i for i, a in enumerate(argv) if a in subs.choices), None)
-    if i is None: return p.parse_args(argv)   # no subcommand: argparse's own usage message (or --help)
-    ns = subs.choices[argv[i]].parse_intermixed_args(argv[i + 1:])
-    setattr(ns, subs.dest, argv[i])
-    return ns
-
-def error_line(e: BaseException) -> str:
-    "An exception as one line: `path: reason` for file errors, the message otherwise."
-    if isinstance(e, OSError) and e.strerror: return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
-    return " ".join(str(e).split()) or type(e).__name__
-
-@contextlib.contextmanager
-def cli_errors(*errors: type[BaseException]):
-    "Turn `ConfigError` (and the exception types `errors`) into one line on stderr and exit status 2, no traceback."
-    try: yield
-    except (ConfigError, *errors) as e:
-        print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {error_line(e)}", file=sys.stderr)
-        sys.exit(2)
-
-def at_least(lo: int, at_most: int | None = None):
-    "An argparse `type`: an integer >= `lo` (and <= `at_most`), e.g. `--n 0` is refused when the option is parsed."
-    def parse(text: str) -> int:
-        try: v = int(text)
-        except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lo: raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
-        if at_most is not None and v > at_most: raise argparse.ArgumentTypeError(f"{v} must be <= {at_most}")
-        return v
-    parse.__name__ = f"integer >= {lo}" + (f" and <= {at_most}" if at_most is not None else "")
-    return parse
-
-def output_dir(path, option: str = "--out") -> Path:
-    "Create `path` as an output folder and check it can be written, before any slow work; `OSError`s name the option."
-    path = Path(path)
-    if path.exists() and not path.is_dir(): raise NotADirectoryError(20, f"{option} must be a folder, but it is a file", str(path))
-    path.mkdir(parents=True, exist_ok=True)
-    if not os.access(path, os.W_OK | os.X_OK): raise PermissionError(13, f"{option} is not writable", str(path))
-    return path
-
-def readable_weights(path) -> Path:
-    "Check that `path` is a readable safetensors file (header and tensor table) without loading it; `ValueError` otherwise."
-    from safetensors import safe_open
-    path = Path(path)
-    if not path.is_file(): raise FileNotFoundError(2, "no such weights file" if not path.exists() else "not a file", str(path))
-    try:
-        with safe_open(str(path), "pt") as f: f.keys()
-    except Exception as e: raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
-    return path

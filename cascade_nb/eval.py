@@ -269,7 +269,7 @@ def _finite(text: str) -> float:
 _finite.__name__ = "finite number"
 
 def _parser() -> argparse.ArgumentParser:
-    from cascade_nb.config import at_least, add_import_option
+    from cascade_nb.cli import at_least, add_import_option
     p = argparse.ArgumentParser(prog="python -m cascade_nb.eval", description="Evaluate cascade_nb training runs: caption "
                                 "retrieval, FID/KID, CLIP score of samples for fixed captions and seeds.")
     p.add_argument("--checkpoint", action="append", required=True, help="run directory {checkpoint_path}/{experiment_id} (repeat to compare)")
@@ -292,7 +292,8 @@ def main(argv=None) -> dict:
     a = _parser().parse_args(argv)
     results, weights, evaluator = [], [], None
     try:
-        from cascade_nb.config import import_modules, cli_choice
+        from cascade_nb.config import import_modules
+        from cascade_nb.cli import cli_choice
         import_modules(a.imports, "--import")
         for run in a.checkpoint:
             mode, gdf, cfg = load_run(run, ema=not a.no_ema, best=a.best)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse, re, sys
 from pathlib import Path
 from .core import atomic_write
-from .config import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line,
-    add_import_option, cli_choice, import_modules)
+from .config import import_modules
+from .cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line,
+    add_import_option, cli_choice)
 from .inference import CascadePipeline, to_pil
 from .gdf.samplers import SAMPLERS
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 import torch
 from torch import nn
-from .config import Config, ConfigError, load_config, cli_parser, parse_cli, cli_errors, at_least
+from .config import Config, ConfigError, load_config
+from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .modes import TRAINING_MODES
 from .run_state import OPTIMIZERS
 from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet   # declared with the ControlNet; measured here

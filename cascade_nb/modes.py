@@ -43,7 +43,7 @@ def build_generator(cfg: Config) -> nn.Module:
 def check_model_overrides(cfg: Config):
     "Build the config's generator on the meta device (no memory): bad `model_overrides` give one ConfigError."
     import difflib, inspect
-    from cascade_nb.config import error_line
+    from cascade_nb.cli import error_line
     m = cfg.model
     if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls
     else: from cascade_nb.models.stage_c import StageC as cls
@@ -238,7 +238,7 @@ class TrainingMode:
         "(generator, weights file) a finished run samples with: its released `generator_ema`/`generator.safetensors`."
         from pathlib import Path
         from safetensors.torch import load_file
-        from cascade_nb.config import readable_weights
+        from cascade_nb.cli import readable_weights
         names = (["generator_ema.safetensors"] if ema else []) + ["generator.safetensors"]
         weights = next((Path(run)/f for f in names if (Path(run)/f).exists()), None)
         if weights is None: raise FileNotFoundError(f"{run} has no {' or '.join(names)} yet")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse, json, os, re, sys
 from pathlib import Path
 import torch
-from .config import (config_from_dict, ConfigError, cli_parser, parse_cli, cli_errors, at_least, output_dir,
-    readable_weights, add_import_option, cli_choice, import_modules)
+from .config import config_from_dict, ConfigError, import_modules
+from cascade_nb.cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, add_import_option,
+    cli_choice)
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
 from .train import (build_text_encoder, build_latent_space, build_training_mode,

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn, enable_tf32
 from .models.blocks import compile_blocks, compile_seconds
-from .config import Config, load_config, save_config, ConfigError, cli_parser, parse_cli, cli_errors, error_line
+from .config import Config, load_config, save_config, ConfigError
+from .cli import cli_parser, parse_cli, cli_errors, error_line
 # the modes' names are also `cascade_nb.train.X` (they lived here before `cascade_nb.modes`): some are re-exports only
 from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
                               EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,

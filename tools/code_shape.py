@@ -6,6 +6,7 @@ and how long the lines of the package and of the notebooks' code cells are. Prin
     python tools/code_shape.py            # the figures
     python tools/code_shape.py --check    # ... and exit 1 when one misses its target
     python tools/code_shape.py --cells 20 # also list the export cells of more than 20 lines
+    python tools/code_shape.py nbs/60_lora.ipynb --cells 12   # the figures of some notebooks only (no package files)
 
 Targets (issue 31, against fastcore's 6 / 17 and miniai's 8 / 22 median / p90 lines per export cell):
 an export cell has at most MEDIAN_CELL lines at the median and at most MAX_CELL, except the cell holding `train()`
@@ -20,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MEDIAN_CELL, MAX_CELL, MAX_LINE = 12, 80, 120
 LONG_CELL_ALLOWED = ("def train(",)          # cells that may be longer than MAX_CELL (their first definition)
 
+ONLY: list[Path] | None = None              # set by the command line: these notebooks only, no package files
+
 def notebooks(root: Path = ROOT) -> list[Path]:
+    if ONLY is not None: return ONLY
     found = sorted((root / "nbs").rglob("*.ipynb")) + sorted((root / "tutorials").rglob("*.ipynb"))
     return [p for p in found if not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)]
 
@@ -29,6 +33,9 @@ def code_cells(path: Path):
     for i, c in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"]):
         if c["cell_type"] == "code":
             yield i, "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+
+def rel(p: Path, root: Path) -> str:
+    return p.resolve().relative_to(root.resolve()).as_posix() if p.resolve().is_relative_to(root.resolve()) else str(p)
 
 def is_export(src: str) -> bool:
     return any(l.strip().replace(" ", "") in ("#|export", "#|exports") for l in src.splitlines() if l.startswith("#|"))
@@ -50,7 +57,7 @@ def defined_names(src: str) -> int:
 
 def export_cells(root: Path = ROOT) -> list[tuple[str, int, int, str]]:
     "(notebook, cell index, lines, source) of every export cell."
-    return [(p.relative_to(root).as_posix(), i, len(body_lines(s)), s)
+    return [(rel(p, root), i, len(body_lines(s)), s)
             for p in notebooks(root) for i, s in code_cells(p) if is_export(s)]
 
 def allowed_long(src: str) -> bool:
@@ -60,13 +67,14 @@ def long_lines(root: Path = ROOT) -> tuple[list[str], int, int]:
     "Where lines are over MAX_LINE characters (package files and notebook code cells), lines over 100, all lines."
     where, over100, total = [], 0, 0
     files = [p for p in sorted((root / "cascade_nb").rglob("*.py")) if p.name != "_modidx.py"]   # _modidx: nbdev's index
+    if ONLY is not None: files = []
     for p in files:
         for n, l in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
             total += 1; over100 += len(l) > 100
             if len(l) > MAX_LINE: where.append(f"{p.relative_to(root)}:{n}")
     for p in notebooks(root):
         for i, s in code_cells(p):
-            where += [f"{p.relative_to(root)} cell {i}" for l in s.splitlines() if len(l) > MAX_LINE]
+            where += [f"{rel(p, root)} cell {i}" for l in s.splitlines() if len(l) > MAX_LINE]
     return where, over100, total
 
 def figures(root: Path = ROOT) -> tuple[list[str], list[str]]:
@@ -91,7 +99,10 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="exit 1 when a figure misses its target")
     p.add_argument("--cells", type=int, metavar="N", help="list the export cells of more than N lines")
     p.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    p.add_argument("notebooks", nargs="*", type=Path, help="only these notebooks (default: all, and the package)")
     a = p.parse_args(argv)
+    global ONLY
+    ONLY = [n.resolve() for n in a.notebooks] or None
     lines, missed = figures(a.root)
     print("\n".join(lines))
     if a.cells is not None:

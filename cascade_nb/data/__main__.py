@@ -8,7 +8,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.cli.html.md"""
 from __future__ import annotations
 import argparse, json, sys
 from pathlib import Path
-from ..config import cli_parser, parse_cli, cli_errors
+from ..cli import cli_parser, parse_cli, cli_errors
 
 # %% auto #0
 __all__ = ['format_report', 'cmd_pack', 'cmd_inspect', 'ClipTextEncoder', 'image_embedder_from_config', 'encoders_from_config',
