@@ -17,12 +17,12 @@ from .registry import REGISTRIES, Registry, UnknownChoice, registry
 # %% auto #0
 __all__ = ['CAPTION_GETTERS', 'register_caption_getter', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS',
            'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES', 'NULL_TURNS_OFF',
-           'BUILTIN_SECTIONS', 'SECTION_MODES', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'MODE_MODULES', 'ConfigError',
-           'SafeFilter', 'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'CaptionsGetter',
-           'Choice', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id',
-           'LogConfig', 'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config',
-           'read_yaml', 'config_from_dict', 'load_config', 'import_modules', 'resolve_mode', 'dump_config',
-           'save_config']
+           'BUILTIN_SECTIONS', 'SECTION_MODES', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'CONFIG_HOOKS',
+           'register_config_hook', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter', 'caption_identity',
+           'caption_from_json', 'CaptionsGetter', 'Choice', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
+           'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'LoraConfig', 'ControlNetConfig', 'Range',
+           'check_range', 'config_section', 'coerce', 'Config', 'read_yaml', 'config_from_dict', 'load_config',
+           'import_modules', 'ConfigHook', 'dump_config', 'save_config']
 
 # %% ../nbs/01_config.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -169,11 +169,9 @@ class Choice(str):
     def __class_getitem__(cls, kind: str) -> type:
         return cls._kinds.setdefault(kind, type(f"Choice[{kind!r}]", (cls,), {"choice_kind": kind}))
 
-def _registry_of(tp) -> Registry:
-    "The registry a `Choice[kind]` annotation names; it must be loaded (the module defining its parts imported)."
-    if tp.choice_kind not in REGISTRIES:
-        raise TypeError(f"no {tp.choice_kind!r} registry is loaded: import the module that defines it first")
-    return REGISTRIES[tp.choice_kind]
+def _registry_of(tp) -> Registry | None:
+    "The registry a `Choice[kind]` annotation names, None while no module defining its parts was imported."
+    return REGISTRIES.get(tp.choice_kind)
 
 # %% ../nbs/01_config.ipynb #44eec9e4
 @dataclass
@@ -423,7 +421,8 @@ def _type_name(tp) -> str:
     if origin is Union: return " or ".join(_type_name(a) for a in args)
     if origin in (list, tuple, dict): return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     if tp is Fraction: return "fraction like 3/4"
-    if getattr(tp, "choice_kind", None): return f"the name of a registered {_registry_of(tp).words}"
+    if getattr(tp, "choice_kind", None):
+        return f"the name of a registered {_registry_of(tp).words if _registry_of(tp) else tp.choice_kind}"
     return getattr(tp, "__name__", str(tp))
 
 def coerce(value, tp, key: str = "value"):
@@ -433,7 +432,8 @@ def coerce(value, tp, key: str = "value"):
     if tp is Any: return value
     if getattr(tp, "choice_kind", None):   # a registered name (duck-typed: this notebook's Choice or the package's)
         if not isinstance(value, str): raise bad()
-        try: _registry_of(tp).choose(value)
+        # a registry not loaded in this process (its module comes later and was not imported): checked where it is
+        try: _registry_of(tp) and _registry_of(tp).choose(value)
         except UnknownChoice as e: raise ConfigError(f"key '{key}': {e}") from None
         return value
     if origin is Union:
@@ -584,6 +584,11 @@ _ALIASES = {"learning_rate": "lr", "train_batch_size": "batch_size", "max_train_
             "pretrained_model_name_or_path": "generator_checkpoint_path", "use_ema": "ema_start_iters",
             "ema_decay": "ema_beta", "snr_gamma": "loss_weight", "train_data_dir": "webdataset_path"}
 
+def _modes_hint() -> str:
+    "What to do when the training modes (and their sections' keys) were never loaded in this process."
+    if "training_mode" in CONFIG_HOOKS: return ""
+    return " (the keys of the training modes' own sections are known once cascade_nb.modes is imported)"
+
 def _suggest(key: str) -> str:
     matches = difflib.get_close_matches(key, [*KEY_SECTION, *_ALIASES], n=3, cutoff=0.6)
     close = list(dict.fromkeys(_ALIASES.get(m, m) for m in matches))
@@ -622,10 +627,12 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     imports = values.get("imports", (None, where))   # modules that register modes (and their config sections) come first
     try: imports = coerce(imports[0], Optional[list[str]], "imports") or []
     except ConfigError as e: raise ConfigError(f"{imports[1]}: {e}") from None
-    import_modules([*MODE_MODULES, *imports], where, Path(source).parent if source else None)
+    search = Path(source).parent if source else None
+    import_modules(imports, where, search)
+    for hook in list(CONFIG_HOOKS.values()): hook.before(where, search)
     sections = {s: {} for s in SECTIONS}
     for k, (v, src) in values.items():
-        if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
+        if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}{_modes_hint()}")
         tp = typing.get_type_hints(SECTIONS[KEY_SECTION[k]])[k]
         try:
             if k == "experiment_id": check_experiment_id(v)
@@ -658,9 +665,6 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
     return config_from_dict(raw, overrides, training=training, source=str(path) if path is not None else None)
 
 # %% ../nbs/01_config.ipynb #b41ceb2e
-MODE_MODULES = ("cascade_nb.modes", "cascade_nb.distill", "cascade_nb.lora", "cascade_nb.controlnet")
-"The modules that register the built-in modes (imported when a config is validated, like a config's `imports:`)."
-
 def import_modules(names, where: str = "config", search: str | os.PathLike | None = None):
     "Import modules by dotted name (also from the folder `search`, e.g. the config's) so that they register their modes."
     for name in names:
@@ -677,20 +681,19 @@ def import_modules(names, where: str = "config", search: str | os.PathLike | Non
         finally:
             for s in extra: sys.path.remove(s)
 
-def resolve_mode(cfg: Config, where: str = "config") -> type:
-    "The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks."
-    hook_modules = ("cascade_nb.eval",) if cfg.checkpoint.eval_every else ()   # registers its training hook
-    import_modules([*MODE_MODULES, *hook_modules, *(cfg.train.imports or ())], where, Path(cfg.source).parent if cfg.source else None)
-    t, modes = cfg.train, REGISTRIES["training_mode"]
-    if t.mode is None: t.mode = next((n for n, c in modes.items() if c.selected_by(cfg)), "full")
-    try: mode = modes.choose(t.mode)
-    except UnknownChoice as e: raise ConfigError(f"{where}: key 'mode': {e}") from None
-    try:
-        mode.check_config(cfg)
-        # a mode trains the stages it declares (`TrainingMode.for_stage`): said now, not after the models are built
-        if cfg.model.stage is not None: mode.for_stage(cfg.model.stage)
-    except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
-    return mode
+
+# %% ../nbs/01_config.ipynb #55239e1a
+class ConfigHook:
+    """What a later module adds to loading a config: `before` runs once the config's `imports:` are imported, before
+    its keys are read (e.g. to import the modules that register sections); `after` runs with the built config, after
+    the checks of its own sections (e.g. to resolve and check the training mode)."""
+    def before(self, where: str, search: Path | None): pass
+    def after(self, cfg: Config, where: str): pass
+
+CONFIG_HOOKS = registry("config_hook", {}, "@register_config_hook('name') on a `ConfigHook` instance")
+register_config_hook = CONFIG_HOOKS.register
+"`register_config_hook('name', hook)`: run `hook.before`/`hook.after` in every `load_config` (re-registering replaces)."
+
 
 # %% ../nbs/01_config.ipynb #34de7e48
 def _check_resolution_schedule(cfg: Config, need):
@@ -724,14 +727,8 @@ def _check(cfg: Config, where: str, training: bool):
     if m.stage is None: m.stage = "b" if m.model_version in ("3B", "700M") else "c"
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
     need(m.model_version in presets, f"key 'model_version': {m.model_version!r} is not a Stage {m.stage.upper()} preset; expected one of {presets}")
-    resolve_mode(cfg, where)
-    for sec, modes in SECTION_MODES.items():
-        if not modes or t.mode in modes: continue
-        default = SECTIONS[sec]()
-        for f in fields(default):
-            need(getattr(getattr(cfg, sec), f.name) == getattr(default, f.name),
-                 f"key '{f.name}' belongs to section '{sec}', which mode '{t.mode}' does not use (modes: {', '.join(modes)})")
-    # single-key ranges were checked as the keys were read (`RANGES`); what follows needs several keys
+    # what later modules check (the training mode, `ConfigHook`), then the rules that need several keys
+    for hook in list(CONFIG_HOOKS.values()): hook.after(cfg, where)
     if d.resolution_schedule is not None: _check_resolution_schedule(cfg, need)
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"

@@ -32,19 +32,22 @@ class CNetResBlock(nn.Module):
 
     def forward(self, x): return x + self.blocks(x)
 
+# %% ../nbs/61_controlnet.ipynb #7320f91f
 def _effnet_backbone(c_in: int, backbone_state: dict | None = None, stages=None, c_last: int = 1280) -> nn.Sequential:
     "EfficientNetV2-S features (optionally initialised from `backbone_state`), with a new stem for c_in ≠ 3."
     backbone = efficientnet_v2_features(**({} if stages is None else {"stages": stages}), c_last=c_last)
     if backbone_state is not None: backbone.load_state_dict(backbone_state)
     if c_in != 3:
         old = backbone[0][0]
-        stem = nn.Conv2d(c_in, old.out_channels, kernel_size=3, stride=2, bias=False)   # no padding, as the reference
+        # no padding, as the reference
+        stem = nn.Conv2d(c_in, old.out_channels, kernel_size=3, stride=2, bias=False)
         with torch.no_grad():
             if c_in > 3: stem.weight.zero_(); stem.weight[:, :3] = old.weight
             else: stem.weight.copy_(old.weight[:, :c_in])
         backbone[0][0] = stem
     return backbone.eval()
 
+# %% ../nbs/61_controlnet.ipynb #e2456db0
 class ControlNet(nn.Module):
     "Control image → list of per-ResBlock feature maps (None where no block is listed), official key layout."
     def __init__(self, c_in: int = 3, c_proj: int = 2048, proj_blocks=(0, 4, 8, 12, 51, 55, 59, 63),
@@ -58,20 +61,25 @@ class ControlNet(nn.Module):
             self.backbone = _effnet_backbone(c_in, backbone_state, effnet_stages, c_embd)
         elif bottleneck_mode == 'simple':
             c_embd = c_in
-            self.backbone = nn.Sequential(nn.Conv2d(c_in, c_in * 4, kernel_size=3, padding=1), nn.LeakyReLU(0.2, inplace=True),
+            self.backbone = nn.Sequential(nn.Conv2d(c_in, c_in * 4, kernel_size=3, padding=1),
+                                          nn.LeakyReLU(0.2, inplace=True),
                                           nn.Conv2d(c_in * 4, c_in, kernel_size=3, padding=1))
         elif bottleneck_mode == 'large':
             self.backbone = nn.Sequential(nn.Conv2d(c_in, 4096 * 4, kernel_size=1), nn.LeakyReLU(0.2, inplace=True),
-                                          nn.Conv2d(4096 * 4, 1024, kernel_size=1), *[CNetResBlock(1024) for _ in range(8)],
+                                          nn.Conv2d(4096 * 4, 1024, kernel_size=1),
+                                          *[CNetResBlock(1024) for _ in range(8)],
                                           nn.Conv2d(1024, c_embd, kernel_size=1))
-        else: raise ValueError(f"ControlNet: unknown bottleneck_mode {bottleneck_mode!r}; expected 'effnet', 'simple' or 'large'")
+        else:
+            raise ValueError(f"ControlNet: unknown bottleneck_mode {bottleneck_mode!r}; "
+                             "expected 'effnet', 'simple' or 'large'")
         self.projections = nn.ModuleList(
             nn.Sequential(nn.Conv2d(c_embd, c_embd, kernel_size=1, bias=False), nn.LeakyReLU(0.2, inplace=True),
                           nn.Conv2d(c_embd, c_proj, kernel_size=1, bias=False)) for _ in self.proj_blocks)
         for p in self.projections: nn.init.zeros_(p[-1].weight)          # a fresh ControlNet adds exactly zero
 
     def train(self, mode: bool = True):
-        "Train mode everywhere except the EfficientNet backbone, whose BatchNorm statistics stay frozen (as the reference)."
+        """Train mode everywhere except the EfficientNet backbone, whose BatchNorm statistics stay frozen (as the
+        reference)."""
         super().train(mode)
         if self.bottleneck_mode == 'effnet': self.backbone.eval()
         return self
@@ -85,15 +93,18 @@ class ControlNet(nn.Module):
 # %% ../nbs/61_controlnet.ipynb #a2cfd57c
 def controlnet_config(sd: dict) -> dict:
     "ControlNet constructor arguments (c_in, c_proj, bottleneck_mode, number of projections) read from a state dict."
-    if 'backbone.0.0.weight' in sd and sd['backbone.0.0.weight'].ndim == 4 and sd['backbone.0.0.weight'].shape[0] == 24:
+    if ('backbone.0.0.weight' in sd and sd['backbone.0.0.weight'].ndim == 4
+            and sd['backbone.0.0.weight'].shape[0] == 24):
         mode, c_in = 'effnet', sd['backbone.0.0.weight'].shape[1]
     elif 'backbone.3.blocks.0.weight' in sd: mode, c_in = 'large', sd['backbone.0.weight'].shape[1]
     else: mode, c_in = 'simple', sd['backbone.0.weight'].shape[1]
     n = len({k.split('.')[1] for k in sd if k.startswith('projections.')})
     return dict(c_in=c_in, c_proj=sd['projections.0.2.weight'].shape[0], bottleneck_mode=mode, n_proj=n)
 
+# %% ../nbs/61_controlnet.ipynb #14a6fb20
 def load_controlnet(path_or_sd, proj_blocks, device='cpu', dtype=None) -> ControlNet:
-    "A ControlNet from an official (or our) `controlnet.safetensors`, loaded strictly; `proj_blocks` = controlnet_blocks."
+    """A ControlNet from an official (or our) `controlnet.safetensors`, loaded strictly; `proj_blocks` =
+    controlnet_blocks."""
     from safetensors.torch import load_file
     sd = load_file(str(path_or_sd), device=str(device)) if not isinstance(path_or_sd, dict) else path_or_sd
     cfg = controlnet_config(sd)
@@ -111,6 +122,7 @@ class BaseFilter:
     def __call__(self, images01: torch.Tensor, generator: torch.Generator | None = None):
         raise NotImplementedError
 
+# %% ../nbs/61_controlnet.ipynb #21c3b2ae
 def _gray3(x: torch.Tensor) -> torch.Tensor:
     return x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
 
@@ -121,6 +133,7 @@ def _shift(x, dy: int, dx: int):
     p = F.pad(x, (1, 1, 1, 1))
     return p[..., 1 + dy:1 + dy + H, 1 + dx:1 + dx + W]
 
+# %% ../nbs/61_controlnet.ipynb #48413a6e
 def _sobel_l1(u8: torch.Tensor):
     "Integer Sobel (gx, gy) and m = |gx| + |gy|, each (B, 1, H, W), of the channel with the largest m (first on ties)."
     B, C, H, W = u8.shape
@@ -132,6 +145,7 @@ def _sobel_l1(u8: torch.Tensor):
     best = mag.argmax(1, keepdim=True)
     return g[:, :, 0].gather(1, best), g[:, :, 1].gather(1, best), mag.gather(1, best)
 
+# %% ../nbs/61_controlnet.ipynb #b882faa6
 _TAN22_Q15 = 13573
 "tan 22.5° in OpenCV's Q15 fixed point (`canny.cpp`): the gradient's sector is decided in integers, as there."
 
@@ -165,8 +179,10 @@ def canny_edges(images01: torch.Tensor, low: float = 100., high: float = 200.) -
         strong = grown
     return strong.float()
 
+# %% ../nbs/61_controlnet.ipynb #95b203c0
 class CannyFilter(BaseFilter):
-    "Canny edge map (1 channel) at `resize`² resolution, resized back (reference CannyFilter: cv2.Canny(…, 100, 200))."
+    """Canny edge map (1 channel) at `resize`² resolution, resized back (reference CannyFilter:
+    cv2.Canny(…, 100, 200))."""
     num_channels = 1
     def __init__(self, resize: int | None = 224, low_threshold: float = 100., high_threshold: float = 200.):
         self.resize, self.low, self.high = resize, low_threshold, high_threshold
@@ -174,24 +190,29 @@ class CannyFilter(BaseFilter):
     def __call__(self, images01, generator=None):
         size = images01.shape[-2:]
         x = images01.float()
-        if self.resize: x = F.interpolate(x, size=(self.resize, self.resize), mode='bilinear', align_corners=False)
+        if self.resize:
+            x = F.interpolate(x, size=(self.resize, self.resize), mode='bilinear', align_corners=False)
         edges = canny_edges(x, self.low, self.high)
         if self.resize: edges = F.interpolate(edges, size=size, mode='bilinear', align_corners=False)
         return edges.to(images01.dtype), _gray3(edges)
 
 # %% ../nbs/61_controlnet.ipynb #808a83b2
-def random_blob_masks(n: int, size, coverage=(0.04, 0.4), blobs: int = 4, generator=None, device='cpu') -> torch.Tensor:
+def random_blob_masks(n: int, size, coverage=(0.04, 0.4), blobs: int = 4, generator=None,
+                      device='cpu') -> torch.Tensor:
     "(n, 1, H, W) binary masks: the `c`-quantile top of a sum of random Gaussian blobs, c ~ U(coverage) per mask."
     H, W = size
-    yy, xx = torch.meshgrid(torch.linspace(0, 1, H, device=device), torch.linspace(0, 1, W, device=device), indexing='ij')
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, H, device=device), torch.linspace(0, 1, W, device=device),
+                            indexing='ij')
     u = lambda *s: seeded_rand(s, generator, device)
-    cy, cx, sy, sx, amp = u(n, blobs, 1, 1), u(n, blobs, 1, 1), 0.05 + 0.25 * u(n, blobs, 1, 1), 0.05 + 0.25 * u(n, blobs, 1, 1), u(n, blobs, 1, 1)
+    cy, cx, sy, sx, amp = (u(n, blobs, 1, 1), u(n, blobs, 1, 1), 0.05 + 0.25 * u(n, blobs, 1, 1),
+                           0.05 + 0.25 * u(n, blobs, 1, 1), u(n, blobs, 1, 1))
     field = (amp * torch.exp(-((yy - cy) / sy) ** 2 / 2 - ((xx - cx) / sx) ** 2 / 2)).sum(1)   # (n, H, W)
     lo, hi = coverage
     frac = lo + (hi - lo) * u(n)
     thresh = torch.stack([f.flatten().quantile(1 - float(c)) for f, c in zip(field, frac)])
     return (field >= thresh.view(n, 1, 1)).float()[:, None]
 
+# %% ../nbs/61_controlnet.ipynb #ff666f21
 class InpaintFilter(BaseFilter):
     "Masked image + mask (4 channels): random blob masks covering U(thresold) of the image, inverted w.p. p_outpaint."
     num_channels = 4
@@ -215,14 +236,17 @@ class SRFilter(BaseFilter):
     def __init__(self, scale_factor: float = 1 / 4): self.scale_factor = scale_factor
     def __call__(self, images01, generator=None):
         size = images01.shape[-2:]
-        low = F.interpolate(F.interpolate(images01, scale_factor=self.scale_factor, mode='nearest'), size=size, mode='nearest')
+        low = F.interpolate(F.interpolate(images01, scale_factor=self.scale_factor, mode='nearest'), size=size,
+                            mode='nearest')
         return low, low
 
+# %% ../nbs/61_controlnet.ipynb #db237b0c
 class SREffnetFilter(BaseFilter):
     "EfficientNet latent (16 ch) of the image downscaled by `scale_factor`, upsampled ×1/scale_factor (nearest)."
     num_channels = 16
     def __init__(self, scale_factor: float = 0.5, effnet: nn.Module | None = None):
-        if effnet is None: raise ValueError("SREffnetFilter needs the Stage C EfficientNet encoder (effnet_checkpoint_path)")
+        if effnet is None:
+            raise ValueError("SREffnetFilter needs the Stage C EfficientNet encoder (effnet_checkpoint_path)")
         self.scale_factor, self.effnet = scale_factor, effnet
 
     @torch.no_grad()
@@ -240,10 +264,12 @@ class IdentityFilter(BaseFilter):
     num_channels = 512
     def __init__(self, max_faces: int = 4, p_drop: float = 0.05, p_full: float = 0.3, face_fn=None, stride: int = 32):
         if face_fn is None:
-            hint = "" if importlib.util.find_spec("insightface") else " (insightface is not installed: pip install insightface onnxruntime)"
+            hint = ("" if importlib.util.find_spec("insightface")
+                    else " (insightface is not installed: pip install insightface onnxruntime)")
             raise ValueError("IdentityFilter needs face detection + recognition models (the reference uses insightface "
                              "det_10g and ArcFace w600k_r50, not shipped with cascade_nb); pass "
-                             "face_fn(images01) -> [(boxes (n, 4) in [0, 1] as x0, y0, x1, y1, embeddings (n, 512)), ...]" + hint)
+                             "face_fn(images01) -> [(boxes (n, 4) in [0, 1] as x0, y0, x1, y1, "
+                             "embeddings (n, 512)), ...]" + hint)
         self.max_faces, self.p_drop, self.p_full, self.face_fn, self.stride = max_faces, p_drop, p_full, face_fn, stride
 
     def __call__(self, images01, generator=None):
@@ -269,17 +295,20 @@ FILTERS = {c.__name__: c for c in (CannyFilter, InpaintFilter, SRFilter, SREffne
 
 def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None = None) -> BaseFilter:
     "The filter called `name` (official controlnet_filter) with `params` (controlnet_filter_params)."
-    if name not in FILTERS: raise ValueError(f"controlnet_filter: unknown filter {name!r}; expected one of {sorted(FILTERS)}")
+    if name not in FILTERS:
+        raise ValueError(f"controlnet_filter: unknown filter {name!r}; expected one of {sorted(FILTERS)}")
     params = dict(params or {})
     if name == "SREffnetFilter": params["effnet"] = effnet
     try: return FILTERS[name](**params)
     except TypeError as e:
         import inspect
-        raise ValueError(f"controlnet_filter_params {params} do not fit {name}{inspect.signature(FILTERS[name])}: {e}") from None
+        raise ValueError(f"controlnet_filter_params {params} do not fit "
+                         f"{name}{inspect.signature(FILTERS[name])}: {e}") from None
 
 # %% ../nbs/61_controlnet.ipynb #a72d1bf2
 EFFNET_SAVED_PER_PIXEL = 780
-"Elements autograd keeps per input pixel in a training forward of EfficientNetV2-S features (measured on CPU in `cascade_nb.memory`)."
+("Elements autograd keeps per input pixel in a training forward of EfficientNetV2-S features "
+ "(measured on CPU in `cascade_nb.memory`).")
 
 def meta_controlnet(cfg, gen: nn.Module) -> nn.Module:
     "The config's ControlNet (filter channels in, generator width out) on the meta device."
@@ -306,9 +335,11 @@ class ControlNetNet(nn.Module):
         cnet = self.controlnet(cnet_input.to(x.dtype)) if cnet_input is not None else None
         return self.generator(x, r, cnet=cnet, **conds)
 
+# %% ../nbs/61_controlnet.ipynb #2da15b82
 @training_mode("controlnet")
 class ControlNetTraining(TrainingMode):
-    "ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` (official layout) is released."
+    """ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` (official layout)
+    is released."""
     supports_ema = False   # an EMA of `net` would copy the frozen generator
     trains_generator = False
     @classmethod
@@ -316,11 +347,13 @@ class ControlNetTraining(TrainingMode):
         return cfg.controlnet.controlnet_blocks is not None or bool(cfg.controlnet.controlnet_filter)
     @classmethod
     def check_config(cls, cfg):
-        if not cfg.controlnet.controlnet_filter: raise ConfigError("a ControlNet run needs 'controlnet_filter' (e.g. CannyFilter)")
+        if not cfg.controlnet.controlnet_filter:
+            raise ConfigError("a ControlNet run needs 'controlnet_filter' (e.g. CannyFilter)")
         if cfg.controlnet.controlnet_blocks is None: raise ConfigError("a ControlNet run needs 'controlnet_blocks'")
     @classmethod
     def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
-        "The fp32 ControlNet trains next to the frozen generator; its EfficientNet bottleneck keeps activations per pixel."
+        """The fp32 ControlNet trains next to the frozen generator; its EfficientNet bottleneck keeps activations per
+        pixel."""
         rows = {}
         if (cfg.controlnet.controlnet_bottleneck_mode or "effnet") == "effnet":
             px = (side * 32) ** 2 if cfg.model.latent_space != "pixels" else side ** 2
@@ -344,7 +377,8 @@ class ControlNetTraining(TrainingMode):
         if released is not None: generator = generator.generator
         self.cfg, self.space, self.compute_dtype = cfg, space, compute_dtype
         self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-        if cfg.train.ema_start_iters is not None: warnings.warn("ControlNet training keeps no EMA (ema_* keys are ignored)")
+        if cfg.train.ema_start_iters is not None:
+            warnings.warn("ControlNet training keeps no EMA (ema_* keys are ignored)")
         generator.requires_grad_(False)
         effnet = getattr(space, "effnet", None)
         self.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
@@ -376,7 +410,8 @@ class ControlNetTraining(TrainingMode):
 
     def _control(self, batch, device, training, rng):
         if "images" not in batch:
-            raise ValueError("ControlNet training needs the images of each batch (the filter runs on them), not cached latents only")
+            raise ValueError("ControlNet training needs the images of each batch (the filter runs on them), "
+                             "not cached latents only")
         g = rng if training else torch.Generator().manual_seed(0)   # sampling/validation never shift the run's stream
         with torch.no_grad(): control, _ = self.filter(images_to_device(batch["images"], device), generator=g)
         return control
@@ -397,7 +432,9 @@ class ControlNetTraining(TrainingMode):
 
     def preview_rows(self, batch, n: int = 8, size=None) -> dict:
         "{'control': RGB previews in [0, 1]} of the first `n` control images (a row for the sample grid)."
-        with torch.no_grad(): _, preview = self.filter(images_to_device(batch["images"][:n], "cpu"), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            _, preview = self.filter(images_to_device(batch["images"][:n], "cpu"),
+                                     generator=torch.Generator().manual_seed(0))
         if size is not None: preview = F.interpolate(preview, size=size, mode="bilinear", align_corners=False)
         return {"control": preview.clamp(0, 1)}
 

@@ -31,6 +31,7 @@ def _fsync_dir(path: Path):
         try: os.fsync(fd)
         finally: os.close(fd)
 
+# %% ../nbs/00_core.ipynb #99d81ec9
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb"):
     "Open a temp file next to `path` for writing; on success fsync it and atomically rename it to `path`."
@@ -48,6 +49,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
         with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
         raise
 
+# %% ../nbs/00_core.ipynb #21521780
 def atomic_write_text(path, text: str):
     "Write `text` to `path` atomically."
     with atomic_write(path, "w") as f: f.write(text)
@@ -69,6 +71,7 @@ def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
     "Number of parameters in `model` (works on meta-device models)."
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
+# %% ../nbs/00_core.ipynb #c32c40bd
 def human_count(n: int) -> str:
     "Format a parameter count as e.g. '3.59B' or '21.5M'."
     for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
@@ -82,6 +85,7 @@ def to_uint8(x: torch.Tensor, value_range: tuple[float, float] = (0., 1.)) -> to
     x = ((x.detach().float().cpu() - lo) / (hi - lo)).clamp(0, 1)
     return (x * 255).round().to(torch.uint8).movedim(-3, -1)
 
+# %% ../nbs/00_core.ipynb #839af0bd
 def to_pil_grid(rows: list[torch.Tensor] | torch.Tensor, value_range=(0., 1.), pad: int = 2):
     "Stack a list of (N, 3, H, W) batches as rows of one PIL image (padding in white)."
     from PIL import Image
@@ -95,6 +99,7 @@ def to_pil_grid(rows: list[torch.Tensor] | torch.Tensor, value_range=(0., 1.), p
             grid[y:y + h, x:x + w] = img[..., :3]
     return Image.fromarray(grid.numpy())
 
+# %% ../nbs/00_core.ipynb #ef40bacc
 def show_images(x: torch.Tensor, value_range=(0., 1.), ncols: int = 8, titles=None, size: float = 1.5):
     "Plot a batch of (N, C, H, W) images in a grid with matplotlib."
     import matplotlib.pyplot as plt
@@ -126,10 +131,12 @@ def resolve_dtype(name: str | torch.dtype | None, allow_fp16: bool = False) -> t
                          "use bfloat16 (GPU) or float32")
     return dtype
 
+# %% ../nbs/00_core.ipynb #aef2078f
 def default_device() -> torch.device:
     "CUDA if available, else MPS, else CPU."
     if torch.cuda.is_available(): return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(): return torch.device("mps")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
     return torch.device("cpu")
 
 # %% ../nbs/00_core.ipynb #c0c3852d
@@ -141,7 +148,8 @@ def enable_tf32(enabled: bool = True) -> None:
 
 # %% ../nbs/00_core.ipynb #142b00c8
 def checkpoint_file(path, stem: str, lite: bool | None = None, dtype=None) -> Path:
-    "`path` itself if a file, else the one `{stem}*.safetensors` in the directory matching `lite` and `dtype` (`_bf16`)."
+    """`path` itself if a file, else the one `{stem}*.safetensors` in the directory matching `lite` and `dtype`
+    (`_bf16`)."""
     path = Path(path)
     if path.is_file(): return path
     if not path.is_dir(): raise FileNotFoundError(f"{path} is neither a file nor a directory")
@@ -153,12 +161,14 @@ def checkpoint_file(path, stem: str, lite: bool | None = None, dtype=None) -> Pa
                                 f"found {[f.name for f in files]}. Pass the file itself.")
     return files[0]
 
+# %% ../nbs/00_core.ipynb #cc0ad644
 def safetensors_header(path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
     "(metadata, {key: shape}) of a `.safetensors` file, read from its header without loading any tensor."
     from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         return f.metadata() or {}, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
+# %% ../nbs/00_core.ipynb #cd556da6
 def save_with_config(model: torch.nn.Module, path, key: str, dtype=None):
     "Save `model`'s state dict as safetensors (floats cast to `dtype`), with `model.config` as JSON in metadata `key`."
     cast = lambda v: v.to(resolve_dtype(dtype)) if dtype is not None and v.is_floating_point() else v
@@ -166,12 +176,15 @@ def save_with_config(model: torch.nn.Module, path, key: str, dtype=None):
                             metadata={key: json.dumps(model.config)})
 
 # %% ../nbs/00_core.ipynb #afe7f9d5
-def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | None = None, device=None) -> torch.nn.Module:
-    "Assign a `.safetensors` file's tensors (floats cast to `dtype`) to `model` (e.g. on meta); refuse any key or shape mismatch."
+def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | None = None,
+                            device=None) -> torch.nn.Module:
+    """Assign a `.safetensors` file's tensors (floats cast to `dtype`) to `model` (e.g. on meta); refuse any key or
+    shape mismatch."""
     from safetensors.torch import load_file
     sd = load_file(str(path), device=str(device or "cpu"))
     if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    what = type(model).__name__ + (f" with config {model.config}" if isinstance(getattr(model, "config", None), dict) else "")
+    what = type(model).__name__ + (f" with config {model.config}"
+                                   if isinstance(getattr(model, "config", None), dict) else "")
     try: result = model.load_state_dict(sd, strict=False, assign=True)
     except RuntimeError as e: raise ValueError(f"{path} does not match {what}: tensors do not fit: {e}") from None
     missing, unexpected = result.missing_keys, result.unexpected_keys
@@ -180,25 +193,31 @@ def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | N
                          f"{len(unexpected)} unexpected {unexpected[:5]}")
     return model
 
+# %% ../nbs/00_core.ipynb #2d2b9a78
 def load_with_config(cls, path, key: str, presets: dict, preset: str | None = None, infer=None, dtype=None,
                      device=None, overrides: dict | None = None) -> torch.nn.Module:
-    "`cls(**config)` loaded strictly from `path`; config: metadata `key` (`save_with_config`), else `presets[preset or infer(shapes)]`."
+    """`cls(**config)` loaded strictly from `path`; config: metadata `key` (`save_with_config`), else
+    `presets[preset or infer(shapes)]`."""
     meta, shapes = safetensors_header(path)
     if preset is None and key in meta: config = json.loads(meta[key])
     else:
         if preset is None and infer is None: raise ValueError(f"{path} has no {key!r} metadata: pass a preset")
         preset = infer(shapes) if preset is None else preset
-        if preset not in presets: raise ValueError(f"unknown {cls.__name__} preset {preset!r}; choose one of {sorted(presets)}")
+        if preset not in presets:
+            raise ValueError(f"unknown {cls.__name__} preset {preset!r}; choose one of {sorted(presets)}")
         config = presets[preset]
     with torch.device("meta"): model = cls(**{**config, **(overrides or {})})
     return load_safetensors_strict(model, path, dtype, device)
 
+# %% ../nbs/00_core.ipynb #da8da643
 def frozen(model: torch.nn.Module, device=None, dtype=None, allow_fp16: bool = False) -> torch.nn.Module:
     "`model` on `device` in `dtype` (None → float32), in eval mode and without gradients: a fixed encoder or decoder."
     return model.to(device=device, dtype=resolve_dtype(dtype, allow_fp16)).eval().requires_grad_(False)
 
+# %% ../nbs/00_core.ipynb #4a6cb9b2
 def seeded(build, seed: int = 0):
-    "`build()` under a private RNG seeded with `seed` (the global RNG is left untouched): the same random model every run."
+    """`build()` under a private RNG seeded with `seed` (the global RNG is left untouched): the same random model
+    every run."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
@@ -208,6 +227,7 @@ def _draw_on(generator: torch.Generator | None, device) -> torch.device:
     "Where to draw: on the generator's device (the CPU for every generator cascade_nb makes), else on `device`."
     return generator.device if generator is not None else torch.device(device)
 
+# %% ../nbs/00_core.ipynb #8a135399
 def seeded_randn(shape, generator: torch.Generator | None = None, device="cpu", dtype=torch.float32) -> torch.Tensor:
     "Standard normal noise of `shape` from `generator`, drawn where the generator lives and moved to `device`."
     return torch.randn(shape, generator=generator, dtype=dtype, device=_draw_on(generator, device)).to(device)
@@ -216,12 +236,15 @@ def seeded_rand(shape, generator: torch.Generator | None = None, device="cpu", d
     "Uniform [0, 1) numbers of `shape` from `generator`, drawn where the generator lives and moved to `device`."
     return torch.rand(shape, generator=generator, dtype=dtype, device=_draw_on(generator, device)).to(device)
 
+# %% ../nbs/00_core.ipynb #63b3a55a
 def seeded_multinomial(probs: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     "`n` indices drawn with replacement from `probs` by `generator`, on `probs`' device."
-    return torch.multinomial(probs.to(_draw_on(generator, probs.device)), n, replacement=True, generator=generator).to(probs.device)
+    return torch.multinomial(probs.to(_draw_on(generator, probs.device)), n, replacement=True,
+                             generator=generator).to(probs.device)
 
 # %% ../nbs/00_core.ipynb #a3fe86f6
 def images_to_device(images: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
-    "(B, 3, H, W) images on `device` as `dtype` in [0, 1]: uint8 are copied as bytes, then scaled there; floats just moved."
+    """(B, 3, H, W) images on `device` as `dtype` in [0, 1]: uint8 are copied as bytes, then scaled there; floats
+    just moved."""
     x = images.to(device, non_blocking=True)
     return x.to(dtype).mul_(1 / 255) if x.dtype == torch.uint8 else x.to(dtype)

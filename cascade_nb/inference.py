@@ -32,7 +32,8 @@ COMPRESSION_A = 4.0    # image pixels per Stage A (= Stage B) latent pixel
 
 def latent_sizes(height: int, width: int, compression_c: float = COMPRESSION_C,
                  compression_a: float = COMPRESSION_A) -> tuple[tuple[int, int], tuple[int, int]]:
-    "((h_c, w_c), (h_b, w_b)): the Stage C and Stage B latent grids for an image of height × width (the reference's ceil)."
+    """((h_c, w_c), (h_b, w_b)): the Stage C and Stage B latent grids for an image of height × width (the reference's
+    ceil)."""
     return ((math.ceil(height / compression_c), math.ceil(width / compression_c)),
             (math.ceil(height / compression_a), math.ceil(width / compression_a)))
 
@@ -50,6 +51,7 @@ def to_tensor01(images) -> torch.Tensor:
     arrays = [np.asarray(im.convert('RGB'), dtype=np.float32) / 255 for im in images]
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
 
+# %% ../nbs/50_inference.ipynb #bde5dedd
 def to_pil(images: torch.Tensor) -> list:
     "(B, 3, H, W) in [0, 1] → a list of PIL images."
     from PIL import Image
@@ -67,6 +69,7 @@ class CascadeOutput:
 
     def pil(self) -> list: return to_pil(self.images)
 
+# %% ../nbs/50_inference.ipynb #dd128d57
 def _cast(v, dtype):
     "Float tensors (also inside lists, e.g. ControlNet hints) to `dtype`."
     if torch.is_tensor(v): return v.to(dtype) if v.is_floating_point() else v
@@ -78,6 +81,7 @@ def _in_dtype(model: nn.Module, dtype: torch.dtype) -> Callable:
     def call(x, r, **conditions):
         return model(x.to(dtype), r, **{k: _cast(v, dtype) for k, v in conditions.items()}).float()
     return call
+
 
 _FP32 = ('stage_a', 'previewer', 'effnet')   # small models, always float32
 
@@ -94,14 +98,18 @@ def _from_diffusers_dir(path: Path, subfolder: str, dtype, device) -> nn.Module:
     convert = stage_c_from_diffusers if subfolder == 'prior' else stage_b_from_diffusers
     return convert(StableCascadeUNet.from_pretrained(str(path), torch_dtype=dtype), copy=False).to(device)
 
+# %% ../nbs/50_inference.ipynb #a2cb0525
 def _stage_loader(d: Path, stem: str, subfolder: str, load_official: Callable, dtype, device) -> Callable:
     "A loader for a stage: the official `{stem}*.safetensors` if present, else the diffusers folder `subfolder/`."
     if any(d.glob(f'{stem}*.safetensors')): return load_official
-    if (d / subfolder / 'config.json').is_file(): return lambda: _from_diffusers_dir(d / subfolder, subfolder, dtype, device)
+    if (d / subfolder / 'config.json').is_file():
+        return lambda: _from_diffusers_dir(d / subfolder, subfolder, dtype, device)
     raise FileNotFoundError(f"CascadePipeline.from_dir: no {stem}*.safetensors and no diffusers {subfolder}/ in {d}")
 
+# %% ../nbs/50_inference.ipynb #36825840
 def stage_c_weights_loader(path, preset: str | None, dtype, device) -> Callable:
-    "A loader for a Stage C from a weights file (official or cascade_nb's) or a training run directory (its released weights, EMA first)."
+    """A loader for a Stage C from a weights file (official or cascade_nb's) or a training run directory (its released
+    weights, EMA first)."""
     path = Path(path)
     if path.is_dir():
         from cascade_nb.sample import run_generator
@@ -109,12 +117,13 @@ def stage_c_weights_loader(path, preset: str | None, dtype, device) -> Callable:
     from cascade_nb.models.stage_c import load_stage_c
     return lambda: load_stage_c(path, preset=preset, dtype=dtype, device=device)
 
+# %% ../nbs/50_inference.ipynb #a7d2aa0e
 def run_text_loader(path, tokenizer, load_text: Callable) -> Callable:
     "`load_text`, and for a training run directory what the run trained in the text encoder added (a LoRA's tokens)."
     path = Path(path)
     if not path.is_dir(): return load_text
     from cascade_nb.sample import run_config
-    from cascade_nb.config import resolve_mode
+    from cascade_nb.modes import resolve_mode
     cfg = run_config(path)
     def load():
         # each load (offload reloads): the prompts are tokenized after the text encoder is loaded
@@ -123,8 +132,10 @@ def run_text_loader(path, tokenizer, load_text: Callable) -> Callable:
         return text_model
     return load
 
+# %% ../nbs/50_inference.ipynb #42c6e577
 def dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype) -> dict:
-    "The pipeline's models in a directory (official checkpoints or diffusers folders), as lazy loaders, and the tokenizer."
+    """The pipeline's models in a directory (official checkpoints or diffusers folders), as lazy loaders, and the
+    tokenizer."""
     from cascade_nb.models.stage_c import load_stage_c
     from cascade_nb.models.stage_b import load_stage_b
     from cascade_nb.models.stage_a import load_stage_a
@@ -133,12 +144,18 @@ def dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, devic
     d = Path(models_dir)
     if not d.is_dir(): raise FileNotFoundError(f"CascadePipeline.from_dir: {d} is not a directory")
     local = lambda name, default: d / name if (d / name).exists() else default   # e.g. models/text_encoder/
-    text_src, image_src = text_encoder or local('text_encoder', CLIP_TEXT_MODEL), image_encoder or local('image_encoder', CLIP_IMAGE_MODEL)
+    text_src, image_src = (text_encoder or local('text_encoder', CLIP_TEXT_MODEL),
+                           image_encoder or local('image_encoder', CLIP_IMAGE_MODEL))
     tokenizer = load_clip_tokenizer(local('tokenizer', text_src))
     optional = lambda f, name: (lambda: f(d / name, device=device)) if (d / name).exists() else None
-    return dict(stage_c=_stage_loader(d, 'stage_c', 'prior', lambda: load_stage_c(d, preset=stage_c, dtype=dtype, device=device), dtype, device),
-               stage_b=_stage_loader(d, 'stage_b', 'decoder', lambda: load_stage_b(d, preset=stage_b, dtype=dtype, device=device), dtype, device),
-               stage_a=_stage_loader(d, 'stage_a', 'vqgan', lambda: load_stage_a(d, device=device), torch.float32, device),
+    return dict(stage_c=_stage_loader(d, 'stage_c', 'prior',
+                                      lambda: load_stage_c(d, preset=stage_c, dtype=dtype, device=device),
+                                      dtype, device),
+               stage_b=_stage_loader(d, 'stage_b', 'decoder',
+                                     lambda: load_stage_b(d, preset=stage_b, dtype=dtype, device=device),
+                                     dtype, device),
+               stage_a=_stage_loader(d, 'stage_a', 'vqgan', lambda: load_stage_a(d, device=device),
+                                     torch.float32, device),
                tokenizer=tokenizer, text_model=lambda: load_clip_text_model(text_src, device=device, dtype=dtype),
                image_model=lambda: load_clip_image_model(image_src, device=device, dtype=dtype),
                previewer=optional(load_previewer, 'previewer.safetensors'),
@@ -149,13 +166,16 @@ def expand_prompts(prompts, negative_prompt, images_per_prompt: int = 1) -> tupl
     "(prompts, negative prompts), one per image: a string or a list each, every prompt `images_per_prompt` times."
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     prompts = [p for p in prompts for _ in range(images_per_prompt)]
-    negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else [n for n in negative_prompt for _ in range(images_per_prompt)]
-    if len(negs) != len(prompts): raise ValueError(f"CascadePipeline: {len(negs)} negative prompts for {len(prompts)} images")
+    negs = ([negative_prompt] * len(prompts) if isinstance(negative_prompt, str)
+            else [n for n in negative_prompt for _ in range(images_per_prompt)])
+    if len(negs) != len(prompts):
+        raise ValueError(f"CascadePipeline: {len(negs)} negative prompts for {len(prompts)} images")
     return prompts, negs
 
 # %% ../nbs/50_inference.ipynb #c916bdd9
 class ModelStore:
-    "Models held as modules or loaders (called on first use): on the device, in eval mode, while `use`d; with `offload` released after."
+    """Models held as modules or loaders (called on first use): on the device, in eval mode, while `use`d; with
+    `offload` released after."""
     def __init__(self, sources: dict, device=None, dtype=None, offload: bool = False):
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype, self.offload = pipeline_dtype(self.device, dtype), offload
@@ -191,7 +211,8 @@ class ModelStore:
 
 # %% ../nbs/50_inference.ipynb #67d7b917
 class CascadePipeline(ModelStore):
-    "Text → image with Stable Cascade: Stage C prior → Stage B decoder → Stage A VQGAN, the reference's sampling recipe."
+    """Text → image with Stable Cascade: Stage C prior → Stage B decoder → Stage A VQGAN, the reference's sampling
+    recipe."""
     def __init__(self, stage_c, stage_b, stage_a, tokenizer, text_model, image_model=None, previewer=None, effnet=None,
                  device=None, dtype=None, offload: bool = False):
         super().__init__(dict(stage_c=stage_c, stage_b=stage_b, stage_a=stage_a, text_model=text_model,
@@ -200,8 +221,10 @@ class CascadePipeline(ModelStore):
 
     @classmethod
     def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
-                 image_encoder=None, device=None, dtype=None, offload: bool = False, stage_c_weights=None) -> CascadePipeline:
-        """Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders (prior/, decoder/, vqgan/);
+                 image_encoder=None, device=None, dtype=None, offload: bool = False,
+                 stage_c_weights=None) -> CascadePipeline:
+        """Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders
+        (prior/, decoder/, vqgan/);
         `stage_c_weights` (a file or a training run directory, e.g. a distilled student or a LoRA run with its tokens)
         replaces the directory's Stage C."""
         device = torch.device(device) if device is not None else default_device()
@@ -216,10 +239,13 @@ class CascadePipeline(ModelStore):
     def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[dict, dict]:
         "CLIP text conditions (`clip_text`, `clip_text_pooled`) for the prompts and for the negative prompts."
         with self.use('text_model') as text_model:
-            return encode_text(self.tokenizer, text_model, prompts), encode_text(self.tokenizer, text_model, negative_prompts)
+            return (encode_text(self.tokenizer, text_model, prompts),
+                    encode_text(self.tokenizer, text_model, negative_prompts))
 
-    def _sample(self, gdf, model, cond, uncond, shape, steps, cfg, shift, generator, t_start=1.0, x_init=None, sampler="ddpm") -> torch.Tensor:
-        run = gdf.sample(_in_dtype(model, self.dtype), cond, shape, uncond, timesteps=steps, cfg=cfg, shift=shift, sampler=SAMPLERS.choose(sampler)(),
+    def _sample(self, gdf, model, cond, uncond, shape, steps, cfg, shift, generator, t_start=1.0, x_init=None,
+                sampler="ddpm") -> torch.Tensor:
+        run = gdf.sample(_in_dtype(model, self.dtype), cond, shape, uncond, timesteps=steps, cfg=cfg, shift=shift,
+                         sampler=SAMPLERS.choose(sampler)(),
                          cfg_rho=SAMPLING_DEFAULTS['stage_c']['cfg_rho'], t_start=t_start, x_init=x_init,
                          device=self.device, generator=generator)
         for step in run: pass
@@ -228,8 +254,10 @@ class CascadePipeline(ModelStore):
     @torch.no_grad()
     def sample_c(self, text: dict, text_u: dict, size: tuple[int, int], steps: int = 20, cfg: float | None = 4.0,
                  shift: float = 2.0, generator: torch.Generator | None = None, clip_img: torch.Tensor | None = None,
-                 t_start: float = 1.0, x_init: torch.Tensor | None = None, cnet=None, sampler: str = "ddpm") -> torch.Tensor:
-        "Stage C: (B, 16, h_c, w_c) latents for CLIP text conditions `text` (unconditional: `text_u`, zero image); `sampler` from SAMPLERS."
+                 t_start: float = 1.0, x_init: torch.Tensor | None = None, cnet=None,
+                 sampler: str = "ddpm") -> torch.Tensor:
+        """Stage C: (B, 16, h_c, w_c) latents for CLIP text conditions `text` (unconditional: `text_u`, zero image);
+        `sampler` from SAMPLERS."""
         B = text['clip_text'].shape[0]
         with self.use('stage_c') as stage_c:
             config = getattr(stage_c, 'config', {})
@@ -260,7 +288,8 @@ class CascadePipeline(ModelStore):
         prompts, negs = expand_prompts(prompts, negative_prompt, images_per_prompt)
         B = len(prompts)
         if not 0 < t_start <= 1: raise ValueError(f"CascadePipeline: t_start must be in (0, 1], got {t_start}")
-        if t_start < 1 and init_image is None: raise ValueError("CascadePipeline: t_start < 1 needs an init_image (img2img)")
+        if t_start < 1 and init_image is None:
+            raise ValueError("CascadePipeline: t_start < 1 needs an init_image (img2img)")
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item()) if seed is None else int(seed)
         g = torch.Generator().manual_seed(seed)                         # on the CPU: the same noise on every device
         size_c, size_b = latent_sizes(height, width)
@@ -272,7 +301,8 @@ class CascadePipeline(ModelStore):
         x_init, steps = None, steps_c
         if init_image is not None:                                      # img2img
             x_init, steps = img2img_start(self, init_image, B, size_c, t_start, shift_c, steps_c, g)
-        latent_c = self.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet, sampler_c)
+        latent_c = self.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet,
+                                 sampler_c)
         preview = None
         if previews and self.has('previewer'):
             with self.use('previewer') as previewer: preview = previewer(latent_c).clamp(0, 1).cpu()
@@ -289,7 +319,8 @@ class CascadePipeline(ModelStore):
 # %% ../nbs/50_inference.ipynb #7df2baa6
 @torch.no_grad()
 def img2img_start(pipe, init_image, B: int, size_c, t_start: float, shift_c: float, steps_c: int, g) -> tuple:
-    "(x_init, steps) of img2img for `pipe`: the EfficientNet latents of `init_image` noised to `t_start`, and the steps left."
+    """(x_init, steps) of img2img for `pipe`: the EfficientNet latents of `init_image` noised to `t_start`, and the
+    steps left."""
     with pipe.use('effnet') as effnet:
         img = F.interpolate(to_tensor01(init_image).to(pipe.device), size=(size_c[0] * 32, size_c[1] * 32),
                             mode='bilinear', antialias=True, align_corners=False)
@@ -300,7 +331,8 @@ def img2img_start(pipe, init_image, B: int, size_c, t_start: float, shift_c: flo
 
 # %% ../nbs/50_inference.ipynb #27dcebc9
 def write_tiny_checkpoints(models_dir, seed: int = 0) -> Path:
-    "Write random tiny checkpoints of every part in the official layout (+ text_encoder/, tokenizer/) for tests and demos."
+    """Write random tiny checkpoints of every part in the official layout (+ text_encoder/, tokenizer/) for tests and
+    demos."""
     from cascade_nb.models.stage_c import StageC, save_stage_c
     from cascade_nb.models.stage_b import StageB, save_stage_b
     from cascade_nb.models.stage_a import StageA, save_stage_a

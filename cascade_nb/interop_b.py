@@ -21,13 +21,16 @@ __all__ = ['stage_b_config_to_diffusers', 'stage_b_config_from_diffusers', 'stag
 _B_ONLY = ('c_clip', 'c_effnet', 'c_pixels')                        # StageB arguments StageC does not have
 _C_ONLY = ('c_clip_text', 'c_clip_text_pooled', 'c_clip_img', 'switch_level')
 
+# %% ../nbs/27_interop_b.ipynb #b8575e57
 def stage_b_config_to_diffusers(config: dict) -> dict:
     "StageB constructor config → StableCascadeUNet config."
     shared = {k: v for k, v in config.items() if k not in _B_ONLY}
-    as_c = {**shared, 'c_clip_text': None, 'c_clip_text_pooled': config['c_clip'], 'c_clip_img': None, 'switch_level': None}
+    as_c = {**shared, 'c_clip_text': None, 'c_clip_text_pooled': config['c_clip'], 'c_clip_img': None,
+            'switch_level': None}
     return {**stage_c_config_to_diffusers(as_c), 'effnet_in_channels': config['c_effnet'],
             'pixel_mapper_in_channels': config['c_pixels']}
 
+# %% ../nbs/27_interop_b.ipynb #30845cc2
 def stage_b_config_from_diffusers(config) -> dict:
     "StableCascadeUNet config → StageB constructor config."
     config = dict(config)
@@ -48,6 +51,7 @@ def stage_b_to_diffusers(model: StageB, copy: bool = True):
     "A diffusers `StableCascadeUNet` with the weights of a cascade_nb `StageB` (same outputs, see `DiffusersStageB`)."
     return model_to_diffusers(model, stage_b_config_to_diffusers(model.config), STAGE_B_RENAMES, copy)
 
+# %% ../nbs/27_interop_b.ipynb #16f26f77
 class DiffusersStageB(DiffusersModel):
     "Wrap a diffusers Stage B StableCascadeUNet in cascade_nb's model protocol, StageB's semantics."
     decoder = True
@@ -55,4 +59,5 @@ class DiffusersStageB(DiffusersModel):
     def forward(self, x, r, effnet, clip, pixels=None, **conds):
         check_diffusers_conds(self.unet, conds)
         B = x.shape[0]
-        return self.unet(x, r, clip_text_pooled=clip.reshape(B, -1, clip.shape[-1]), effnet=effnet, pixels=pixels).sample
+        return self.unet(x, r, clip_text_pooled=clip.reshape(B, -1, clip.shape[-1]), effnet=effnet,
+                         pixels=pixels).sample

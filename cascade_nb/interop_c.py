@@ -20,13 +20,17 @@ __all__ = ['ATTN_FUSED', 'ATTN_SPLIT', 'ATTN_RENAMES', 'STAGE_B_RENAMES', 'offic
 ATTN_FUSED = 'attention.attn.in_proj_'                                    # official: fused q, k, v (3C, C) / (3C,)
 ATTN_SPLIT = ('attention.to_q.', 'attention.to_k.', 'attention.to_v.')    # diffusers: three Linear layers
 ATTN_RENAMES = (('attention.attn.out_proj.', 'attention.to_out.0.'),)     # (official, diffusers) fragments
+
+# %% ../nbs/25_interop_c.ipynb #4071cf4b
 STAGE_B_RENAMES = (('clip_mapper.', 'clip_txt_pooled_mapper.'),)          # Stage B's extra rule (top-level key)
 
+# %% ../nbs/25_interop_c.ipynb #8e103a98
 def _rename(key: str, src: str, dst: str) -> str:
     "Replace the key fragment `src` by `dst` when it starts the key or follows a dot."
     if key.startswith(src): return dst + key[len(src):]
     return key.replace('.' + src, '.' + dst, 1)
 
+# %% ../nbs/25_interop_c.ipynb #666bf8e3
 def official_to_diffusers(sd: dict, renames: tuple = ()) -> dict:
     "Official Stable Cascade keys → diffusers StableCascadeUNet keys (split fused q/k/v, out_proj → to_out.0)."
     out = {}
@@ -39,6 +43,7 @@ def official_to_diffusers(sd: dict, renames: tuple = ()) -> dict:
         out[k] = v
     return out
 
+# %% ../nbs/25_interop_c.ipynb #546cc6dc
 def diffusers_to_official(sd: dict, renames: tuple = ()) -> dict:
     "diffusers StableCascadeUNet keys → official keys (fuse to_q/to_k/to_v into in_proj, to_out.0 → out_proj)."
     out, parts = {}, {}
@@ -51,7 +56,8 @@ def diffusers_to_official(sd: dict, renames: tuple = ()) -> dict:
         for src, dst in ATTN_RENAMES + tuple(renames): k = _rename(k, dst, src)
         out[k] = v
     for (prefix, kind), qkv in parts.items():
-        if len(qkv) != 3: raise KeyError(f"diffusers_to_official: {prefix}attention has only {sorted(qkv)} for '{kind}'")
+        if len(qkv) != 3:
+            raise KeyError(f"diffusers_to_official: {prefix}attention has only {sorted(qkv)} for '{kind}'")
         out[f"{prefix}{ATTN_FUSED}{kind}"] = torch.cat([qkv[p] for p in ATTN_SPLIT], dim=0)
     return out
 
@@ -65,6 +71,7 @@ _CONFIG_MAP = (  # (StageC argument, StableCascadeUNet argument)
     ('c_clip_seq', 'clip_seq'), ('kernel_size', 'kernel_size'), ('dropout', 'dropout'), ('self_attn', 'self_attn'),
     ('t_conds', 'timestep_conditioning_type'), ('switch_level', 'switch_level'))
 
+# %% ../nbs/25_interop_c.ipynb #3c634455
 def stage_c_config_to_diffusers(config: dict) -> dict:
     "StageC constructor config → StableCascadeUNet config."
     bad = [lc for lc in config['level_config'] if set(lc) - set(_BLOCK_NAMES)]
@@ -75,6 +82,7 @@ def stage_c_config_to_diffusers(config: dict) -> dict:
                block_types_per_layer=tuple(tuple(_BLOCK_NAMES[l] for l in lc) for lc in config['level_config']))
     return out
 
+# %% ../nbs/25_interop_c.ipynb #42e89578
 def stage_c_config_from_diffusers(config) -> dict:
     "StableCascadeUNet config → StageC constructor config."
     if config.get('clip_text_in_channels') is None or config.get('clip_image_in_channels') is None:
@@ -96,6 +104,7 @@ def model_from_diffusers(unet, cls, config: dict, renames: tuple = (), copy: boo
     model.load_state_dict(sd, strict=True, assign=True)
     return model.train(unet.training)
 
+# %% ../nbs/25_interop_c.ipynb #5c05bd44
 def model_to_diffusers(model: nn.Module, config: dict, renames: tuple = (), copy: bool = True):
     "Build a diffusers `StableCascadeUNet(**config)` on the meta device and load `model`'s weights (strict)."
     from diffusers import StableCascadeUNet
@@ -105,6 +114,7 @@ def model_to_diffusers(model: nn.Module, config: dict, renames: tuple = (), copy
     unet.load_state_dict(sd, strict=True, assign=True)
     return unet.train(model.training)
 
+# %% ../nbs/25_interop_c.ipynb #0c7ae73f
 def check_diffusers_conds(unet, conds: dict):
     "Refuse scalar conditions diffusers' StableCascadeUNet would crash on or drop: unknown names, non-zero values."
     for name, v in conds.items():
@@ -115,6 +125,7 @@ def check_diffusers_conds(unet, conds: dict):
             raise NotImplementedError(f"diffusers' StableCascadeUNet cannot take a non-zero {name!r} "
                                       "(it crashes on per-sample tensors); use the cascade_nb model")
 
+# %% ../nbs/25_interop_c.ipynb #2bd8342e
 def check_stable_cascade_unet(unet, decoder: bool = False):
     "Refuse anything but a diffusers `StableCascadeUNet`; with `decoder`, anything but a Stage B one."
     if type(unet).__name__ != 'StableCascadeUNet':
@@ -122,6 +133,7 @@ def check_stable_cascade_unet(unet, decoder: bool = False):
     if decoder and unet.config.get('effnet_in_channels') is None:
         raise ValueError("this StableCascadeUNet is not a Stage B (no effnet_in_channels); use stage_c_from_diffusers")
 
+# %% ../nbs/25_interop_c.ipynb #4d325752
 def stage_c_from_diffusers(unet, copy: bool = True) -> StageC:
     "A cascade_nb `StageC` with the weights of a diffusers Stage C `StableCascadeUNet` (same outputs)."
     check_stable_cascade_unet(unet)
@@ -131,6 +143,7 @@ def stage_c_to_diffusers(model: StageC, copy: bool = True):
     "A diffusers `StableCascadeUNet` with the weights of a cascade_nb `StageC` (same outputs, see `DiffusersStageC`)."
     return model_to_diffusers(model, stage_c_config_to_diffusers(model.config), copy=copy)
 
+# %% ../nbs/25_interop_c.ipynb #f706d020
 class DiffusersModel(nn.Module):
     "A checked diffusers `StableCascadeUNet` behind cascade_nb's model protocol; a subclass maps the conditions."
     decoder = False   # True in the Stage B wrapper
@@ -139,6 +152,7 @@ class DiffusersModel(nn.Module):
         check_stable_cascade_unet(unet, self.decoder)
         self.unet = unet
 
+# %% ../nbs/25_interop_c.ipynb #1e1e3e53
 class DiffusersStageC(DiffusersModel):
     "Wrap a diffusers StableCascadeUNet in cascade_nb's model protocol `model(x, r, **conditions)`, StageC's semantics."
     def forward(self, x, r, clip_text, clip_text_pooled, clip_img=None, **conds):

@@ -15,6 +15,7 @@ __all__ = ['STOP_SIGNALS', 'LAUNCH_DEFAULTS', 'descendants', 'catches', 'launch'
 # %% ../nbs/48_launch.ipynb #16d60a31
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # SIGHUP: a closed terminal or SSH session
 
+# %% ../nbs/48_launch.ipynb #a1a10d06
 def descendants(pid: int) -> list[int]:
     "Every live process below `pid` (read from /proc; Linux)."
     children: dict[int, list[int]] = {}
@@ -36,15 +37,18 @@ def catches(pid: int, sig: int) -> bool:
     mask = next((int(l.split()[1], 16) for l in status.splitlines() if l.startswith("SigCgt:")), 0)
     return bool(mask >> (int(sig) - 1) & 1)
 
+# %% ../nbs/48_launch.ipynb #bb94a4d5
 def launch(args: list[str], resend_every: float = 5.0) -> int:
-    "Run `accelerate launch *args` with its launcher immune to SIGTERM/SIGINT/SIGHUP; forward them to the trainers; its exit status."
+    ("Run `accelerate launch *args` with its launcher immune to SIGTERM/SIGINT/SIGHUP; forward them to the trainers; "
+     "its exit status.")
     # torchrun's agent: handle only SIGQUIT, leave TERM/INT/HUP ignored (its --signals-to-handle, read from PET_*)
     env = {**os.environ, "PET_SIGNALS_TO_HANDLE": "SIGQUIT", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT"}
     ignore = lambda: [signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS]
     proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", *args], env=env, preexec_fn=ignore)
     delivered, stopping = set(), [0.0]   # pids that were listening when told; when the last forward happened
     def forward(*_):
-        # SIGTERM, even for Ctrl-C: the trainers already got that SIGINT from the terminal, and a second SIGINT aborts them
+        # SIGTERM, even for Ctrl-C: the trainers already got that SIGINT from the terminal,
+        # and a second SIGINT aborts them
         for pid in descendants(proc.pid):
             if pid in delivered: continue
             listening = catches(pid, signal.SIGTERM)
@@ -59,8 +63,10 @@ def launch(args: list[str], resend_every: float = 5.0) -> int:
         if stopping[0] and time.monotonic() - stopping[0] > resend_every: forward()
     return proc.returncode
 
+# %% ../nbs/48_launch.ipynb #b00f1e2c
 def main(argv=None) -> int:
-    "`python -m cascade_nb.launch ARGS`: `accelerate launch ARGS` (`launch_args`), but a stop signal ends in a save and exit 0."
+    ("`python -m cascade_nb.launch ARGS`: `accelerate launch ARGS` (`launch_args`), but a stop signal ends in a save "
+     "and exit 0.")
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(main.__doc__ + "\n" + launch.__doc__); return 0 if args else 2
@@ -69,8 +75,10 @@ def main(argv=None) -> int:
 # %% ../nbs/48_launch.ipynb #a981546e
 LAUNCH_DEFAULTS = {"--num_machines": "1", "--mixed_precision": "no", "--dynamo_backend": "no"}
 
+# %% ../nbs/48_launch.ipynb #311ff18d
 def launch_args(args: list[str], gpus: int | None = None) -> list[str]:
-    "`args` for `accelerate launch` with `--quiet` and, when no launch config applies, accelerate's defaults spelled out."
+    """`args` for `accelerate launch` with `--quiet` and, when no launch config applies, accelerate's defaults spelled
+    out."""
     from accelerate.commands.config import default_config_file
     script = next((i for i, a in enumerate(args) if a.endswith(".py") or a == "-m"), len(args))
     options = args[:script]

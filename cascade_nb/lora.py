@@ -33,8 +33,10 @@ def match_filters(name: str, filters) -> bool:
         except re.error: pass
     return False
 
+# %% ../nbs/60_lora.ipynb #99d74491
 def lora_targets(model: nn.Module, filters) -> list[str]:
-    "Parameter paths LoRA adapts for `filters`: `weight` of matched Linear/Conv2d, `in_proj_weight` of matched attention."
+    """Parameter paths LoRA adapts for `filters`: `weight` of matched Linear/Conv2d, `in_proj_weight` of matched
+    attention."""
     out = []
     for name, m in model.named_modules():
         if not name or not match_filters(name, filters): continue
@@ -85,6 +87,7 @@ def _owner(model: nn.Module, path: str):
     mod, _, name = path.rpartition('.')
     return model.get_submodule(mod), name
 
+# %% ../nbs/60_lora.ipynb #4f412b56
 def apply_lora(model: nn.Module, filters=None, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0,
                targets=None, freeze: bool = True, init: str = "reference") -> list[str]:
     "Add a `LoRA` to each target (from `filters`, or explicit parameter paths); freeze the base; return the targets."
@@ -99,6 +102,7 @@ def apply_lora(model: nn.Module, filters=None, rank: int = 4, alpha: float = 1.0
         parametrize.register_parametrization(owner, name, LoRA(W.shape, rank, alpha, dropout, init).to(W.device))
     return targets
 
+# %% ../nbs/60_lora.ipynb #8c86648a
 def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     "`model`'s state dict without its adapters, under the plain (official) names."
     sd = {}
@@ -107,6 +111,7 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         elif k.endswith('.original'): sd[k.replace('.parametrizations.', '.').removesuffix('.original')] = v
     return sd
 
+# %% ../nbs/60_lora.ipynb #897a26c6
 def lora_layers(model: nn.Module) -> dict[str, LoRA]:
     "{parameter path (without wrapper prefixes): LoRA} of every adapted weight of `model`."
     out = {}
@@ -125,6 +130,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     "A plain tensor from a possibly FSDP2-sharded DTensor (collective: call on every process)."
     return t.full_tensor() if hasattr(t, 'full_tensor') else t
 
+# %% ../nbs/60_lora.ipynb #c9b4730a
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     "The adapters of `model` in cascade_nb's layout: {P.lora_down, P.lora_up, P.alpha} per adapted parameter path P."
     sd = {}
@@ -134,15 +140,19 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         sd[f"{path}.alpha"] = torch.tensor(l.alpha)
     return sd
 
+# %% ../nbs/60_lora.ipynb #bbad4f5c
 def lora_entries(lora: dict) -> dict[str, tuple]:
     "{parameter path: (down, up, alpha)} from a LoRA state dict in cascade_nb's layout."
     paths = [k[:-len('.lora_down')] for k in lora if k.endswith('.lora_down')]
-    return {p: (lora[f"{p}.lora_down"], lora[f"{p}.lora_up"], float(lora.get(f"{p}.alpha", torch.tensor(1.)))) for p in paths}
+    return {p: (lora[f"{p}.lora_down"], lora[f"{p}.lora_up"], float(lora.get(f"{p}.alpha", torch.tensor(1.))))
+            for p in paths}
 
+# %% ../nbs/60_lora.ipynb #89cd71ce
 def lora_delta(down, up, alpha: float, shape) -> torch.Tensor:
     "The weight update of one LoRA entry, (alpha/rank)·up@down reshaped to the weight's `shape`."
     return (up.float().flatten(1) @ down.float().flatten(1)).view(shape) * (alpha / down.shape[0])
 
+# %% ../nbs/60_lora.ipynb #2b958cad
 def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
     "Adapt `model` with the LoRA state dict `lora` (adds the adapters where missing, then copies the weights)."
     entries = lora_entries(lora)
@@ -150,7 +160,9 @@ def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
     missing = [p for p in entries if p not in have]
     for p in missing:
         try: _owner(model, p)[0]
-        except AttributeError: raise KeyError(f"load_lora: the LoRA adapts {p!r}, which {type(model).__name__} does not have") from None
+        except AttributeError:
+            raise KeyError(f"load_lora: the LoRA adapts {p!r}, which {type(model).__name__} "
+                           "does not have") from None
     for p in missing:
         down, up, alpha = entries[p]
         owner, name = _owner(model, p)
@@ -162,11 +174,13 @@ def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
         for p, (down, up, alpha) in entries.items():
             l = layers[p]
             if l.lora_down.shape != down.shape or l.lora_up.shape != up.shape:
-                raise ValueError(f"load_lora: {p} has rank {l.rank} in the model, the file has shapes {tuple(down.shape)}/{tuple(up.shape)}")
+                raise ValueError(f"load_lora: {p} has rank {l.rank} in the model, the file has shapes "
+                                 f"{tuple(down.shape)}/{tuple(up.shape)}")
             l.lora_down.copy_(down); l.lora_up.copy_(up); l.alpha = alpha
             l.requires_grad_(True)
     return list(entries)
 
+# %% ../nbs/60_lora.ipynb #8d936d13
 def save_lora(lora: dict, path, metadata: dict | None = None):
     "Write a LoRA state dict as safetensors (atomically), with optional string metadata."
     save_safetensors_atomic(lora, path, metadata={"format": "cascade_nb.lora", **(metadata or {})})
@@ -221,9 +235,11 @@ def _pool_at_first_eos(text_model, eos_id: int):
     for mod in text_model.modules():
         if hasattr(mod, 'eos_token_id') and isinstance(getattr(mod, 'eos_token_id'), int): mod.eos_token_id = eos_id
 
+# %% ../nbs/60_lora.ipynb #ad518cc4
 @torch.no_grad()
 def add_train_tokens(tokenizer, text_model, train_tokens) -> dict:
-    "Add/select the `train_tokens` ([[token, init_regex], ...]); wrap the embedding in `TokenDeltas`; return {token: [ids]}."
+    """Add/select the `train_tokens` ([[token, init_regex], ...]); wrap the embedding in `TokenDeltas`; return
+    {token: [ids]}."""
     vocab = tokenizer.get_vocab()
     new, chosen = [], {}
     for entry in train_tokens:
@@ -232,7 +248,9 @@ def add_train_tokens(tokenizer, text_model, train_tokens) -> dict:
             new.append((token, init))
         else:
             ids = sorted(i for t, i in vocab.items() if re.search(token, t))
-            if not ids: raise ValueError(f"train_tokens: {token!r} matches no token of the vocabulary (use '[name]' to add a new one)")
+            if not ids:
+                raise ValueError(f"train_tokens: {token!r} matches no token of the vocabulary "
+                                 "(use '[name]' to add a new one)")
             chosen[token] = ids
     if new:
         tokenizer.add_tokens([t for t, _ in new])
@@ -243,7 +261,8 @@ def add_train_tokens(tokenizer, text_model, train_tokens) -> dict:
         for token, init in new:
             i = tokenizer.convert_tokens_to_ids(token)
             src = [j for t, j in vocab.items() if init and re.search(init, t) and j < n_old]
-            if not src: warnings.warn(f"train_tokens: init regex {init!r} of {token!r} matches no token: starting from zeros")
+            if not src:
+                warnings.warn(f"train_tokens: init regex {init!r} of {token!r} matches no token: starting from zeros")
             E[i] = E[src].mean(0) if src else 0.
             chosen[token] = [i]
         _pool_at_first_eos(text_model, tokenizer.eos_token_id)
@@ -252,8 +271,10 @@ def add_train_tokens(tokenizer, text_model, train_tokens) -> dict:
     text_model.set_input_embeddings(TokenDeltas(text_model.get_input_embeddings(), all_ids))
     return chosen
 
+# %% ../nbs/60_lora.ipynb #0bc31bef
 def token_state_dict(tokenizer, text_model) -> dict[str, torch.Tensor]:
-    "The trained tokens: `tokens.ids`, `tokens.embeddings` (final rows) and `tokens.names` (JSON of the token strings, as bytes)."
+    """The trained tokens: `tokens.ids`, `tokens.embeddings` (final rows) and `tokens.names` (JSON of the token
+    strings, as bytes)."""
     emb = text_model.get_input_embeddings()
     if not isinstance(emb, TokenDeltas): return {}
     ids = emb.ids.cpu()
@@ -261,13 +282,15 @@ def token_state_dict(tokenizer, text_model) -> dict[str, torch.Tensor]:
     return {"tokens.ids": ids, "tokens.embeddings": emb.rows().detach().cpu(),
             "tokens.names": torch.tensor(list(json.dumps(names).encode()), dtype=torch.uint8)}
 
+# %% ../nbs/60_lora.ipynb #f65ade88
 @torch.no_grad()
 def load_tokens(tokenizer, text_model, lora: dict) -> list[str]:
     "Add the tokens of a LoRA file to `tokenizer` and write their embeddings into `text_model` (for inference)."
     if "tokens.ids" not in lora: return []
     names = json.loads(bytes(lora["tokens.names"].tolist()).decode())
     if not names: return []
-    if isinstance(text_model.get_input_embeddings(), TokenDeltas): raise ValueError("load_tokens: text model is being trained")
+    if isinstance(text_model.get_input_embeddings(), TokenDeltas):
+        raise ValueError("load_tokens: text model is being trained")
     tokenizer.add_tokens([n for n in names if n not in tokenizer.get_vocab()])
     ids = tokenizer.convert_tokens_to_ids(names)
     # a fresh text encoder may meet a tokenizer that already holds the names (a pipeline reloading an offloaded one)
@@ -288,6 +311,7 @@ def _split_fused(path: str, down, up, alpha):
         for part, u in zip(('to_q', 'to_k', 'to_v'), up.chunk(3, dim=0)): yield base + part, down.clone(), u, alpha
     else: yield path.removesuffix('.weight'), down, up, alpha
 
+# %% ../nbs/60_lora.ipynb #67285a6c
 def _fuse(parts: list) -> tuple:
     "One exact LoRA (down, up, alpha) for stacked outputs of several LoRAs [(down, up, alpha), ...] on the same input."
     downs = [d.flatten(1) for d, _, _ in parts]
@@ -298,6 +322,7 @@ def _fuse(parts: list) -> tuple:
         down, up = downs[0], torch.cat(ups)
     return down.contiguous(), up.contiguous(), float(down.shape[0])
 
+# %% ../nbs/60_lora.ipynb #af40ada9
 def to_kohya(lora: dict) -> dict[str, torch.Tensor]:
     "A LoRA state dict in the kohya/ComfyUI Stable Cascade layout (`lora_unet_*.lora_down/up.weight`, `.alpha`)."
     out = {}
@@ -308,6 +333,7 @@ def to_kohya(lora: dict) -> dict[str, torch.Tensor]:
             out[f"{key}.alpha"] = torch.tensor(float(a))
     return out
 
+# %% ../nbs/60_lora.ipynb #eca4e256
 def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
     "A kohya/ComfyUI Stable Cascade LoRA → cascade_nb's layout for `model` (q/k/v fused back exactly)."
     by_key = {n.replace('.', '_'): n for n, _ in model.named_modules() if n}
@@ -321,10 +347,12 @@ def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
         d, u = sd[k], sd[k.replace('lora_down', 'lora_up')]
         a = float(sd.get(k.replace('lora_down.weight', 'alpha'), torch.tensor(float(d.shape[0]))))
         name = by_key[key]
-        if name.rsplit('.', 1)[-1] in ('to_q', 'to_k', 'to_v'): fused.setdefault(name.rsplit('.', 1)[0], {})[name[-4:]] = (d, u, a)
+        if name.rsplit('.', 1)[-1] in ('to_q', 'to_k', 'to_v'):
+            fused.setdefault(name.rsplit('.', 1)[0], {})[name[-4:]] = (d, u, a)
         else: entries[f"{name}.weight"] = (d, u, a)
     for mod, parts in fused.items():
-        if len(parts) != 3: raise KeyError(f"from_kohya: {mod} has LoRA for {sorted(parts)} only; need to_q, to_k and to_v")
+        if len(parts) != 3:
+            raise KeyError(f"from_kohya: {mod} has LoRA for {sorted(parts)} only; need to_q, to_k and to_v")
         entries[f"{mod}.in_proj_weight"] = _fuse([parts[p] for p in ('to_q', 'to_k', 'to_v')])
     out = {}
     for p, (d, u, a) in entries.items():
@@ -335,13 +363,15 @@ def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
 def _to_diffusers_module(name: str) -> str:
     return name.replace('attention.attn.to_', 'attention.to_').replace('attention.attn.out_proj', 'attention.to_out.0')
 
+# %% ../nbs/60_lora.ipynb #4ee532e4
 def save_peft_adapter(lora: dict, out_dir) -> Path:
     "Write a peft LoRA adapter for diffusers' StableCascadeUNet (adapter_config.json + adapter_model.safetensors)."
     from peft import LoraConfig
     entries, sd = lora_entries(lora), {}
     ranks = {d.shape[0] for d, _, _ in entries.values()}
     alphas = {a for _, _, a in entries.values()}
-    if len(ranks) != 1 or len(alphas) != 1: raise ValueError(f"save_peft_adapter: one rank and alpha expected, got {ranks}, {alphas}")
+    if len(ranks) != 1 or len(alphas) != 1:
+        raise ValueError(f"save_peft_adapter: one rank and alpha expected, got {ranks}, {alphas}")
     modules = []
     for path, (down, up, alpha) in entries.items():
         for mod, d, u, _ in _split_fused(path, down, up, alpha):
@@ -354,8 +384,10 @@ def save_peft_adapter(lora: dict, out_dir) -> Path:
     save_safetensors_atomic(sd, out_dir / "adapter_model.safetensors")
     return out_dir
 
+# %% ../nbs/60_lora.ipynb #07279c89
 def load_peft_adapter(adapter_dir, model: nn.Module) -> dict[str, torch.Tensor]:
-    "A peft LoRA adapter for StableCascadeUNet (diffusers layout) → a LoRA state dict in cascade_nb's layout for `model`."
+    """A peft LoRA adapter for StableCascadeUNet (diffusers layout) → a LoRA state dict in cascade_nb's layout for
+    `model`."""
     from safetensors.torch import load_file
     adapter_dir = Path(adapter_dir)
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -365,10 +397,12 @@ def load_peft_adapter(adapter_dir, model: nn.Module) -> dict[str, torch.Tensor]:
     for k, v in sd.items():
         k = k.removeprefix("base_model.model.")
         mod, _, rest = k.partition('.lora_')
-        mod = mod.replace('attention.to_out.0', 'attention.attn.out_proj').replace('attention.to_', 'attention.attn.to_')
+        mod = (mod.replace('attention.to_out.0', 'attention.attn.out_proj')
+                  .replace('attention.to_', 'attention.attn.to_'))
         kind = 'lora_down' if rest.startswith('A') else 'lora_up'
         kohya_like[f"lora_unet_{mod.replace('.', '_')}.{kind}.weight"] = v
-        kohya_like[f"lora_unet_{mod.replace('.', '_')}.alpha"] = torch.tensor(alpha * math.sqrt(r) if cfg.get('use_rslora') else alpha)
+        kohya_like[f"lora_unet_{mod.replace('.', '_')}.alpha"] = torch.tensor(
+            alpha * math.sqrt(r) if cfg.get('use_rslora') else alpha)
     return from_kohya(kohya_like, model)
 
 # %% ../nbs/60_lora.ipynb #e06ef898
@@ -382,6 +416,7 @@ def _post_order(model: nn.Module) -> list[str]:
     visit("", model)
     return out
 
+# %% ../nbs/60_lora.ipynb #cb25e3bf
 def reference_lora_targets(model: nn.Module, filters) -> list[str]:
     "Parameter paths the reference's `apply_lora(model, filters)` adapts, in its `weights.N` order."
     def param(m):
@@ -400,53 +435,66 @@ def is_reference_lora(sd: dict) -> bool:
     "True for a state dict in the reference's `weights.N.lora_*` / `embeddings.*` layout."
     return any(_REF_KEY.match(k) for k in sd)
 
+# %% ../nbs/60_lora.ipynb #6097eb94
 def to_reference(lora: dict, model: nn.Module, text_model=None) -> dict[str, torch.Tensor]:
-    "cascade_nb's layout → the reference's `lora.safetensors` for `model` (token deltas relative to `text_model`'s rows)."
+    """cascade_nb's layout → the reference's `lora.safetensors` for `model` (token deltas relative to `text_model`'s
+    rows)."""
     entries, mods, out = lora_entries(lora), dict(model.named_modules()), {}
     order = [p for p in reference_lora_targets(model, [p.rpartition('.')[0] for p in entries]) if p in entries]
-    if set(order) != set(entries): raise ValueError(f"to_reference: {sorted(set(entries) - set(order))} cannot be adapted by the reference")
+    if set(order) != set(entries):
+        raise ValueError(f"to_reference: {sorted(set(entries) - set(order))} cannot be adapted by the reference")
     for i, p in enumerate(order):
         down, up, alpha = entries[p]
         taps = down.reshape(down.shape[0], down.shape[1], -1)                         # (r, in, k·k)
         if not torch.equal(taps, taps[..., :1].expand_as(taps)):
-            raise ValueError(f"to_reference: {p} has a spatially varying kernel update; the reference's is constant over the taps")
+            raise ValueError(f"to_reference: {p} has a spatially varying kernel update; "
+                             "the reference's is constant over the taps")
         out[f"weights.{i}.lora_down"] = taps[..., 0].float().contiguous()
         out[f"weights.{i}.lora_up"] = (up.flatten(1).float() * alpha).contiguous()  # the reference's scale is 1/rank
     ids, rows = lora.get("tokens.ids", torch.zeros(0, dtype=torch.long)), lora.get("tokens.embeddings")
-    if len(ids) and text_model is None: raise ValueError("to_reference: the LoRA has trained tokens; pass the text model "
-                                                         "prepared with add_train_tokens (the rows the reference starts from)")
+    if len(ids) and text_model is None:
+        raise ValueError("to_reference: the LoRA has trained tokens; pass the text model "
+                         "prepared with add_train_tokens (the rows the reference starts from)")
     base = text_model.get_input_embeddings().weight[ids].float().cpu() if len(ids) else torch.zeros(0, 1280)
     out["embeddings.embeddings"] = (rows.float() - base if len(ids) else base).contiguous()
     out["embeddings.indices"] = ids.long().contiguous()
     return out
 
+# %% ../nbs/60_lora.ipynb #965e40e4
 def from_reference(sd: dict, model: nn.Module, module_filters) -> dict[str, torch.Tensor]:
     "The adapters of a reference `lora.safetensors` in cascade_nb's layout, for `model` adapted with `module_filters`."
     targets = reference_lora_targets(model, module_filters)
     n = 1 + max((int(m[1]) for k in sd if (m := _REF_KEY.match(k))), default=-1)
-    if n != len(targets): raise ValueError(f"from_reference: the file has {n} LoRA layers, module_filters {list(module_filters)!r} "
-                                           f"select {len(targets)} in {type(model).__name__}: train and load with the same filters")
+    if n != len(targets):
+        raise ValueError(f"from_reference: the file has {n} LoRA layers, module_filters {list(module_filters)!r} "
+                         f"select {len(targets)} in {type(model).__name__}: train and load with the same filters")
     out = {}
     for i, p in enumerate(targets):
         owner, name = _owner(model, p)
         down, up, W = sd[f"weights.{i}.lora_down"], sd[f"weights.{i}.lora_up"], getattr(owner, name)
         if down.shape[1] != W.shape[1] or up.shape[0] != W.shape[0]:
-            raise ValueError(f"from_reference: weights.{i} has shapes {tuple(down.shape)}/{tuple(up.shape)}, {p} is {tuple(W.shape)}")
-        out[f"{p}.lora_down"] = down.float().reshape(*down.shape, *[1] * (W.ndim - 2)).expand(*down.shape, *W.shape[2:]).contiguous()
+            raise ValueError(f"from_reference: weights.{i} has shapes {tuple(down.shape)}/{tuple(up.shape)}, "
+                             f"{p} is {tuple(W.shape)}")
+        out[f"{p}.lora_down"] = (down.float().reshape(*down.shape, *[1] * (W.ndim - 2))
+                                 .expand(*down.shape, *W.shape[2:]).contiguous())
         out[f"{p}.lora_up"] = up.float().reshape(*up.shape, *[1] * (W.ndim - 2)).contiguous()
         out[f"{p}.alpha"] = torch.tensor(1.)
     return out
 
+# %% ../nbs/60_lora.ipynb #003fae60
 @torch.no_grad()
 def _reference_tokens(sd: dict, tokenizer, text_model, train_tokens) -> dict[str, torch.Tensor]:
-    "The tokens of a reference file in our `tokens.*` layout: rebuild the rows it starts from (`train_tokens`), add its deltas."
+    """The tokens of a reference file in our `tokens.*` layout: rebuild the rows it starts from (`train_tokens`),
+    add its deltas."""
     ids, deltas = sd.get("embeddings.indices"), sd.get("embeddings.embeddings")
     if ids is None or not len(ids) or tokenizer is None or text_model is None: return {}
-    if not train_tokens: raise ValueError("the LoRA file (reference layout) trains tokens: pass the train_tokens it was trained with")
+    if not train_tokens:
+        raise ValueError("the LoRA file (reference layout) trains tokens: pass the train_tokens it was trained with")
     add_train_tokens(tokenizer, text_model, train_tokens)
     emb = text_model.get_input_embeddings()
     if sorted(ids.tolist()) != emb.ids.tolist():
-        raise ValueError(f"the LoRA file's token ids {sorted(ids.tolist())} differ from train_tokens' {emb.ids.tolist()}")
+        raise ValueError(f"the LoRA file's token ids {sorted(ids.tolist())} differ from "
+                         f"train_tokens' {emb.ids.tolist()}")
     emb.delta[emb.slot[ids.to(emb.slot.device)]] = deltas.to(emb.delta)
     out = token_state_dict(tokenizer, text_model)
     text_model.set_input_embeddings(emb.base)
@@ -455,8 +503,9 @@ def _reference_tokens(sd: dict, tokenizer, text_model, train_tokens) -> dict[str
 # %% ../nbs/60_lora.ipynb #19995864
 def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, scale: float = 1.0,
                    module_filters=None, train_tokens=None) -> dict:
-    """Merge a LoRA (cascade_nb, reference, kohya/ComfyUI file or peft adapter folder) into `generator` and add its tokens;
-    returns it in our layout. A reference file needs the `module_filters` (and `train_tokens`) it was trained with."""
+    """Merge a LoRA (cascade_nb, reference, kohya/ComfyUI file or peft adapter folder) into `generator` and add its
+    tokens; returns it in our layout. A reference file needs the `module_filters` (and `train_tokens`) it was trained
+    with."""
     from safetensors.torch import load_file
     path = Path(path)
     if path.is_dir(): lora = load_peft_adapter(path, generator)
@@ -472,13 +521,15 @@ def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, 
 
 # %% ../nbs/60_lora.ipynb #8d9c9858
 class LoraNet(nn.Module):
-    "Generator with adapters (+ the text encoder when tokens train): `net(x, r, input_ids=..., ...)` or `net(x, r, clip_text=...)`."
+    """Generator with adapters (+ the text encoder when tokens train): `net(x, r, input_ids=..., ...)` or
+    `net(x, r, clip_text=...)`."""
     def __init__(self, generator: nn.Module, text_model: nn.Module | None = None):
         super().__init__()
         self.generator, self.text_model = generator, text_model
 
     def forward(self, x, r, input_ids=None, attention_mask=None, **conds):
-        if input_ids is not None:   # the text encoder runs in its own dtype (frozen_dtype), outside autocast, as the reference
+        # the text encoder runs in its own dtype (frozen_dtype), outside autocast, as the reference
+        if input_ids is not None:
             with torch.autocast(x.device.type, enabled=False):
                 out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
             conds = dict(conds, clip_text=out.hidden_states[-1], clip_text_pooled=out.text_embeds.unsqueeze(1))
@@ -490,13 +541,17 @@ def lora_base_generator(cfg, run, what: str = "LoRA") -> nn.Module:
     from dataclasses import replace
     from cascade_nb.modes import build_generator
     base = json.loads((Path(run)/"info.json").read_text())["config"].get("generator_checkpoint_path")
-    if not base: raise ValueError(f"{run}: its {what} was trained on a randomly initialised generator (no generator_checkpoint_path), "
-                                  "so there is no base to sample it with")
-    if not Path(base).exists(): raise FileNotFoundError(f"{run}: the base generator its {what} was trained on, {base}, is not here")
+    if not base:
+        raise ValueError(f"{run}: its {what} was trained on a randomly initialised generator "
+                         "(no generator_checkpoint_path), so there is no base to sample it with")
+    if not Path(base).exists():
+        raise FileNotFoundError(f"{run}: the base generator its {what} was trained on, {base}, is not here")
     return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
 
+# %% ../nbs/60_lora.ipynb #aea67130
 def merged_lora_run(cfg, run, base: nn.Module) -> tuple[nn.Module, Path]:
-    "(`base` with the run's `lora.safetensors` merged in, that file): how a LoRA run samples (`TrainingMode.released_generator`)."
+    """(`base` with the run's `lora.safetensors` merged in, that file): how a LoRA run samples
+    (`TrainingMode.released_generator`)."""
     path = Path(run)/"lora.safetensors"
     if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
     # the adapters; the trained tokens go into a text encoder (`LoraTraining.add_released_tokens`)
@@ -506,7 +561,8 @@ def merged_lora_run(cfg, run, base: nn.Module) -> tuple[nn.Module, Path]:
 # %% ../nbs/60_lora.ipynb #96e9b7f7
 @training_mode("lora")
 class LoraTraining(TrainingMode):
-    "LoRA (+ token) training of Stage C: frozen generator and text encoder, adapters and token deltas train, `lora.safetensors` is released."
+    """LoRA (+ token) training of Stage C: frozen generator and text encoder, adapters and token deltas train,
+    `lora.safetensors` is released."""
     supports_ema = False   # an EMA would copy the frozen generator too; average the adapters offline if needed
     trains_generator = False
     @classmethod
@@ -527,8 +583,10 @@ class LoraTraining(TrainingMode):
         adapted = sum(math.prod(s) for s in shapes)
         if adapted:
             n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
-            rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing else adapted) * prec.compute
-            if lc.train_tokens: rows["text encoder activations (train_tokens)"] = batch * 77 * 1280 * 16 * 32 * prec.compute
+            rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing
+                                           else adapted) * prec.compute
+            if lc.train_tokens:
+                rows["text encoder activations (train_tokens)"] = batch * 77 * 1280 * 16 * 32 * prec.compute
         return MemoryTerms(n_train, 4, "attn" if all(".attention.attn." in t for t in targets) else "all", rows)
 
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
@@ -553,10 +611,12 @@ class LoraTraining(TrainingMode):
         ref = is_reference_lora(sd)
         load_lora(generator, from_reference(sd, generator, self.cfg.lora.module_filters or ()) if ref
                   else {k: v for k, v in sd.items() if not k.startswith("tokens.")})
-        ids, rows = (sd.get("embeddings.indices"), sd.get("embeddings.embeddings")) if ref else (sd.get("tokens.ids"), sd.get("tokens.embeddings"))
+        ids, rows = ((sd.get("embeddings.indices"), sd.get("embeddings.embeddings")) if ref
+                     else (sd.get("tokens.ids"), sd.get("tokens.embeddings")))
         if ids is None or not len(ids): return
         emb = self.text_model.get_input_embeddings()
-        if not isinstance(emb, TokenDeltas): raise ValueError(f"{path} trains tokens {ids.tolist()}: set the train_tokens it was trained with")
+        if not isinstance(emb, TokenDeltas):
+            raise ValueError(f"{path} trains tokens {ids.tolist()}: set the train_tokens it was trained with")
         if sorted(ids.tolist()) != emb.ids.tolist():
             raise ValueError(f"{path}: its tokens {sorted(ids.tolist())} differ from train_tokens' {emb.ids.tolist()}")
         slots, ids = emb.slot[ids.to(emb.slot.device)], ids.to(emb.slot.device)
@@ -583,7 +643,9 @@ class LoraTraining(TrainingMode):
             clip_img = x0.new_zeros(len(x0), 1, self.full.c_clip_img)
             if training and self.image_model is not None and "images" in batch and d.image_embed_prob:
                 mask = seeded_rand(len(x0), rng) < d.image_embed_prob
-                if mask.any(): clip_img[mask.to(device)] = encode_image(self.image_model, images_to_device(batch["images"][mask], device)).float()
+                if mask.any():
+                    clip_img[mask.to(device)] = encode_image(
+                        self.image_model, images_to_device(batch["images"][mask], device)).float()
         return x0, {**self._token_conds(captions, device), "clip_img": clip_img}
 
     def trainable_modules(self, net) -> list:

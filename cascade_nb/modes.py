@@ -7,20 +7,24 @@ Docs: https://cascade-nb.github.io/cascade_nb/modes.html.md"""
 # %% ../nbs/40b_modes.ipynb #9f59922c
 from __future__ import annotations
 import contextlib
+from dataclasses import fields
+from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, images_to_device
 from typing import NamedTuple
-from .config import Config, ConfigError
-from .registry import registry
+from .config import (Config, ConfigError, ConfigHook, SECTIONS, SECTION_MODES, import_modules,
+    register_config_hook)
+from .registry import registry, UnknownChoice
 from .gdf.presets import training_shift
 
 # %% auto #0
-__all__ = ['TRAINING_MODES', 'build_generator', 'check_model_overrides', 'build_text_encoder', 'build_image_encoder',
-           'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space',
-           'diffusion_loss', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'TrainingMode', 'training_mode',
-           'build_training_mode', 'FullTraining', 'StageBTraining']
+__all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'build_generator', 'check_model_overrides', 'build_text_encoder',
+           'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen',
+           'build_latent_space', 'diffusion_loss', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'TrainingMode',
+           'training_mode', 'build_training_mode', 'resolve_mode', 'check_mode_sections', 'ModeHook', 'FullTraining',
+           'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #a59c23d0
 def build_generator(cfg: Config) -> nn.Module:
@@ -303,8 +307,51 @@ def training_mode(name: str):
 
 def build_training_mode(cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
     "The registered mode `cfg.train.mode` names, wrapping the models `train` built."
-    from cascade_nb.config import resolve_mode
     return resolve_mode(cfg).build(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=compute_dtype)
+
+# %% ../nbs/40b_modes.ipynb #c6a088f8
+PLUGIN_MODULES = ("cascade_nb.lora", "cascade_nb.controlnet", "cascade_nb.distill")
+"The modules, after this one, that register the built-in modes (and their config sections)."
+
+def resolve_mode(cfg: Config, where: str = "config") -> type:
+    "The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks."
+    hook_modules = ("cascade_nb.eval",) if cfg.checkpoint.eval_every else ()   # registers its training hook
+    search = Path(cfg.source).parent if cfg.source else None
+    import_modules([*PLUGIN_MODULES, *hook_modules, *(cfg.train.imports or ())], where, search)
+    t = cfg.train
+    if t.mode is None: t.mode = next((n for n, c in TRAINING_MODES.items() if c.selected_by(cfg)), "full")
+    try: mode = TRAINING_MODES.choose(t.mode)
+    except UnknownChoice as e: raise ConfigError(f"{where}: key 'mode': {e}") from None
+    try:
+        mode.check_config(cfg)
+        # a mode trains the stages it declares (`TrainingMode.for_stage`): said now, not after the models are built
+        if cfg.model.stage is not None: mode.for_stage(cfg.model.stage)
+    except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
+    return mode
+
+
+# %% ../nbs/40b_modes.ipynb #efc9791d
+def check_mode_sections(cfg: Config, where: str = "config"):
+    "A key of a section registered for other modes (`config_section(..., modes=...)`) must keep its default."
+    for sec, modes in SECTION_MODES.items():
+        if not modes or cfg.train.mode in modes: continue
+        default = SECTIONS[sec]()
+        for f in fields(default):
+            if getattr(getattr(cfg, sec), f.name) != getattr(default, f.name):
+                raise ConfigError(f"{where}: key '{f.name}' belongs to section '{sec}', which mode '{cfg.train.mode}' "
+                                  f"does not use (modes: {', '.join(modes)})")
+
+
+# %% ../nbs/40b_modes.ipynb #f028f2aa
+class ModeHook(ConfigHook):
+    "Loading a config: the built-in modes' modules imported before its keys are read; its mode resolved after."
+    def before(self, where: str, search: Path | None): import_modules(PLUGIN_MODULES, where)
+    def after(self, cfg: Config, where: str):
+        resolve_mode(cfg, where)
+        check_mode_sections(cfg, where)
+
+register_config_hook("training_mode", ModeHook())
+
 
 # %% ../nbs/40b_modes.ipynb #05cfc65c
 @training_mode("full")

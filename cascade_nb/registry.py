@@ -16,7 +16,8 @@ class UnknownChoice(ValueError):
     "A name its registry does not hold (config validation reports it as a `ConfigError` naming the key)."
 
 REGISTRIES: dict[str, "Registry"] = {}
-"Every registry by kind ('loss_weight', 'sampler', 'timestep_sampling', 'optimizer', 'lr_schedule', 'training_mode', 'caption_getter')."
+("Every registry by kind ('loss_weight', 'sampler', 'timestep_sampling', 'optimizer', 'lr_schedule', 'training_mode', "
+ "'caption_getter').")
 
 # %% ../nbs/00a_registry.ipynb #9d3a9ba0
 class Registry(dict):

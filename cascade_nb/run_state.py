@@ -33,12 +33,14 @@ def cosine_decay(progress: float) -> float:
     "Half a cosine from 1 after the warm-up to 0 at the last update."
     return 0.5 * (1 + math.cos(math.pi * progress))
 
+# %% ../nbs/40_run_state.ipynb #8c733ae3
 LR_SCHEDULES = registry("lr_schedule", {"constant": constant_decay, "cosine": cosine_decay})
 register_lr_schedule = LR_SCHEDULES.register
 "`@register_lr_schedule('name')` on a function of the progress after the warm-up (0 → 1) to the LR multiplier."
 
 class LRSchedule:
-    "LR multiplier for `torch.optim.lr_scheduler.LambdaLR`: linear warm-up, then the decay `kind` names in `LR_SCHEDULES`."
+    """LR multiplier for `torch.optim.lr_scheduler.LambdaLR`: linear warm-up, then the decay `kind` names in
+    `LR_SCHEDULES`."""
     def __init__(self, warmup_updates: int, updates: int, kind: str = "constant"):
         self.warmup, self.total, self.kind = max(1, warmup_updates), updates, kind
         self.decay = LR_SCHEDULES.choose(kind)
@@ -48,7 +50,8 @@ class LRSchedule:
 
 # %% ../nbs/40_run_state.ipynb #00944fab
 def set_lr(optimizer, base_lrs: list[float], schedule, update: int) -> float:
-    "Set each param group's LR to its base LR × `schedule(update)` (`update` = optimizer updates done); returns the first."
+    """Set each param group's LR to its base LR × `schedule(update)` (`update` = optimizer updates done); returns the
+    first."""
     for group, lr in zip(optimizer.param_groups, base_lrs): group["lr"] = lr * schedule(update)
     return optimizer.param_groups[0]["lr"]
 
@@ -64,6 +67,7 @@ class OptimizerSpec:
         "Bytes of optimizer state per trained parameter of `param_bytes` bytes (Adam: two moments of its dtype)."
         return 2 * param_bytes
 
+# %% ../nbs/40_run_state.ipynb #84a18a90
 OPTIMIZERS = registry("optimizer")
 register_optimizer = OPTIMIZERS.register
 "`@register_optimizer('name')` on an `OptimizerSpec` subclass: `optimizer: name` in configs."
@@ -73,8 +77,10 @@ class FusedAdamW(OptimizerSpec):
     "torch's AdamW, fused: one kernel for all tensors, and a non-finite update skipped on the device."
     @staticmethod
     def build(params, t, lr):
-        return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, fused=True)
+        return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
+                                 fused=True)
 
+# %% ../nbs/40_run_state.ipynb #6d9d193b
 @register_optimizer("adamw8bit")
 class AdamW8bit(OptimizerSpec):
     "bitsandbytes' 8-bit AdamW: each moment in one byte (block-wise quantised)."
@@ -92,9 +98,11 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     "This process's part of `t`: the local shard of a sharded DTensor (FSDP2), else `t` itself."
     return t.to_local() if hasattr(t, "to_local") else t
 
+# %% ../nbs/40_run_state.ipynb #585bb46e
 @torch.no_grad()
 def ema_lerp_(ema: list[torch.Tensor], params, beta: float):
-    "In place: each EMA tensor ← beta·itself + (1−beta)·this process's part of its parameter (cast to its device, dtype); beta 0 copies."
+    """In place: each EMA tensor ← beta·itself + (1−beta)·this process's part of its parameter (cast to its device,
+    dtype); beta 0 copies."""
     src = [local_shard(p.detach()) for p in params]
     if len(src) != len(ema): raise ValueError("ema_update_: model and EMA have different parameter lists")
     src = [s.to(device=e.device, dtype=e.dtype) for s, e in zip(src, ema)]
@@ -107,6 +115,7 @@ def ema_update_(ema: nn.Module, model: nn.Module, beta: float):
     ema_lerp_([local_shard(p) for p in ema.parameters()], model.parameters(), beta)
     for b_ema, b in zip(ema.buffers(), model.buffers()): b_ema.copy_(b)
 
+# %% ../nbs/40_run_state.ipynb #26ab18bb
 def ema_beta_at(update: int, start: int, every: int, beta: float) -> float | None:
     "The EMA decay to apply after optimizer update number `update` (1-based), or None when no EMA step is due."
     if update % every: return None
@@ -115,12 +124,14 @@ def ema_beta_at(update: int, start: int, every: int, beta: float) -> float | Non
 
 # %% ../nbs/40_run_state.ipynb #9575be9c
 def resharded(net: nn.Module) -> nn.Module:
-    "`net` with every FSDP2 module sharded: while one is unsharded (FSDP2 leaves the root so after a forward without gradients) its parameters are the gathered tensors."
+    """`net` with every FSDP2 module sharded: while one is unsharded (FSDP2 leaves the root so after a forward without
+    gradients) its parameters are the gathered tensors."""
     from torch.distributed.fsdp import FSDPModule
     for m in net.modules():
         if isinstance(m, FSDPModule): m.reshard()
     return net
 
+# %% ../nbs/40_run_state.ipynb #23bf3d9d
 class EMA:
     """The EMA of a run's weights, held as the run holds the weights: a copy of the module (one process, DDP), on
     `device`; or under FSDP (`sharded`) only this process's shard of each parameter, sharded like the prepared model."""
@@ -137,7 +148,8 @@ class EMA:
         if not self.sharded: return self
         params = dict(net.named_parameters())
         if params.keys() != self.dtypes.keys() or not all(hasattr(p, "to_local") for p in params.values()):
-            raise RuntimeError("EMA: the prepared model's parameters are not FSDP2 shards of the model's (fsdp_version: 2 is needed)")
+            raise RuntimeError("EMA: the prepared model's parameters are not FSDP2 shards of the model's "
+                               "(fsdp_version: 2 is needed)")
         for n, p in params.items():
             self.shards[n] = local_shard(p.detach()).to(self.device, self.dtypes[n], copy=True)
             self.specs[n] = (p.device_mesh, p.placements, p.shape, p.stride())   # to gather and to checkpoint it
@@ -161,11 +173,13 @@ class EMA:
 
 # %% ../nbs/40_run_state.ipynb #dfd790b1
 def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
-    "`local` as this process's shard of a DTensor laid out as `spec` (the parameter's mesh, placements, shape, stride): no communication."
+    """`local` as this process's shard of a DTensor laid out as `spec` (the parameter's mesh, placements, shape,
+    stride): no communication."""
     from torch.distributed.tensor import DTensor
     mesh, placements, shape, stride = spec
     return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride, run_check=False)
 
+# %% ../nbs/40_run_state.ipynb #6e6b25ed
 @torch.no_grad()
 def gather_ema(ema: EMA) -> dict:
     """The whole EMA in the model's key layout. Under FSDP every process calls it (one all-gather per tensor, one tensor
@@ -178,6 +192,7 @@ def gather_ema(ema: EMA) -> dict:
         if keep: out[k] = t.cpu()
     return out
 
+# %% ../nbs/40_run_state.ipynb #cb4272fe
 @contextlib.contextmanager
 def ema_weights(ema: EMA, net: nn.Module):
     """A module computing with the EMA weights: the EMA's own, or under FSDP the prepared `net` (every process enters)
@@ -187,7 +202,8 @@ def ema_weights(ema: EMA, net: nn.Module):
     mine = [local_shard(params[n].detach()) for n in ema.shards] + [bufs[n] for n in ema.buffers]
     with torch.no_grad():
         kept = [t.to(ema.device, copy=True) for t in mine]   # the model's own shards (on the CPU with `ema_on_cpu`)
-        torch._foreach_copy_(mine, [t.to(m.device, m.dtype) for t, m in zip([*ema.shards.values(), *ema.buffers.values()], mine)])
+        torch._foreach_copy_(mine, [t.to(m.device, m.dtype)
+                                    for t, m in zip([*ema.shards.values(), *ema.buffers.values()], mine)])
     try: yield net
     finally:
         with torch.no_grad():
@@ -210,15 +226,18 @@ class TrainState:
     best_metric_update: int | None = None    # the update it was reached at
     def state_dict(self) -> dict: return asdict(self)
     def load_state_dict(self, d: dict):
-        "Set the counters from `d`, refusing what no run writes (a hand-edited file): unknown keys, wrong types, < 0, NaN."
+        """Set the counters from `d`, refusing what no run writes (a hand-edited file): unknown keys, wrong types, < 0,
+        NaN."""
         known = {f.name: f for f in fields(self)}
         for k, v in d.items():
             if k not in known: raise ValueError(f"training state: unknown key {k!r}")
             if not _counter_ok(k, v): raise ValueError(f"training state: {k} = {v!r} is not a value a run writes")
         for k, v in d.items(): setattr(self, k, v)
 
+# %% ../nbs/40_run_state.ipynb #dbdf4c3a
 def _counter_ok(key: str, v) -> bool:
-    "Whether `v` can be the TrainState field `key`: a count ≥ 0, a loss (inf: none yet), a metric or None where allowed."
+    """Whether `v` can be the TrainState field `key`: a count ≥ 0, a loss (inf: none yet), a metric or None where
+    allowed."""
     if key == "best_val_loss": return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
     if v is None: return key in ("best_metric_value", "best_metric_update")
     if key == "best_metric_value": return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -254,7 +273,8 @@ def check_finite(loss: torch.Tensor, state: TrainState, max_streak: int) -> bool
 
 # %% ../nbs/40_run_state.ipynb #c5884d8e
 class NonFiniteGuard:
-    "Skip updates whose gradient norm is not finite, decided on the device (fused AdamW's `found_inf`); counts read at `check`."
+    """Skip updates whose gradient norm is not finite, decided on the device (fused AdamW's `found_inf`); counts read
+    at `check`."""
     def __init__(self, optimizer, state: TrainState, max_streak: int):
         self.opt, self.state, self.max_streak = optimizer, state, max_streak
         inner = getattr(optimizer, "optimizer", optimizer)   # accelerate's AcceleratedOptimizer wraps the torch one
@@ -268,7 +288,9 @@ class NonFiniteGuard:
             return
         g = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         bad = (~torch.isfinite(g.detach().float())).float().reshape(())   # 0-dim, as the kernel's step counters
-        if self.counts is None: self.counts = torch.tensor([0., self.state.nonfinite_streak, self.state.nonfinite_streak], device=bad.device)
+        if self.counts is None:
+            self.counts = torch.tensor([0., self.state.nonfinite_streak, self.state.nonfinite_streak],
+                                       device=bad.device)
         skipped, streak, worst = self.counts.unbind()
         streak = (streak + 1) * bad
         self.counts = torch.stack([skipped + bad, streak, torch.maximum(worst, streak)])
@@ -276,7 +298,8 @@ class NonFiniteGuard:
         self.opt.step()
 
     def check(self) -> int:
-        "Read the counts back (one sync) into the `TrainState`; raise NonFiniteLossError on a long streak; updates skipped since the last check."
+        """Read the counts back (one sync) into the `TrainState`; raise NonFiniteLossError on a long streak; updates
+        skipped since the last check."""
         if self.counts is None: return 0
         skipped, streak, worst = (int(v) for v in self.counts.tolist())
         self.state.nonfinite_total += skipped
@@ -284,8 +307,9 @@ class NonFiniteGuard:
         self.counts = torch.tensor([0., streak, streak], device=self.counts.device)
         if worst >= self.max_streak:
             raise NonFiniteLossError(f"{worst} non-finite losses in a row at update {self.state.update} "
-                                     f"({self.state.nonfinite_total} in total): the run diverged. Lower `lr`, check the data, "
-                                     f"or resume from the last checkpoint; raise `max_nan_steps` to tolerate more.")
+                                     f"({self.state.nonfinite_total} in total): the run diverged. Lower `lr`, "
+                                     f"check the data, or resume from the last checkpoint; raise `max_nan_steps` to "
+                                     f"tolerate more.")
         return skipped
 
 # %% ../nbs/40_run_state.ipynb #50aeaa16
@@ -303,9 +327,10 @@ def all_finite(tensors) -> bool:
 class RunDirError(RuntimeError):
     "A run directory that cannot be used (locked, not writable, another model config, unreadable): one clear line."
 
-RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "clip_text_model_name", "clip_image_model_name",
-               "mode", "module_filters", "rank", "train_tokens", "controlnet_blocks", "controlnet_filter",
-               "controlnet_bottleneck_mode", "optimizer")
+# %% ../nbs/40_run_state.ipynb #acf5b8b2
+RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "clip_text_model_name",
+               "clip_image_model_name", "mode", "module_filters", "rank", "train_tokens", "controlnet_blocks",
+               "controlnet_filter", "controlnet_bottleneck_mode", "optimizer")
 "Config keys a run cannot change on resume: they decide the shapes (or kind) of the checkpointed state."
 
 def file_checksums(folder) -> dict:
@@ -320,7 +345,8 @@ def file_checksums(folder) -> dict:
     return out
 
 def verify_checksums(folder, recorded: dict | None):
-    "Raise `OSError` naming the first file of `folder` whose content is not what its commit recorded (None: not recorded)."
+    """Raise `OSError` naming the first file of `folder` whose content is not what its commit recorded (None: not
+    recorded)."""
     if recorded is None: return
     now = file_checksums(folder)
     for name, digest in recorded.items():
@@ -328,13 +354,13 @@ def verify_checksums(folder, recorded: dict | None):
             why = "is missing" if name not in now else "changed since it was committed (a damaged disk or a hand edit)"
             raise OSError(f"{Path(folder)/name} {why}")
 
+# %% ../nbs/40_run_state.ipynb #e675f38e
 class RunDirRecord:
     "What a run directory has committed: info.json naming the latest state dir and the one before it."
     def __init__(self, path):
         self.path = Path(path)
     @property
     def info_path(self) -> Path: return self.path/"info.json"
-
 
     def info(self) -> dict | None:
         "The committed info.json, or None for a new run."
@@ -353,9 +379,9 @@ class RunDirRecord:
         return state
 
     def resume(self, load, check=None) -> Path | None:
-        """Call `load(state_dir)` on the latest state; if that fails, warn and load the previous one instead (None: new run).
-        `check(state_dir)` runs first, before the recorded checksums are compared: a safety check (nothing in the folder
-        may run code) names what it refuses even when the file was also changed after its commit."""
+        """Call `load(state_dir)` on the latest state; if that fails, warn and load the previous one instead (None: new
+        run). `check(state_dir)` runs first, before the recorded checksums are compared: a safety check (nothing in the
+        folder may run code) names what it refuses even when the file was also changed after its commit."""
         info = self.info()
         if info is None: return None
         names = [info["state_dir"], *([info["previous_state_dir"]] if info.get("previous_state_dir") else [])]
@@ -369,9 +395,11 @@ class RunDirRecord:
                 load(d)
                 return d
             except Exception as e:
-                why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:300]
+                why = (f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror
+                       else " ".join(str(e).split())[:300])
                 if i + 1 == len(names): raise RunDirError(f"cannot resume from {d}: {why}") from e
-                warnings.warn(f"the latest checkpoint {d} is unreadable ({why}); resuming from the previous one, {self.path/names[i + 1]}")
+                warnings.warn(f"the latest checkpoint {d} is unreadable ({why}); resuming from the previous one, "
+                              f"{self.path/names[i + 1]}")
 
     def staging_dir(self, update: int) -> Path:
         "A fresh directory to save the state of update `update` into (removed first if a crash left it half written)."
@@ -406,7 +434,8 @@ class RunDirRecord:
 
 # %% ../nbs/40_run_state.ipynb #b4bb48e0
 def _start_time(pid: int) -> str | None:
-    "The start time of process `pid` (Linux: /proc/PID/stat field 22), None if no such process; tells reused pids apart."
+    """The start time of process `pid` (Linux: /proc/PID/stat field 22), None if no such process; tells reused pids
+    apart."""
     try: return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except FileNotFoundError: return None
     except OSError: pass
@@ -414,6 +443,7 @@ def _start_time(pid: int) -> str | None:
     except ProcessLookupError: return None
     except PermissionError: return "alive"
 
+# %% ../nbs/40_run_state.ipynb #e7cc19d6
 class RunDirLock(RunDirRecord):
     "A run directory with a lock file, so that two runs never write it at once."
     @property
@@ -432,15 +462,21 @@ class RunDirLock(RunDirRecord):
             try: other = json.loads(self.lock_path.read_text())
             except (OSError, ValueError): other = {}
             same_host = other.get("host") == me["host"]
-            if same_host and other.get("pid") == me["pid"]: self.lock_path.unlink(missing_ok=True); continue   # ours (e.g. a notebook re-run)
+            if same_host and other.get("pid") == me["pid"]:
+                # ours (e.g. a notebook re-run)
+                self.lock_path.unlink(missing_ok=True); continue
             if same_host and other.get("pid") and _start_time(other["pid"]) not in (other.get("start"), "alive"):
-                warnings.warn(f"{self.lock_path}: removing the stale lock of process {other['pid']}, which no longer runs")
+                warnings.warn(f"{self.lock_path}: removing the stale lock of process {other['pid']}, "
+                              "which no longer runs")
                 self.lock_path.unlink(missing_ok=True); continue
             if not other: time.sleep(0.2); continue   # being written right now
             where = f"process {other.get('pid')} on {other.get('host')}"
-            raise RunDirError(f"{self.path} is in use by another run ({where}, since {time.strftime('%Y-%m-%d %H:%M', time.localtime(other.get('since', 0)))}): "
-                              f"two runs with one experiment_id would overwrite each other. Use another experiment_id, or "
-                              f"delete {self.lock_path} if that run is dead" + ("" if same_host else " (it ran on another machine, so it cannot be checked from here)"))
+            raise RunDirError(f"{self.path} is in use by another run ({where}, since "
+                              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(other.get('since', 0)))}): "
+                              f"two runs with one experiment_id would overwrite each other. Use another "
+                              f"experiment_id, or delete {self.lock_path} if that run is dead"
+                              + ("" if same_host
+                                 else " (it ran on another machine, so it cannot be checked from here)"))
         raise RunDirError(f"{self.lock_path}: could not take the lock")
 
     def unlock(self):
@@ -452,14 +488,18 @@ class RunDirLock(RunDirRecord):
 # %% ../nbs/40_run_state.ipynb #304ed0d1
 class RunDir(RunDirLock):
     """The checkpoint directory of one run: numbered state dirs committed through an atomically written info.json,
-    the previous state kept as a fallback, a lock so that two runs never write it, and the checks a run makes at start."""
+    the previous state kept as a fallback, a lock so that two runs never write it, and the checks a run makes at
+    start."""
     def check_resume(self, config: dict, keys=RESUME_KEYS, saved_config: str = "the saved config"):
         "Refuse (before anything is overwritten) to resume with other values of `keys` than the committed run's."
         info = self.info()
         if info is None or "config" not in info: return
-        diff = [f"{k} {info['config'].get(k)!r} -> {config.get(k)!r}" for k in keys if info["config"].get(k) != config.get(k)]
-        if diff: raise RunDirError(f"{self.path} holds a run with another model config ({'; '.join(diff)}): it cannot resume "
-                                   f"with these. Use a new experiment_id, or set them back (see {saved_config}); nothing was changed.")
+        diff = [f"{k} {info['config'].get(k)!r} -> {config.get(k)!r}" for k in keys
+                if info["config"].get(k) != config.get(k)]
+        if diff:
+            raise RunDirError(f"{self.path} holds a run with another model config ({'; '.join(diff)}): it cannot "
+                              f"resume with these. Use a new experiment_id, or set them back (see {saved_config}); "
+                              f"nothing was changed.")
 
     def check_writable(self, *dirs):
         """Create the run directory (and `dirs`) and prove each can be written now, not at the first save hours later;
@@ -468,48 +508,58 @@ class RunDir(RunDirLock):
             d = Path(d)
             link = next((p for p in sorted(d.iterdir()) if p.is_symlink()), None) if d.is_dir() else None
             if link is not None:
-                raise RunDirError(f"{link} is a symbolic link (to {os.readlink(link)}): the run writes its files inside "
-                                  f"{d} and never through a link; remove it or choose another folder")
+                raise RunDirError(f"{link} is a symbolic link (to {os.readlink(link)}): the run writes its files "
+                                  f"inside {d} and never through a link; remove it or choose another folder")
             try:
                 d.mkdir(parents=True, exist_ok=True)
                 probe = d/f".write-test-{os.getpid()}"
                 with open(probe, "wb") as f: f.write(b"0" * 4096); f.flush(); os.fsync(f.fileno())
                 probe.unlink()
-            except OSError as e: raise RunDirError(f"cannot write to {d}: {e.strerror}; choose another checkpoint_path/output_path") from None
+            except OSError as e:
+                raise RunDirError(f"cannot write to {d}: {e.strerror}; "
+                                  "choose another checkpoint_path/output_path") from None
 
     def check_space(self, need_bytes: int):
         "Refuse to start when the disk holding the run has less free space than one more checkpoint needs."
         free = shutil.disk_usage(self.path).free
         if free < need_bytes:
-            raise RunDirError(f"{self.path}: {free / 1e9:.2f} GB free, but a checkpoint needs about {need_bytes / 1e9:.2f} GB; "
-                              "free some space or choose another checkpoint_path")
+            raise RunDirError(f"{self.path}: {free / 1e9:.2f} GB free, but a checkpoint needs about "
+                              f"{need_bytes / 1e9:.2f} GB; free some space or choose another checkpoint_path")
 
 # %% ../nbs/40_run_state.ipynb #8defc11d
 def training_generator(seed: int, rank: int) -> torch.Generator:
     "The random stream of process `rank` (noise, timesteps, caption dropout): a CPU generator, whatever the device."
     return torch.Generator().manual_seed(seed * 1000 + rank)
 
+# %% ../nbs/40_run_state.ipynb #21c9061f
 def save_ema(ema: EMA, state_dir, is_main: bool):
-    "The EMA into a training state, once: `ema.safetensors` (main process), or under FSDP `ema/` with every process's shards."
+    """The EMA into a training state, once: `ema.safetensors` (main process), or under FSDP `ema/` with every process's
+    shards."""
     d = Path(state_dir)
     if ema.sharded:
         import torch.distributed.checkpoint as dcp
-        dcp.save({**{n: _dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers}, checkpoint_id=d/"ema")
+        dcp.save({**{n: _dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers},
+                 checkpoint_id=d/"ema")
     elif is_main:
         save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors")
         ema.saved = d/"ema.safetensors"   # the released copy links to it (`write_weights`) until the next update
 
-def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, rng: torch.Generator, gdf, ema: EMA | None = None):
+# %% ../nbs/40_run_state.ipynb #2e0581fc
+def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, rng: torch.Generator, gdf,
+                        ema: EMA | None = None):
     "Write the loop's own state into `state_dir` (every process calls it): JSON and safetensors, no pickle."
     d = Path(state_dir)
     save_safetensors_atomic({"state": rng.get_state()}, d/f"rng_{rank}.safetensors")   # each rank its own stream
     if ema is not None: save_ema(ema, d, is_main)
     if not is_main: return
-    save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()}, d/"gdf.safetensors")
+    save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()},
+                            d/"gdf.safetensors")
     atomic_write_json(d/"train_state.json", state.state_dict())
 
+# %% ../nbs/40_run_state.ipynb #8e16ea60
 def write_weights(weights, path):
-    "Write a state dict to `path` atomically, or make `path` a hard link to a file that holds those bytes already (a copy where links fail)."
+    """Write a state dict to `path` atomically, or make `path` a hard link to a file that holds those bytes already (a
+    copy where links fail)."""
     if not isinstance(weights, (str, os.PathLike)): return save_safetensors_atomic(weights, path)
     path = Path(path); tmp = path.with_name(f".{path.name}.link")
     tmp.unlink(missing_ok=True)
@@ -540,23 +590,31 @@ def fsync_tree(path) -> int:
 # %% ../nbs/40_run_state.ipynb #bf2cb70f
 def _read(path: Path, read):
     "read(path), or a clear error naming the checkpoint file."
-    if not path.exists(): raise RuntimeError(f"resume: {path} is missing (a checkpoint written by an older cascade_nb, or damaged)")
+    if not path.exists():
+        raise RuntimeError(f"resume: {path} is missing (a checkpoint written by an older cascade_nb, or damaged)")
     try: return read(path)
     except Exception as e: raise RuntimeError(f"resume: {path} is unreadable ({type(e).__name__}: {e})") from None
 
+# %% ../nbs/40_run_state.ipynb #3035ff26
 def load_ema(ema: EMA, state_dir):
-    "Restore what `save_ema` wrote; under FSDP every process calls it, and shards saved by another process count are resharded."
+    """Restore what `save_ema` wrote; under FSDP every process calls it, and shards saved by another process count are
+    resharded."""
     from safetensors.torch import load_file
     d, ema.saved = Path(state_dir), None
-    if not ema.sharded: return ema.module.load_state_dict(_read(d/"ema.safetensors", lambda p: load_file(str(p))))   # onto its device
+    if not ema.sharded:
+        # onto its device
+        return ema.module.load_state_dict(_read(d/"ema.safetensors", lambda p: load_file(str(p))))
     import torch.distributed.checkpoint as dcp
     sd = {**{n: _dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers}
     _read(d/"ema"/".metadata", lambda p: dcp.load(sd, checkpoint_id=p.parent))
-    for n, t in sd.items():   # a DTensor's shard lives on its mesh's device: copied back when the EMA is elsewhere (`ema_on_cpu`)
+    # a DTensor's shard lives on its mesh's device: copied back when the EMA is elsewhere (`ema_on_cpu`)
+    for n, t in sd.items():
         dst = ema.shards.get(n, ema.buffers.get(n))
         if local_shard(t).data_ptr() != dst.data_ptr(): dst.copy_(local_shard(t))
 
-def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Generator, gdf, ema: EMA | None = None) -> bool:
+# %% ../nbs/40_run_state.ipynb #24651bed
+def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Generator, gdf,
+                        ema: EMA | None = None) -> bool:
     "Restore what `save_training_state` wrote; False when this rank has no saved stream (the process count changed)."
     from safetensors.torch import load_file
     d = Path(state_dir)
@@ -572,14 +630,16 @@ def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Gene
 
 
 # %% ../nbs/40_run_state.ipynb #4c709f5d
-_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("pathlib._local", "PosixPath"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+                ("pathlib._local", "PosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
 class _DCPMetadataUnpickler(pickle.Unpickler):
-    "Unpickles a torch.distributed.checkpoint `.metadata` file: only its dataclasses, dtypes and sizes, nothing callable."
+    """Unpickles a torch.distributed.checkpoint `.metadata` file: only its dataclasses, dtypes and sizes, nothing
+    callable."""
     def find_class(self, module, name):
-        ok = (module, name) in _DCP_GLOBALS or (module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"))
+        ok = (module, name) in _DCP_GLOBALS or (module == "torch.distributed.checkpoint.metadata"
+                                                and not name.startswith("__"))
         if module == "torch" and not ok: ok = isinstance(getattr(torch, name, None), torch.dtype)
         if not ok: raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
         obj = super().find_class(module, name)
@@ -587,6 +647,7 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not a class")
         return obj
 
+# %% ../nbs/40_run_state.ipynb #8711711d
 def _check_torch_file(path: Path):
     from accelerate.utils.other import load   # accelerate's own safe loader: weights_only=True + numpy array globals
     load(path, map_location="cpu", mmap=True)  # mmap: tensors are mapped, not read
@@ -595,15 +656,18 @@ def _check_dcp_metadata(path: Path):
     with path.open("rb") as f: _DCPMetadataUnpickler(f).load()
 
 _CHECKS = {".bin": _check_torch_file, ".pkl": _check_torch_file, ".pt": _check_torch_file, ".pth": _check_torch_file,
-           ".safetensors": safetensors_header, ".json": lambda p: json.loads(p.read_text())}   # the last two: clear errors
+           # the last two: clear errors
+           ".safetensors": safetensors_header, ".json": lambda p: json.loads(p.read_text())}
 
+# %% ../nbs/40_run_state.ipynb #255fe2cb
 def check_checkpoint_files(state_dir):
     "Refuse `state_dir` (naming the file) if any pickled file a resume reads holds more than tensors and plain data."
     for f in sorted(Path(state_dir).rglob("*")):
         if not f.is_file(): continue
         if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f.name):
-            raise RuntimeError(f"resume: refusing {f}: cascade_nb never writes custom_checkpoint files, and accelerate would "
-                               "unpickle it with weights_only=False (able to run code). Remove it if the run is yours.")
+            raise RuntimeError(f"resume: refusing {f}: cascade_nb never writes custom_checkpoint files, and accelerate "
+                               "would unpickle it with weights_only=False (able to run code). Remove it if the run is "
+                               "yours.")
         check = _CHECKS.get(f.suffix) or (_check_dcp_metadata if f.name.endswith(".metadata") else None)
         if check is None: continue
         try: check(f)
@@ -630,13 +694,15 @@ def save_sample_grid(rows: dict[str, torch.Tensor], path, value_range=(0., 1.)) 
 
 # %% ../nbs/40_run_state.ipynb #71fae65a
 class StopWaiting(BaseException):
-    "Raised by `StopFlag`'s handler inside `StopFlag.interruptible`: a BaseException, so a reader's `except Exception` lets it through."
+    """Raised by `StopFlag`'s handler inside `StopFlag.interruptible`: a BaseException, so a reader's
+    `except Exception` lets it through."""
 
+# %% ../nbs/40_run_state.ipynb #3e192877
 class StopFlag:
-    """Set by SIGTERM / SIGINT / SIGHUP (SLURM pre-emption, `docker stop`, Ctrl-C, a closed terminal or SSH session): the
-    loop saves at the next update boundary and exits 0. A second SIGINT stops at once (KeyboardInterrupt) for whoever
-    does not want to wait for that save. Inside `interruptible()` (a wait for data at an update boundary) the signal
-    also raises `StopWaiting`, so a stalled source cannot hold the save back."""
+    """Set by SIGTERM / SIGINT / SIGHUP (SLURM pre-emption, `docker stop`, Ctrl-C, a closed terminal or SSH session):
+    the loop saves at the next update boundary and exits 0. A second SIGINT stops at once (KeyboardInterrupt) for
+    whoever does not want to wait for that save. Inside `interruptible()` (a wait for data at an update boundary) the
+    signal also raises `StopWaiting`, so a stalled source cannot hold the save back."""
     def __init__(self): self.signal, self.waiting = None, False
     def install(self):
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -649,14 +715,17 @@ class StopFlag:
     def __bool__(self): return self.signal is not None
     @contextlib.contextmanager
     def interruptible(self, on: bool = True):
-        "While inside (and `on`), a stop signal raises `StopWaiting` where the code is instead of only setting the flag."
+        """While inside (and `on`), a stop signal raises `StopWaiting` where the code is instead of only setting the
+        flag."""
         self.waiting = on
         try: yield
         finally: self.waiting = False
 
+# %% ../nbs/40_run_state.ipynb #5412880e
 def next_batch(stream, stop: StopFlag, interruptible: bool):
     """The stream's next batch, or None when a stop signal came while waiting for it (`interruptible`: the caller is at
-    an update boundary, where a save loses nothing; the batch is drawn again on resume, as the counters never saw it)."""
+    an update boundary, where a save loses nothing; the batch is drawn again on resume, as the counters never saw
+    it)."""
     try:
         with stop.interruptible(interruptible): return next(stream)
     except StopWaiting: return None

@@ -45,7 +45,7 @@ def best_weights(checkpoint_dir) -> tuple[Path, dict]:
 def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
     """(cfg, frozen generator, weights file) of a training run directory: its released generator (EMA when present),
     or with `best` the best one by the run's `best_metric` (a run that releases a whole generator)."""
-    from cascade_nb.config import resolve_mode
+    from cascade_nb.modes import resolve_mode
     from cascade_nb.modes import build_generator
     cfg = run_config(checkpoint_dir)
     mode = resolve_mode(cfg)
@@ -64,7 +64,7 @@ def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = F
 
 def load_run(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
     "(mode, gdf, cfg) of a training run directory, with the run's released generator weights (`run_generator`)."
-    from cascade_nb.config import resolve_mode
+    from cascade_nb.modes import resolve_mode
     cfg, generator, weights = run_generator(checkpoint_dir, ema, device, best)
     tok, text_model = build_text_encoder(cfg, device)
     resolve_mode(cfg).add_released_tokens(cfg, checkpoint_dir, tok, text_model)   # e.g. a LoRA's trained tokens

@@ -2,6 +2,7 @@
 from fractions import Fraction
 import pytest
 from cascade_nb.config import ConfigError, KEY_SECTION, load_config, save_config
+import cascade_nb.modes   # noqa: F401 -- the training modes' config hook: configs load the way every command loads them
 from official_configs import OFFICIAL_CONFIGS, OFFICIAL_KEYS
 
 def test_every_official_key_is_known():

@@ -60,3 +60,37 @@ def test_reading_order_is_import_order():
             if notebook_of(m) and notebook_of(n) and notebook_of(n) > notebook_of(m)]
     assert not late, "modules importing a later notebook's module: " + ", ".join(
         f"{m} ({notebook_of(m)}) -> {n} ({notebook_of(n)})" for m, n in late)
+
+CONFIG_ALONE = """
+import json, sys
+from pathlib import Path
+def loaded(): return sorted(m for m in sys.modules if m.startswith("cascade_nb"))
+import cascade_nb.config as config
+at_import, out = loaded(), {}
+for path in sorted(Path("configs").glob("*.yaml")):
+    try: cfg = config.load_config(path, ["webdataset_path=data_samples/emoji"]); out[path.name] = cfg.train.mode
+    except config.ConfigError as e: out[path.name] = "error: " + str(e)
+print(json.dumps({"at_import": at_import, "at_load": loaded(), "configs": out}))
+"""
+
+def test_config_imports_no_later_module_at_import_or_load():
+    "`import cascade_nb.config` and `load_config` of every shipped config load no module of a later notebook."
+    import json, subprocess, sys
+    res = subprocess.run([sys.executable, "-c", CONFIG_ALONE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    late = lambda names: [m for m in names if m in MODULES and notebook_of(m) and notebook_of(m) > notebook_of("cascade_nb.config")]
+    assert got["at_import"] == got["at_load"], set(got["at_load"]) - set(got["at_import"])
+    assert not late(got["at_load"]), late(got["at_load"])
+    configs = got["configs"]
+    assert len(configs) >= 4 and configs["demo.yaml"] is None      # loaded; the mode is left to the modes' hook
+    for name, outcome in configs.items():                            # a mode's own keys: a clear error, not a crash
+        assert outcome is None or "known once cascade_nb.modes is imported" in outcome, (name, outcome)
+
+def test_with_the_modes_loaded_every_shipped_config_resolves_its_mode():
+    import json, subprocess, sys
+    code = CONFIG_ALONE.replace("import cascade_nb.config as config", "import cascade_nb.config as config, cascade_nb.modes")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["configs"] == {"controlnet_demo.yaml": "controlnet", "demo.yaml": "full",
+                                                 "lcm_demo.yaml": "lcm", "lora_demo.yaml": "lora"}

@@ -80,7 +80,7 @@ def long_lines(root: Path = ROOT) -> tuple[list[str], int, int]:
 def figures(root: Path = ROOT) -> tuple[list[str], list[str]]:
     "The printed figures and the targets missed."
     cells = export_cells(root)
-    n = sorted(k for _, _, k, _ in cells)
+    n = sorted(k for _, _, k, _ in cells) or [0]
     too_long = [f"{nb} cell {i} ({k} lines)" for nb, i, k, s in cells if k > MAX_CELL and not allowed_long(s)]
     many = sum(defined_names(s) >= 4 for *_, s in cells)
     where, over100, total = long_lines(root)

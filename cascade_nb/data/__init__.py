@@ -11,12 +11,14 @@ __all__ = ['SKIP_REASONS', 'SkipCounter', 'format_skips', 'resolve_shards', 'wri
            'config_cache_parts', 'find_cache_info', 'CacheMismatchError']
 
 # %% ../../nbs/35_data.ipynb #53cc9fd9
-from .sources import SKIP_REASONS, SkipCounter, format_skips, resolve_shards, write_shards, pack_folder
+from .sources import (SKIP_REASONS, SkipCounter, format_skips, resolve_shards, write_shards,
+                                     pack_folder)
 from .buckets import bucket_sizes, closest_bucket, resize_crop
-from .pipeline import (build_dataset, build_dataloader, dataloader_from_config, inspect_source, sum_skips,
-                                      ImageTextDataset)
+from .pipeline import (build_dataset, build_dataloader, dataloader_from_config, inspect_source,
+                                      sum_skips, ImageTextDataset)
 from .cache import (cache_dataset, cache_fingerprint, config_cache_parts, find_cache_info,
                                    CacheMismatchError)
-_all_ = ["SKIP_REASONS", "SkipCounter", "format_skips", "resolve_shards", "write_shards", "pack_folder", "bucket_sizes", "closest_bucket",
-         "resize_crop", "build_dataset", "build_dataloader", "dataloader_from_config", "inspect_source", "sum_skips",
-         "ImageTextDataset", "cache_dataset", "cache_fingerprint", "config_cache_parts", "find_cache_info", "CacheMismatchError"]
+_all_ = ["SKIP_REASONS", "SkipCounter", "format_skips", "resolve_shards", "write_shards", "pack_folder", "bucket_sizes",
+         "closest_bucket", "resize_crop", "build_dataset", "build_dataloader", "dataloader_from_config",
+         "inspect_source", "sum_skips", "ImageTextDataset", "cache_dataset", "cache_fingerprint", "config_cache_parts",
+         "find_cache_info", "CacheMismatchError"]

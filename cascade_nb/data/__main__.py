@@ -21,7 +21,9 @@ def _ratios(cfg, args):
 
 def _load_cfg(path):
     if path is None: return None
-    from cascade_nb.config import load_config
+    from cascade_nb.config import load_config, import_modules
+    # a training config of any mode: the modes (later in the reading order) register their sections' keys on import
+    import_modules(["cascade_nb.modes"], "data")
     return load_config(path, training=False)
 
 def format_report(rep: dict) -> str:

@@ -23,7 +23,8 @@ __all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'COUNTS_ONLY', 'LATENT_COMPR
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
 def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[int, int], ...]:
-    "(H, W) buckets of area ≈ `image_size`² for each ratio w/h in `ratios` and its reciprocal; one square bucket if no ratios."
+    """(H, W) buckets of area ≈ `image_size`² for each ratio w/h in `ratios` and its reciprocal; one square bucket if
+    no ratios."""
     if not ratios: return ((image_size, image_size),)
     area, rs = image_size ** 2, set()
     for r in ratios:
@@ -31,20 +32,25 @@ def bucket_sizes(image_size: int, ratios=None, factor: int = 32) -> tuple[tuple[
         if r <= 0: raise ValueError(f"multi_aspect_ratio entries must be positive w/h ratios, got {r}")
         rs |= {r, 1 / r}
     sizes = {(int(math.sqrt(area / r) // factor) * factor, int(math.sqrt(area * r) // factor) * factor) for r in rs}
-    if any(min(s) < factor for s in sizes): raise ValueError(f"image_size {image_size} is too small for ratios {sorted(rs)}: a side rounds to 0")
+    if any(min(s) < factor for s in sizes):
+        raise ValueError(f"image_size {image_size} is too small for ratios {sorted(rs)}: a side rounds to 0")
     return tuple(sorted(sizes, key=lambda hw: hw[1] / hw[0]))
 
 # %% ../../nbs/31_data.buckets.ipynb #8ed2cd00
 SMART_CROP_P, SMART_CROP_Q = 0.3, 0.2   # the reference's SmartCrop(size, randomize_p=0.3, randomize_q=0.2)
 
+# %% ../../nbs/31_data.buckets.ipynb #925853cc
 def _fft_len(n: int) -> int:
     "The smallest multiple of 8 ≥ n (FFT-friendly sizes)."
     return -(-n // 8) * 8
 
+# %% ../../nbs/31_data.buckets.ipynb #46562f80
 def saliency_map(img: Image.Image, side: int = 64) -> np.ndarray:
-    "Spectral-residual saliency (Hou & Zhang, CVPR 2007) of `img` as an (h, w) map in [0, 1], about `side` pixels on its shorter side."
+    """Spectral-residual saliency (Hou & Zhang, CVPR 2007) of `img` as an (h, w) map in [0, 1], about `side` pixels on
+    its shorter side."""
     if img.mode not in ("RGB", "L"): img = img.convert("RGB")
-    small = img.reduce(max(1, min(img.size) // side)) if min(img.size) >= 2 * side else img   # integer box reduction: cheap
+    # integer box reduction: cheap
+    small = img.reduce(max(1, min(img.size) // side)) if min(img.size) >= 2 * side else img
     g = np.asarray(small.convert("L"), dtype=np.float32)                   # (h, w) grey thumbnail
     h, w = g.shape
     if np.ptp(g) == 0: return np.zeros((h, w), np.float32)                 # a flat image: nothing stands out
@@ -63,8 +69,10 @@ def saliency_map(img: Image.Image, side: int = 64) -> np.ndarray:
     sal = np.maximum(sal[ph:ph + h, pw:pw + w], 0)
     return (sal / max(sal.max(), 1e-12)).astype(np.float32)
 
+# %% ../../nbs/31_data.buckets.ipynb #ade0bc4c
 def saliency_center(img: Image.Image, threshold: float = 0.5) -> tuple[float, float]:
-    "(y, x) in [0, 1] (pixel index / (n - 1), as the reference) of the saliency-weighted centroid of the region ≥ `threshold`·max."
+    """(y, x) in [0, 1] (pixel index / (n - 1), as the reference) of the saliency-weighted centroid of the region
+    ≥ `threshold`·max."""
     sal = saliency_map(img)
     wgt = sal * (sal >= threshold)
     ys, xs = np.linspace(0, 1, sal.shape[0]), np.linspace(0, 1, sal.shape[1])
@@ -78,12 +86,14 @@ def closest_bucket(h: int, w: int, buckets) -> tuple[int, int]:
     lr = math.log(w / h)
     return min(buckets, key=lambda b: abs(math.log(b[1] / b[0]) - lr))
 
+# %% ../../nbs/31_data.buckets.ipynb #dea109d9
 CROPS = ("smart", "random", "center")
 
 def crop_box(h: int, w: int, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None,
              center: tuple[float, float] | None = None):
     """The (top, left, height, width) box of an h×w image, in source pixels, that scales to cover `size` (H, W):
-    centred, uniformly random, or ("smart") around `center` = (y, x) in [0, 1], moved as the reference's SmartCrop does."""
+    centred, uniformly random, or ("smart") around `center` = (y, x) in [0, 1], moved as the reference's SmartCrop
+    does."""
     H, W = size
     scale = max(H / h, W / w)
     bh, bw = min(H / scale, h), min(W / scale, w)   # min: float round-off
@@ -99,6 +109,7 @@ def crop_box(h: int, w: int, size: tuple[int, int], crop: str = "center", rng: r
     else: raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
     return max(0.0, top), max(0.0, left), bh, bw
 
+# %% ../../nbs/31_data.buckets.ipynb #8fa8627f
 def _center_for(img: Image.Image, size, crop: str):
     "The saliency centre when a smart crop has something to choose (the image is not already the bucket's shape)."
     if crop != "smart": return None
@@ -106,13 +117,17 @@ def _center_for(img: Image.Image, size, crop: str):
     if size[0] / scale > img.height - 0.5 and size[1] / scale > img.width - 0.5: return None
     return saliency_center(img)
 
+# %% ../../nbs/31_data.buckets.ipynb #dfcef78b
 def resize_crop(img: Image.Image, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
-    "Scale `img` to cover `size` (H, W) and crop it, as a PIL image (for previews); returns it and the crop's (top, left)."
+    """Scale `img` to cover `size` (H, W) and crop it, as a PIL image (for previews); returns it and the crop's
+    (top, left)."""
     top, left, bh, bw = crop_box(img.height, img.width, size, crop, rng, _center_for(img, size, crop))
     if (img.height, img.width) == tuple(size): return img, (0, 0)   # already the bucket's size: nothing to resample
-    out = img.resize(size[::-1], Image.Resampling.BILINEAR, box=(left, top, left + bw, top + bh))   # antialiased when shrinking
+    # antialiased when shrinking
+    out = img.resize(size[::-1], Image.Resampling.BILINEAR, box=(left, top, left + bw, top + bh))
     return out, (round(top), round(left))
 
+# %% ../../nbs/31_data.buckets.ipynb #e30eee35
 def resize_crop_chw(img: Image.Image, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None):
     """`resize_crop` for training: the box snapped to whole pixels and resampled by torch's uint8 antialiased bilinear
     kernel (PIL's filter, within a few levels at the box edges; ≈4× faster on CPU), straight into a contiguous
@@ -126,6 +141,7 @@ def resize_crop_chw(img: Image.Image, size: tuple[int, int], crop: str = "center
         x = F.interpolate(x[None], size=tuple(size), mode="bilinear", antialias=True, align_corners=False)[0]
     return x.contiguous().numpy(), (t, l)
 
+# %% ../../nbs/31_data.buckets.ipynb #82fbdc3e
 def images_to_float(images: list[np.ndarray]) -> torch.Tensor:
     "Same-size (3, H, W) uint8 arrays → one (B, 3, H, W) float32 tensor in [0, 1]."
     out = np.empty((len(images), *images[0].shape), np.float32)
@@ -133,7 +149,9 @@ def images_to_float(images: list[np.ndarray]) -> torch.Tensor:
     out *= np.float32(1 / 255)
     return torch.from_numpy(out)
 
-def pick_bucket(h: int, w: int, buckets, p_random_ratio: float = 0.0, rng: random.Random | None = None) -> tuple[int, int]:
+# %% ../../nbs/31_data.buckets.ipynb #093fc363
+def pick_bucket(h: int, w: int, buckets, p_random_ratio: float = 0.0,
+                rng: random.Random | None = None) -> tuple[int, int]:
     "The closest bucket, or with probability `p_random_ratio` a random one (the reference's `bucketeer_random_ratio`)."
     if p_random_ratio and (rng or random).random() < p_random_ratio: return (rng or random).choice(tuple(buckets))
     return closest_bucket(h, w, buckets)
@@ -143,7 +161,8 @@ class BucketResize:
     "Pipeline stage: decoded sample (PIL `image`, maybe its `bucket`) → bucket-sized (3, H, W) uint8 `image` array."
     def __init__(self, buckets, crop: str = "random", p_random_ratio: float = 0.0, seed: int = 0):
         if crop not in CROPS: raise ValueError(f"crop must be one of {CROPS}, got {crop!r}")
-        self.buckets, self.crop, self.p_random_ratio, self.seed, self.epoch = tuple(buckets), crop, p_random_ratio, seed, 0
+        self.buckets, self.crop, self.p_random_ratio, self.seed, self.epoch = (
+            tuple(buckets), crop, p_random_ratio, seed, 0)
 
     def __call__(self, samples):
         rng = random.Random(_worker_seed(self.seed + 1, self.epoch)); self.epoch += 1
@@ -151,13 +170,16 @@ class BucketResize:
             img = s["image"]
             oh, ow = s.get("original_size", (img.height, img.width))   # the decoder may have decoded at reduced size
             bucket = s.get("bucket") or pick_bucket(oh, ow, self.buckets, self.p_random_ratio, rng)
-            if hasattr(img, "deferred_crop"):   # pixels not decoded yet (`data.pipeline.LazyImage`): cropped when its batch is emitted
-                yield {**s, "image": img.deferred_crop(bucket, self.crop, rng), "bucket": bucket, "original_size": (oh, ow)}
+            # pixels not decoded yet (`data.pipeline.LazyImage`): cropped when its batch is emitted
+            if hasattr(img, "deferred_crop"):
+                yield {**s, "image": img.deferred_crop(bucket, self.crop, rng), "bucket": bucket,
+                       "original_size": (oh, ow)}
                 continue
             chw, (top, left) = resize_crop_chw(img, bucket, self.crop, rng)
             yield {**s, "image": chw, "bucket": bucket, "original_size": (oh, ow),
                    "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
 
+# %% ../../nbs/31_data.buckets.ipynb #7ab788ea
 def materialize_samples(samples: list[dict], counter: SkipCounter | None = None) -> list[dict]:
     """Decode the samples whose pixels were deferred (`image.materialize`); one that fails is counted as `bad_image` and
     replaced by a good sample of the same batch, so the batch and those after it stay the same; none good: [] (the batch
@@ -173,6 +195,7 @@ def materialize_samples(samples: list[dict], counter: SkipCounter | None = None)
     if not good: return []
     return [s if s is not None else good[0] for s in out]
 
+# %% ../../nbs/31_data.buckets.ipynb #61b74824
 def collate_samples(samples: list[dict]) -> dict:
     """Stack one bucket's samples: (3, H, W) uint8 images → uint8 `images` (B, 3, H, W) (a quarter of float32's bytes
     through shared memory and the host→device copy; `images_to_device` makes them float in [0, 1] there), tensors
@@ -191,22 +214,26 @@ def collate_samples(samples: list[dict]) -> dict:
         else: batch[name] = vals
     return batch
 
+# %% ../../nbs/31_data.buckets.ipynb #f664091d
 COUNTS_ONLY = "__counts_only__"
 "Key of the item a reader yields after its last batch with the filter counts no batch carried (`counts_item`)."
 
 class BucketBatcher:
-    "Pipeline stage: samples → batches of `batch_size` from one bucket each, with the skip and filter counts since the last."
-    def __init__(self, batch_size: int, counter: SkipCounter | None = None, drop_last: bool = True, group_key: str = "bucket"):
+    """Pipeline stage: samples → batches of `batch_size` from one bucket each, with the skip and filter counts since
+    the last."""
+    def __init__(self, batch_size: int, counter: SkipCounter | None = None, drop_last: bool = True,
+                 group_key: str = "bucket"):
         if batch_size < 1: raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.counter, self.drop_last, self.group_key = batch_size, counter, drop_last, group_key
-        self.fast_forward = 0   # batches (all readers together) the next pass hands over undecoded: a resume's fast-forward
+        # batches (all readers together) the next pass hands over undecoded: a resume's fast-forward
+        self.fast_forward = 0
         self.counts_item = False   # True (a loader that removes it): a last item {COUNTS_ONLY, filters} per pass
 
     def _emit(self, samples):
         if self._ff > 0:   # a batch the resumed run already trained on: its samples' pixels are never decoded
             self._ff -= 1
-            return {"fast_forwarded": True, "bucket": samples[0][self.group_key], "keys": [s.get("__key__") for s in samples],
-                    **self._counts()}
+            return {"fast_forwarded": True, "bucket": samples[0][self.group_key],
+                    "keys": [s.get("__key__") for s in samples], **self._counts()}
         samples = materialize_samples(samples, self.counter)
         if not samples: return None   # not one of them decodes: counted, dropped
         return {**collate_samples(samples), **self._counts()}
@@ -217,7 +244,8 @@ class BucketBatcher:
         return {"skipped": self.counter.take(), "filters": self.counter.take_filters()}
 
     def __call__(self, samples):
-        info = torch.utils.data.get_worker_info()   # readers hand out batches in turn: this one's share of the fast-forward
+        # readers hand out batches in turn: this one's share of the fast-forward
+        info = torch.utils.data.get_worker_info()
         self._ff = len(range(info.id if info else 0, self.fast_forward, info.num_workers if info else 1))
         pending: dict = {}
         for s in samples:
@@ -236,18 +264,23 @@ class BucketBatcher:
 
 # %% ../../nbs/31_data.buckets.ipynb #1c5fbf44
 def resolution_at(schedule, update: int, default: int) -> int:
-    "The image side of update `update` (0-based): the side of the last `[start, side]` entry with start <= update; `default` without a schedule."
+    """The image side of update `update` (0-based): the side of the last `[start, side]` entry with start <= update;
+    `default` without a schedule."""
     side = default
     for start, s in schedule or ():
         if start <= update: side = s
     return side
 
+# %% ../../nbs/31_data.buckets.ipynb #382f4b8f
 def bucket_at(bucket, side: int, ratios=None) -> tuple[int, int]:
-    "The bucket that `bucket` (H, W), made at `image_size`, becomes at image side `side`: the one of `bucket_sizes(side, ratios)` closest in ratio."
+    """The bucket that `bucket` (H, W), made at `image_size`, becomes at image side `side`: the one of
+    `bucket_sizes(side, ratios)` closest in ratio."""
     return closest_bucket(*bucket, bucket_sizes(side, ratios))
 
+# %% ../../nbs/31_data.buckets.ipynb #9ea281a2
 def resize_cover(images: torch.Tensor, size) -> torch.Tensor:
-    "(B, C, h, w) images → (B, C, H, W) on their device: antialiased bilinear to cover `size`, centre crop; uint8 stays uint8."
+    """(B, C, h, w) images → (B, C, H, W) on their device: antialiased bilinear to cover `size`, centre crop; uint8
+    stays uint8."""
     (H, W), (h, w) = tuple(size), tuple(images.shape[-2:])
     if (h, w) == (H, W): return images
     scale = max(H / h, W / w)
@@ -266,13 +299,16 @@ def size_rule(cfg: Config) -> tuple[int, int]:
     m = cfg.model
     if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls, STAGE_B_PRESETS as presets
     else: from cascade_nb.models.stage_c import StageC as cls, STAGE_C_PRESETS as presets
-    arch = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}, **presets[m.model_version], **m.model_overrides}
+    arch = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()},
+            **presets[m.model_version], **m.model_overrides}
     space = "stage_a" if m.stage == "b" else "pixels" if m.latent_space == "pixels" else "effnet"
     multiple = LATENT_COMPRESSION[space] * arch["patch_size"]
     return multiple, multiple * 2 ** (len(arch["c_hidden"]) - 1)
 
+# %% ../../nbs/31_data.buckets.ipynb #6d96709f
 def check_resolution_schedule(cfg: Config):
-    "Refuse a `resolution_schedule` side (or one of its aspect buckets) the model cannot take, naming the entry and the sides that work."
+    """Refuse a `resolution_schedule` side (or one of its aspect buckets) the model cannot take, naming the entry and
+    the sides that work."""
     multiple, minimum = size_rule(cfg) if cfg.data.resolution_schedule else (1, 1)
     for start, side in cfg.data.resolution_schedule or ():
         where = f"{cfg.source or 'config'}: key 'resolution_schedule': entry {[start, side]}"
@@ -282,12 +318,14 @@ def check_resolution_schedule(cfg: Config):
             if min(hw) >= minimum and hw[0] % multiple == 0 and hw[1] % multiple == 0: continue
             ok = sorted({max(minimum, side // multiple * multiple), max(minimum, -(-side // multiple) * multiple)})
             what = f"side {side}" if hw == (side, side) else f"its bucket {hw[0]}×{hw[1]}"
-            raise ConfigError(f"{where}: {what} does not suit the model: image sides must be multiples of {multiple} (latent "
-                              f"compression × patch size) and at least {minimum} (each level halves the latent); e.g. "
-                              f"{' or '.join(map(str, ok))}")
+            raise ConfigError(f"{where}: {what} does not suit the model: image sides must be multiples of {multiple} "
+                              f"(latent compression × patch size) and at least {minimum} (each level halves the "
+                              f"latent); e.g. {' or '.join(map(str, ok))}")
 
+# %% ../../nbs/31_data.buckets.ipynb #343d2788
 def at_resolution(batch: dict, cfg: Config, update: int, device) -> dict:
-    "`batch` at the side of update `update` (`resolution_schedule`): its images moved to `device` and scaled down there."
+    """`batch` at the side of update `update` (`resolution_schedule`): its images moved to `device` and scaled down
+    there."""
     side = resolution_at(cfg.data.resolution_schedule, update, cfg.data.image_size)
     if side == cfg.data.image_size or "images" not in batch: return batch
     bucket = bucket_at(batch.get("bucket") or tuple(batch["images"].shape[-2:]), side, cfg.data.multi_aspect_ratio)

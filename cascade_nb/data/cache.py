@@ -14,7 +14,8 @@ from ..core import atomic_write_json, images_to_device
 from .sources import write_shards, _check_out_dir
 from .pipeline import build_dataset
 # reading cached shards is the pipeline's job (it comes first); the names stay importable from here too
-from .pipeline import CACHE_INFO, find_cache_info, safetensors_metadata, CacheMismatchError, CachedDecoder
+from .pipeline import (CACHE_INFO, find_cache_info, safetensors_metadata, CacheMismatchError,
+                                      CachedDecoder)
 
 
 # %% auto #0
@@ -26,31 +27,38 @@ def cache_fingerprint(**parts) -> str:
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+# %% ../../nbs/33_data.cache.ipynb #2e09dadc
 def config_cache_parts(cfg) -> dict:
     "The config fields a Stage C latent/text cache depends on (pass to `cache_fingerprint`)."
     m, d = cfg.model, cfg.data
     eff = m.effnet_checkpoint_path
     eff_id = f"{Path(eff).name}:{Path(eff).stat().st_size}" if eff and Path(eff).is_file() else eff
     image_model = m.clip_image_model_name if m.clip_image_model_name and d.image_embed_prob > 0 else None
-    return dict(effnet=eff_id, text_model=m.clip_text_model_name, tokenizer=m.tokenizer_path, image_size=d.image_size,
-                multi_aspect_ratio=[str(r) for r in (d.multi_aspect_ratio or [])], image_model=image_model)
+    return dict(effnet=eff_id, text_model=m.clip_text_model_name, tokenizer=m.tokenizer_path,
+                image_size=d.image_size, multi_aspect_ratio=[str(r) for r in (d.multi_aspect_ratio or [])],
+                image_model=image_model)
 
 # %% ../../nbs/33_data.cache.ipynb #5cb799bc
 def _sample_bytes(tensors: dict[str, torch.Tensor], fingerprint: str) -> bytes:
-    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"fingerprint": fingerprint})
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                   metadata={"fingerprint": fingerprint})
 
+# %% ../../nbs/33_data.cache.ipynb #d3f2a176
 @torch.no_grad()
 def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerprint: str, image_size: int = 768,
                   multi_aspect_ratio=None, batch_size: int = 8, shard_size: int = 1000, captions_getter=None,
-                  dataset_filters=None, device=None, store_dtype: torch.dtype | None = None, encoder_info: dict | None = None,
-                  image_embedder=None) -> dict:
-    "Encode `source` with `image_encoder.encode` (and `text_encoder(captions)`, `image_embedder(images)`) into cached shards under `out_dir`."
+                  dataset_filters=None, device=None, store_dtype: torch.dtype | None = None,
+                  encoder_info: dict | None = None, image_embedder=None) -> dict:
+    """Encode `source` with `image_encoder.encode` (and `text_encoder(captions)`, `image_embedder(images)`) into cached
+    shards under `out_dir`."""
     out_dir = Path(out_dir)
-    if (out_dir / CACHE_INFO).exists(): raise FileExistsError(f"{out_dir} already holds a cache ({CACHE_INFO}); use a new folder")
+    if (out_dir / CACHE_INFO).exists():
+        raise FileExistsError(f"{out_dir} already holds a cache ({CACHE_INFO}); use a new folder")
     _check_out_dir(source, out_dir, overwrite=False)
     device = torch.device(device or "cpu")
     ds = build_dataset(source, batch_size, image_size=image_size, multi_aspect_ratio=multi_aspect_ratio, crop="center",
-                       captions_getter=captions_getter, dataset_filters=dataset_filters, shuffle_buffer=0, drop_last=False)
+                       captions_getter=captions_getter, dataset_filters=dataset_filters, shuffle_buffer=0,
+                       drop_last=False)
     skipped, n, t0 = {}, 0, time.time()
     def samples():
         nonlocal n
@@ -59,7 +67,9 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
             latents = image_encoder.encode(images_to_device(batch["images"], device))
             text = text_encoder(batch["captions"]) if text_encoder is not None else {}
             if isinstance(text, torch.Tensor): text = {"text_embeds": text}
-            if image_embedder is not None: text = {**text, "clip_img": image_embedder(images_to_device(batch["images"], device)).view(len(latents), 1, -1)}
+            if image_embedder is not None:
+                text = {**text, "clip_img": image_embedder(images_to_device(batch["images"], device))
+                                            .view(len(latents), 1, -1)}
             for i, (key, caption, meta) in enumerate(zip(batch["keys"], batch["captions"], batch["meta"])):
                 tensors = {"latents": latents[i], **{name: t[i] for name, t in text.items()}}
                 if store_dtype is not None: tensors = {k: v.to(store_dtype) for k, v in tensors.items()}
@@ -67,8 +77,9 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
                        "json": json.dumps({**meta, "source_key": key, "original_size": batch["original_sizes"][i]})}
                 n += 1
     shards = write_shards(samples(), out_dir, shard_size)
-    info = dict(fingerprint=fingerprint, samples=n, shards=[p.name for p in shards], skipped=skipped, clip_img=image_embedder is not None,
-                image_size=image_size, multi_aspect_ratio=[str(r) for r in (multi_aspect_ratio or [])],
+    info = dict(fingerprint=fingerprint, samples=n, shards=[p.name for p in shards], skipped=skipped,
+                clip_img=image_embedder is not None, image_size=image_size,
+                multi_aspect_ratio=[str(r) for r in (multi_aspect_ratio or [])],
                 encoder=encoder_info or {"image": type(image_encoder).__name__, "text": type(text_encoder).__name__},
                 source=str(source), seconds=round(time.time() - t0, 1))
     atomic_write_json(out_dir / CACHE_INFO, info)

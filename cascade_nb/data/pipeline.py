@@ -42,6 +42,7 @@ class UnsupportedImage(ValueError):
     "Pixels that have no faithful 8-bit RGB; counted as `unsupported_mode` (`skip_reason`), not as a broken file."
     skip_reason = "unsupported_mode"
 
+# %% ../../nbs/32_data.pipeline.ipynb #052e8b28
 _DEEP_GREY = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
 "High-depth grey modes and the value that is white in each."
 
@@ -52,6 +53,7 @@ def _deep_to_l(img: Image.Image) -> Image.Image:
         raise UnsupportedImage(f"{img.mode} pixels in {a.min()}..{a.max()}, outside 0..{white}")
     return Image.fromarray(np.round(a.astype(np.float64) * (255 / white)).astype(np.uint8), "L")
 
+# %% ../../nbs/32_data.pipeline.ipynb #8a820e6b
 def to_rgb(img: Image.Image) -> Image.Image:
     "RGB uint8 image of any PIL mode: high-depth grey scaled, EXIF rotation applied, transparency composited on white."
     if img.format in ("JPEG", "MPO", "WEBP", "TIFF"):   # formats that carry EXIF rotation
@@ -70,9 +72,11 @@ def default_min_side(image_size: int) -> int:
     return max(16, image_size // 8)
 
 def default_max_pixels(image_size: int) -> int:
-    "Images that would decode to more pixels than this are skipped as `too_large`: 64× the training area (8× per side), at least 4096²."
+    """Images that would decode to more pixels than this are skipped as `too_large`: 64× the training area (8× per
+    side), at least 4096²."""
     return max(64 * image_size ** 2, 4096 ** 2)
 
+# %% ../../nbs/32_data.pipeline.ipynb #4baaae01
 MAX_CAPTION_CHARS = 4096
 "Captions are cut to this many characters when read (counted as `caption_cut`): 10× what CLIP's 77 tokens hold."
 
@@ -80,13 +84,16 @@ _FILTERED_SHARDS: set = set()
 "Shards this process has said `dataset_filters` empty (said once per run, not every epoch or every loader)."
 
 class SampleDecoder:
-    "Pipeline stage: raw samples → `{image (PIL), caption, meta, bucket}`; counts skips; fails on a shard with nothing usable."
+    """Pipeline stage: raw samples → `{image (PIL), caption, meta, bucket}`; counts skips; fails on a shard with
+    nothing usable."""
     def __init__(self, counter: SkipCounter, captions_getter=None, dataset_filters=None, min_side: int = 16,
                  n_shards: int = 1, strict: bool = True, buckets=None, p_random_ratio: float = 0.0, seed: int = 0,
                  max_pixels: int | None = None, lazy: bool = False):
         self.lazy = lazy   # True: header checks only; pixels decoded when the batch is emitted (`LazyImage`)
-        self.counter, self.getter, self.filters = counter, as_captions_getter(captions_getter), as_dataset_filters(dataset_filters)
-        self.min_side, self.n_shards, self.strict, self.bad_shards, self.max_pixels = min_side, n_shards, strict, [], max_pixels
+        self.counter, self.getter, self.filters = (counter, as_captions_getter(captions_getter),
+                                                   as_dataset_filters(dataset_filters))
+        self.min_side, self.n_shards, self.strict, self.bad_shards, self.max_pixels = (min_side, n_shards, strict, [],
+                                                                                       max_pixels)
         self.buckets, self.p_random_ratio, self.seed, self.epoch = buckets, p_random_ratio, seed, 0
         self.shard_errors = {}   # url → why it could not be read (`failure_reason`), for reports
         self._rng, self._pass = random.Random(seed), 0
@@ -117,8 +124,10 @@ class SampleDecoder:
             if self.buckets:   # choose the bucket now, so a JPEG can be decoded at reduced size (DCT scaling)
                 out["bucket"] = bucket = pick_bucket(h, w, self.buckets, self.p_random_ratio, self._rng)
                 scale = max(bucket[0] / h, bucket[1] / w)
-                if scale < 0.5 and img.format == "JPEG": img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
-            if self.max_pixels and img.width * img.height > self.max_pixels: return None, "too_large"   # before decoding
+                if scale < 0.5 and img.format == "JPEG":
+                    img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
+            # before decoding
+            if self.max_pixels and img.width * img.height > self.max_pixels: return None, "too_large"
             if self.lazy and self.buckets:
                 out["image"], out["original_size"] = LazyImage(s[ext], draft, img.height, img.width), (h, w)
                 return out, None
@@ -149,9 +158,10 @@ class SampleDecoder:
         raise DataError(
             f"data: all {self.n_shards} shard(s) of the source yielded no usable sample (skipped: "
             f"{dict(sum(map(Counter, self._unusable.values()), Counter()))}); nothing is left to train on. "
-            + (f"Every sample was rejected by dataset_filters {[f.to_yaml() for f in self.filters]}." if only_filtered else
-               "Check that they are tars of NNNN.jpg|png + NNNN.txt members (tar --sort=name keeps them together), that "
-               "they can be opened from this machine, and run `python -m cascade_nb.data inspect SOURCE`."))
+            + (f"Every sample was rejected by dataset_filters {[f.to_yaml() for f in self.filters]}."
+               if only_filtered else
+               "Check that they are tars of NNNN.jpg|png + NNNN.txt members (tar --sort=name keeps them together), "
+               "that they can be opened from this machine, and run `python -m cascade_nb.data inspect SOURCE`."))
 
     def _filtered_shard(self, url, n: int):
         "A shard whose every sample the filters exclude: the config's choice, said once (first pass, once a process)."
@@ -185,18 +195,20 @@ class SampleDecoder:
             yield out
         # this reader's share was all bad data (not only filtered out); other readers may have data
         if self.strict and seen and not usable_total and self.counter.total:
-            warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: {dict(self.counter.total)}")
-
+            warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: "
+                          f"{dict(self.counter.total)}")
 
 # %% ../../nbs/32_data.pipeline.ipynb #be6a749c
 class LazyImage:
-    "An image's compressed bytes (header already checked) that become a bucket-sized uint8 array when its batch is emitted."
+    """An image's compressed bytes (header already checked) that become a bucket-sized uint8 array when its batch is
+    emitted."""
     def __init__(self, data: bytes, draft: tuple[int, int] | None = None, height: int = 0, width: int = 0):
         self.data, self.draft, self.height, self.width = data, draft, height, width   # the size it will decode to
         self.bucket, self.crop, self.rng_state = None, None, None
 
     def deferred_crop(self, bucket, crop: str, rng: random.Random) -> "LazyImage":
-        "Remember the crop `BucketResize` would make now, and advance `rng` by the same draws (their number needs no pixels)."
+        """Remember the crop `BucketResize` would make now, and advance `rng` by the same draws (their number needs no
+        pixels)."""
         self.bucket, self.crop, self.rng_state = tuple(bucket), crop, rng.getstate()
         crop_box(1, 1, self.bucket, crop, rng, (0.5, 0.5))
         return self
@@ -249,30 +261,37 @@ def find_cache_info(shards: list[dict]) -> dict | None:
     p = local_path(url).parent / CACHE_INFO
     return json.loads(p.read_text()) if p.is_file() else None
 
+# %% ../../nbs/32_data.pipeline.ipynb #8d0fe6e5
 def safetensors_metadata(data: bytes) -> dict:
     "The `__metadata__` of a safetensors blob, read from its JSON header."
     (n,) = struct.unpack("<Q", data[:8])
     return json.loads(data[8:8 + n]).get("__metadata__", {}) or {}
 
+# %% ../../nbs/32_data.pipeline.ipynb #b3e8fcfd
 class CacheMismatchError(RuntimeError):
     "A cache made by another encoder or with other settings than the run expects."
 
+# %% ../../nbs/32_data.pipeline.ipynb #937869a5
 class CachedDecoder(SampleDecoder):
     "Pipeline stage: cached raw samples → `{latents, text, caption, meta, bucket}`; refuses another fingerprint."
-    def __init__(self, counter: SkipCounter, expected_fingerprint: str | None = None, info: dict | None = None, n_shards: int = 1):
+    def __init__(self, counter: SkipCounter, expected_fingerprint: str | None = None, info: dict | None = None,
+                 n_shards: int = 1):
         super().__init__(counter, n_shards=n_shards, min_side=0)
         if expected_fingerprint is not None and info is not None and info["fingerprint"] != expected_fingerprint:
-            raise CacheMismatchError(f"the cache was made with fingerprint {info['fingerprint']} (encoder {info.get('encoder')}, "
-                                     f"image_size {info.get('image_size')}, multi_aspect_ratio {info.get('multi_aspect_ratio')}) "
-                                     f"but this run expects {expected_fingerprint}; rebuild it with `python -m cascade_nb.data cache`")
+            raise CacheMismatchError(f"the cache was made with fingerprint {info['fingerprint']} (encoder "
+                                     f"{info.get('encoder')}, image_size {info.get('image_size')}, multi_aspect_ratio "
+                                     f"{info.get('multi_aspect_ratio')}) but this run expects {expected_fingerprint}; "
+                                     "rebuild it with `python -m cascade_nb.data cache`")
         self.expected = expected_fingerprint if expected_fingerprint is not None else (info or {}).get("fingerprint")
 
     def decode(self, s: dict):
         if "safetensors" not in s: return None, "bad_cache"
         try: got = safetensors_metadata(s["safetensors"]).get("fingerprint")
-        except (struct.error, ValueError, UnicodeDecodeError, AttributeError): return None, "bad_cache"   # cut or garbled header
+        # cut or garbled header
+        except (struct.error, ValueError, UnicodeDecodeError, AttributeError): return None, "bad_cache"
         if self.expected is not None and got != self.expected:
-            raise CacheMismatchError(f"cached sample {s['__key__']} in {s.get('__url__')} has fingerprint {got}, expected {self.expected}")
+            raise CacheMismatchError(f"cached sample {s['__key__']} in {s.get('__url__')} has fingerprint {got}, "
+                                     f"expected {self.expected}")
         try: tensors = st_load(s["safetensors"])
         except Exception: return None, "bad_cache"
         if "latents" not in tensors: return None, "bad_cache"
@@ -297,34 +316,39 @@ class ImageTextDataset(wds.DataPipeline):
         for stage in self.pipeline:
             if hasattr(stage, "fast_forward"): stage.fast_forward = batches
 
+# %% ../../nbs/32_data.pipeline.ipynb #81c96fe5
 def resolve_crop(crop: str, multi_aspect_ratio=None) -> str:
     "`auto`: the reference's choice, a saliency-centred crop for square configs and a random one inside aspect buckets."
     if crop == "auto": return "random" if multi_aspect_ratio else "smart"
     return crop
 
+# %% ../../nbs/32_data.pipeline.ipynb #0ecc5afe
 def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspect_ratio=None, captions_getter=None,
                   dataset_filters=None, resampled: bool = False, shuffle_buffer: int = 1000, crop: str = "auto",
-                  p_random_ratio: float = 0.0, min_side: int | None = None, max_pixels: int | None = None, drop_last: bool = True,
-                  seed: int = 0, epoch_length: int | None = None, folder_chunk: int = 64, cache_fingerprint: str | None = None,
-                  allow_pipe: bool = False, split_by_node: bool = True) -> ImageTextDataset:
+                  p_random_ratio: float = 0.0, min_side: int | None = None, max_pixels: int | None = None,
+                  drop_last: bool = True, seed: int = 0, epoch_length: int | None = None, folder_chunk: int = 64,
+                  cache_fingerprint: str | None = None, allow_pipe: bool = False,
+                  split_by_node: bool = True) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
     shards = resolve_shards(source, folder_chunk, allow_pipe)
     n_distinct = len({s["url"] for s in shards})
     counter = SkipCounter()
     head = ([ResampledShardList(shards, seed)] if resampled else
-            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node if split_by_node else None, wds.split_by_worker])
+            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node if split_by_node else None,
+             wds.split_by_worker])
     info = find_cache_info(shards)   # cached shards: latents instead of images
     if info is not None or cache_fingerprint is not None:
         body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=n_distinct)]
         group_key = "bucket"
     else:
         buckets = bucket_sizes(image_size, multi_aspect_ratio)
-        body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size), n_distinct,
-                              buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
+        body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
+                              n_distinct, buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
                               max_pixels=max_pixels or default_max_pixels(image_size), lazy=True),
                 BucketResize(buckets, resolve_crop(crop, multi_aspect_ratio), p_random_ratio, seed)]
         group_key = "bucket"
-    ds = ImageTextDataset(*head, ShardReader(counter, allow_pipe), Shuffle(shuffle_buffer, seed) if shuffle_buffer > 1 else None,
+    ds = ImageTextDataset(*head, ShardReader(counter, allow_pipe),
+                          Shuffle(shuffle_buffer, seed) if shuffle_buffer > 1 else None,
                           *body, BucketBatcher(batch_size, counter, drop_last, group_key))
     ds.shards, ds.counter, ds.resampled = shards, counter, resampled
     if epoch_length: ds = ds.with_epoch(epoch_length)
@@ -371,30 +395,37 @@ def build_dataloader(source, batch_size: int, *, num_workers: int | None = None,
     from webdataset.utils import pytorch_worker_info
     world = pytorch_worker_info()[1] if dataset_kwargs.get("split_by_node", True) else 1   # readers sharing the shards
     if not ds.resampled and len(ds.shards) < world * max(num_workers, 1):
-        warnings.warn(f"data: {len(ds.shards)} shard(s) for {world} rank(s) × {num_workers} worker(s): some readers get no data; "
-                      "pack more, smaller shards (python -m cascade_nb.data pack ... --shard-size N)")
+        warnings.warn(f"data: {len(ds.shards)} shard(s) for {world} rank(s) × {num_workers} worker(s): some readers "
+                      "get no data; pack more, smaller shards (python -m cascade_nb.data pack ... --shard-size N)")
     kw = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-              multiprocessing_context=multiprocessing_context, worker_init_fn=_ignore_stop_signals) if num_workers > 0 else {}
+              multiprocessing_context=multiprocessing_context,
+              worker_init_fn=_ignore_stop_signals) if num_workers > 0 else {}
     for stage in ds.pipeline:
         if isinstance(stage, BucketBatcher): stage.counts_item = True   # the loader removes that item
-    loader = FilterReportingLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, collate_fn=_as_is,
-                                   **kw)
+    loader = FilterReportingLoader(ds, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                                   collate_fn=_as_is, **kw)
     loader.source, loader.filters, loader.share = str(source), str(dataset_kwargs.get("dataset_filters")), world
     return loader
 
+# %% ../../nbs/32_data.pipeline.ipynb #852d0be4
 def _ignore_stop_signals(worker_id: int):
-    "Workers ignore SIGTERM/SIGINT/SIGHUP: a group-wide signal must reach the trainer, which saves, not kill the workers first."
+    """Workers ignore SIGTERM/SIGINT/SIGHUP: a group-wide signal must reach the trainer, which saves, not kill the
+    workers first."""
     import signal
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)   # they still end with the DataLoader
+    # they still end with the DataLoader
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)
 
+# %% ../../nbs/32_data.pipeline.ipynb #b2672cda
 def _as_is(batch):
     "The DataLoader's collate_fn: batches leave the dataset already collated."
     return batch
 
+# %% ../../nbs/32_data.pipeline.ipynb #821ff769
 def dataloader_from_config(data, batch_size: int, seed: int = 0, **overrides) -> torch.utils.data.DataLoader:
     "A DataLoader from a `DataConfig` (`cfg.data`); `batch_size` is per process; `overrides` replace any argument."
-    kw = dict(image_size=data.image_size, multi_aspect_ratio=data.multi_aspect_ratio, captions_getter=data.captions_getter,
-              dataset_filters=data.dataset_filters, resampled=data.resampled, shuffle_buffer=data.shuffle_buffer,
+    kw = dict(image_size=data.image_size, multi_aspect_ratio=data.multi_aspect_ratio,
+              captions_getter=data.captions_getter, dataset_filters=data.dataset_filters,
+              resampled=data.resampled, shuffle_buffer=data.shuffle_buffer,
               crop=data.crop, p_random_ratio=data.bucketeer_random_ratio if data.multi_aspect_ratio else 0.0,
               allow_pipe=getattr(data, "allow_pipe_sources", False),
               num_workers=data.num_workers, pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor, seed=seed)
@@ -421,8 +452,8 @@ def inspect_source(source, image_size: int = 768, multi_aspect_ratio=None, capti
     "Read `source` once and summarise it: samples, skips per reason, caption lengths, size histogram, buckets."
     shards = resolve_shards(source, allow_pipe=allow_pipe)
     counter = SkipCounter()
-    dec = SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size), len(shards), strict=False,
-                        max_pixels=default_max_pixels(image_size))
+    dec = SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
+                        len(shards), strict=False, max_pixels=default_max_pixels(image_size))
     buckets = bucket_sizes(image_size, multi_aspect_ratio)
     sizes, chars, words, n = Counter(), [], [], 0
     for s in dec(ShardReader(counter, allow_pipe)(shards)):
@@ -431,7 +462,8 @@ def inspect_source(source, image_size: int = 768, multi_aspect_ratio=None, capti
         n += 1
         if limit and n >= limit: break
     stats = lambda v: dict(min=min(v), mean=round(sum(v) / len(v), 1), max=max(v)) if v else {}
-    filters = {k: counter.filters[k] for k in ("kept", "excluded")} if dec.filters else {}   # the config's choice: not skips
+    # the config's choice: not skips
+    filters = {k: counter.filters[k] for k in ("kept", "excluded")} if dec.filters else {}
     return dict(source=str(source), shards=len(shards), samples=n, skipped=dict(counter.total), filters=filters,
                 bad_shards=dec.bad_shards, errors=dec.shard_errors,
                 caption_chars=stats(chars), caption_words=stats(words),

@@ -30,9 +30,11 @@ SKIP_REASONS = {
     "missing_image": "no .jpg/.jpeg/.png/.webp member for the key",
     "unsupported_format": "the key's image is a .gif, .bmp, .tiff, ... file: a format this reader does not train on",
     "bad_image": "the image bytes do not decode (truncated or not an image)",
-    "unsupported_mode": "the image decodes, but its pixels have no faithful 8-bit RGB (floats beyond 0..1, ints > 65535)",
+    "unsupported_mode": "the image decodes, but its pixels have no faithful 8-bit RGB "
+                        "(floats beyond 0..1, ints > 65535)",
     "too_small": "the image's shorter side is below `min_side`",
-    "too_large": "the image would decode to more than `max_pixels` pixels (a decompression bomb, or far above image_size)",
+    "too_large": "the image would decode to more than `max_pixels` pixels "
+                 "(a decompression bomb, or far above image_size)",
     "missing_caption": "no caption member (e.g. .txt) for the key",
     "bad_text": "the caption is not valid UTF-8",
     "empty_caption": "the caption is empty or only whitespace",
@@ -42,6 +44,7 @@ SKIP_REASONS = {
     "other_file": "a file in a loose folder that is not an image, caption or JSON (README, .DS_Store, ...)",
 }
 
+# %% ../../nbs/30_data.sources.ipynb #8ff99910
 KEPT_REASONS = ("caption_cut",)
 "Counted like skips, but the sample still trains (`format_skips` leaves them out of the skipped total)."
 
@@ -53,15 +56,18 @@ FILTER_COUNTS = {
     "read": "samples in the shards read to their end",
 }
 
+# %% ../../nbs/30_data.sources.ipynb #dc0e69d2
 class SkipCounter:
     "Per-reason counts of skipped samples (and, apart, `dataset_filters` outcomes); `take()` returns the increments."
     def __init__(self):
         self.total, self._taken, self.filters, self._filters_taken = Counter(), Counter(), Counter(), Counter()
     def add(self, reason: str, n: int = 1):
-        if reason not in SKIP_REASONS: raise KeyError(f"unknown skip reason {reason!r}; known: {sorted(SKIP_REASONS)}")
+        if reason not in SKIP_REASONS:
+            raise KeyError(f"unknown skip reason {reason!r}; known: {sorted(SKIP_REASONS)}")
         self.total[reason] += n
     def add_filter(self, outcome: str, n: int = 1):
-        if outcome not in FILTER_COUNTS: raise KeyError(f"unknown filter count {outcome!r}; known: {list(FILTER_COUNTS)}")
+        if outcome not in FILTER_COUNTS:
+            raise KeyError(f"unknown filter count {outcome!r}; known: {list(FILTER_COUNTS)}")
         self.filters[outcome] += n
     def take(self) -> dict[str, int]:
         "Skip counts added since the previous call (what a batch reports)."
@@ -93,7 +99,8 @@ class DataError(RuntimeError):
     def __init__(self, msg: str = "", message: str | None = None):
         msg = msg if message is None else message
         # torch re-raises a worker's exception with its traceback as the message, ending in `module.DataError: msg`
-        if msg.startswith("Caught ") and "Traceback" in msg: msg = msg.strip().splitlines()[-1].partition(": ")[2] or msg
+        if msg.startswith("Caught ") and "Traceback" in msg:
+            msg = msg.strip().splitlines()[-1].partition(": ")[2] or msg
         super().__init__(msg)
 
 class SourceNotFoundError(DataError, FileNotFoundError):
@@ -103,18 +110,23 @@ class SourceNotFoundError(DataError, FileNotFoundError):
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 OTHER_IMAGE_EXTS = ("gif", "bmp", "tif", "tiff", "heic", "heif", "avif", "jxl", "jp2", "ico")
 "Image files of formats not trained on: their key is a sample counted as `unsupported_format`, not a stray file."
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key = path up to the first dot of the basename
+# webdataset's rule: key = path up to the first dot of the basename
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
+# %% ../../nbs/30_data.sources.ipynb #6cc5d35a
 def split_key(name: str) -> tuple[str, str] | None:
-    "Split a member or file name into (key, extension) the webdataset way: `a/0001.seg.png` → (`a/0001`, `seg.png`)."
+    """Split a member or file name into (key, extension) the webdataset way:
+    `a/0001.seg.png` → (`a/0001`, `seg.png`)."""
     m = _KEY_EXT.match(name)
     return (m.group(1), m.group(2).lower()) if m else None
 
 def folder_split(name: str) -> tuple[str, str] | None:
-    "Split a loose file's name at its LAST dot: `2023.05.01.JPG` → (`2023.05.01`, `jpg`); None for `.DS_Store`, `README`."
+    """Split a loose file's name at its LAST dot: `2023.05.01.JPG` → (`2023.05.01`, `jpg`);
+    None for `.DS_Store`, `README`."""
     stem, dot, ext = name.rpartition(".")
     return (stem, ext.lower()) if dot and stem else None
 
+# %% ../../nbs/30_data.sources.ipynb #8a206dac
 def is_remote(url: str) -> bool:
     "True for URLs webdataset opens itself (`pipe:`, `s3://`, `http://`, ...); False for local paths and `file:`."
     scheme = urlparse(url).scheme
@@ -124,10 +136,12 @@ def local_path(url: str) -> Path:
     "The filesystem path of a local URL (strips `file:` / `file://`)."
     return Path(re.sub(r"^file:(//)?", "", url))
 
+# %% ../../nbs/30_data.sources.ipynb #4b0d88ef
 SAMPLE_EXTS = (*IMAGE_EXTS, *OTHER_IMAGE_EXTS, "txt", "json")
 
 def folder_keys(root: Path) -> tuple[list[str], int, list[str]]:
-    "Sorted sample keys of a folder of loose files (any key with an image, caption or JSON file), the image count, other files."
+    """Sorted sample keys of a folder of loose files (any key with an image, caption or JSON file), the image count,
+    other files."""
     found, other = [], []
     for p in root.iterdir():
         if not p.is_file(): continue
@@ -136,6 +150,7 @@ def folder_keys(root: Path) -> tuple[list[str], int, list[str]]:
         else: other.append(p.name)
     return sorted({k for k, _ in found}), sum(ext in IMAGE_EXTS for _, ext in found), sorted(other)
 
+# %% ../../nbs/30_data.sources.ipynb #50cddc1a
 def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[dict]:
     if is_remote(src):
         check_remote(src, allow_pipe)
@@ -146,7 +161,8 @@ def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[
         from ..config import read_yaml   # the config's loader: safe tags, duplicate keys and alias bombs refused
         try: listed = read_yaml(path.read_text(errors="replace"))
         except (yaml.YAMLError, ConfigError) as e:
-            raise DataError(f"data source {src!r}: not a readable listing of sources: {' '.join(str(e).split())}") from None
+            raise DataError(f"data source {src!r}: not a readable listing of sources: "
+                            f"{' '.join(str(e).split())}") from None
         if not isinstance(listed, list) or not all(isinstance(i, str) for i in listed):
             raise DataError(f"data source {src!r}: a .yml source lists sources (a YAML list of paths or URLs), "
                             f"not {type(listed).__name__}")
@@ -154,14 +170,19 @@ def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[
     if path.is_dir():
         tars = sorted(p for p in path.iterdir() if p.suffix == ".tar")
         if tars: return [dict(url=str(p)) for p in tars]
-        keys, n_images, other = folder_keys(path)   # a caption without its image is a sample: it is counted as missing_image
-        if not n_images: raise SourceNotFoundError(f"data source {src!r}: folder has neither .tar shards nor images ({', '.join(IMAGE_EXTS)})")
-        chunks = [dict(url=f"{path}#{i}", root=str(path), keys=keys[i:i + folder_chunk]) for i in range(0, len(keys), folder_chunk)]
+        # a caption without its image is a sample: it is counted as missing_image
+        keys, n_images, other = folder_keys(path)
+        if not n_images:
+            raise SourceNotFoundError(f"data source {src!r}: folder has neither .tar shards nor images "
+                                      f"({', '.join(IMAGE_EXTS)})")
+        chunks = [dict(url=f"{path}#{i}", root=str(path), keys=keys[i:i + folder_chunk])
+                  for i in range(0, len(keys), folder_chunk)]
         if other: chunks[0]["other_files"] = other   # counted (once) by the reader of the first chunk
         return chunks
     if not path.is_file(): raise SourceNotFoundError(f"data source {src!r}: no such file or folder ({path})")
     return [dict(url=str(path))]
 
+# %% ../../nbs/30_data.sources.ipynb #a445789c
 def resolve_shards(source, folder_chunk: int = 64, allow_pipe: bool = False) -> list[dict]:
     "Expand a data source (path, brace pattern, URL, folder, `.yml`, or a list of these) into shard dicts."
     if isinstance(source, (str, os.PathLike)): source = [source]
@@ -174,15 +195,19 @@ def resolve_shards(source, folder_chunk: int = 64, allow_pipe: bool = False) -> 
     return shards
 
 # %% ../../nbs/30_data.sources.ipynb #c8d56ba8
-REMOTE_CLIENTS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}   # fsspec protocol → package
+# fsspec protocol → package
+REMOTE_CLIENTS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
 
+# %% ../../nbs/30_data.sources.ipynb #1e7e5c53
 def check_remote(url: str, allow_pipe: bool = False):
-    "Refuse a remote URL that must not (`pipe:` without permission) or cannot (unknown scheme, client missing) be read."
+    """Refuse a remote URL that must not (`pipe:` without permission) or cannot (unknown scheme, client missing) be
+    read."""
     scheme = urlparse(url).scheme
     if scheme == "pipe":
         if allow_pipe: return
-        raise ConfigError(f"data source {url[:80]!r} is a shell command (pipe:), refused: set data.allow_pipe_sources: true "
-                          "in the config (or --allow-pipe-sources on the data CLI) to run it; prefer s3://, gs:// or https:// URLs")
+        raise ConfigError(f"data source {url[:80]!r} is a shell command (pipe:), refused: set "
+                          "data.allow_pipe_sources: true in the config (or --allow-pipe-sources on the data CLI) to "
+                          "run it; prefer s3://, gs:// or https:// URLs")
     if scheme not in REMOTE_CLIENTS:
         raise ConfigError(f"data source {url!r}: unsupported URL scheme {scheme!r}; expected a local path, file:, "
                           f"{', '.join(s + '://' for s in REMOTE_CLIENTS)} or pipe:")
@@ -197,6 +222,7 @@ def _worker_seed(seed: int, epoch: int) -> int:
     rank, world, worker, nworkers = pytorch_worker_info()
     return hash((seed, epoch, rank, worker)) & 0x7FFFFFFF
 
+# %% ../../nbs/30_data.sources.ipynb #1da8c41e
 class ShardList:
     "Pipeline source: the shards in an epoch-seeded order (same on every rank), for finite epochs."
     def __init__(self, shards: list[dict], shuffle: bool = True, seed: int = 0):
@@ -208,6 +234,7 @@ class ShardList:
         self.epoch += 1   # persistent workers and num_workers=0 advance on their own; otherwise call set_epoch
         yield from shards
 
+# %% ../../nbs/30_data.sources.ipynb #7559d287
 class ResampledShardList:
     "Pipeline source: an endless stream of shards drawn at random, seeded per rank, worker and epoch."
     def __init__(self, shards: list[dict], seed: int = 0):
@@ -226,13 +253,16 @@ def remote_timeout() -> float:
     "The remote read timeout in seconds: `CASCADE_NB_REMOTE_TIMEOUT` when set, else `REMOTE_TIMEOUT_S`."
     return float(os.environ.get("CASCADE_NB_REMOTE_TIMEOUT") or REMOTE_TIMEOUT_S)
 
+# %% ../../nbs/30_data.sources.ipynb #35ca8020
 def remote_options(scheme: str) -> dict:
-    "fsspec options for streaming one shard: http(s) without range requests; a connect and a read timeout on every client."
+    """fsspec options for streaming one shard: http(s) without range requests; a connect and a read timeout on every
+    client."""
     t = remote_timeout()
     if scheme in ("http", "https"):
         import aiohttp
         # no `total` limit: a big shard streams for as long as it keeps sending
-        return dict(block_size=0, client_kwargs={"timeout": aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)})
+        return dict(block_size=0,
+                    client_kwargs={"timeout": aiohttp.ClientTimeout(total=None, connect=t, sock_read=t)})
     if scheme in ("s3", "s3a"): return dict(config_kwargs={"connect_timeout": t, "read_timeout": t})
     if scheme in ("gs", "gcs"): return dict(timeout=t)
     return {}
@@ -246,10 +276,12 @@ def _causes(e: BaseException) -> list[BaseException]:
         e = e.__cause__ or e.__context__ or (getattr(e, "kwargs", None) or {}).get("error")
     return chain
 
+# %% ../../nbs/30_data.sources.ipynb #1071bc50
 def is_timeout(e: BaseException) -> bool:
     "True when `e` or a cause is a timeout (socket, asyncio/aiohttp, botocore's Connect/ReadTimeoutError)."
     return any(isinstance(x, TimeoutError) or "Timeout" in type(x).__name__ for x in _causes(e))
 
+# %% ../../nbs/30_data.sources.ipynb #d2ddbef3
 def failure_reason(e: BaseException) -> str:
     "Why a shard could not be read, in a few words: not found, connection refused, no answer, access denied, ..."
     chain = _causes(e)
@@ -274,7 +306,8 @@ def failure_reason(e: BaseException) -> str:
 
 # %% ../../nbs/30_data.sources.ipynb #c25ec608
 def open_url(url: str, allow_pipe: bool = False):
-    "Open a shard for streaming reads: local paths and `file:` directly, s3/gs/http(s) through fsspec, an allowed `pipe:` via `wds.gopen`."
+    """Open a shard for streaming reads: local paths and `file:` directly, s3/gs/http(s) through fsspec, an allowed
+    `pipe:` via `wds.gopen`."""
     if not is_remote(url): return open(local_path(url), "rb")
     check_remote(url, allow_pipe)
     scheme = urlparse(url).scheme
@@ -282,14 +315,18 @@ def open_url(url: str, allow_pipe: bool = False):
     import fsspec
     return fsspec.open(url, "rb", **remote_options(scheme)).open()
 
+# %% ../../nbs/30_data.sources.ipynb #0a2080b7
 SHARD_END = "__shard_end__"
 
+# %% ../../nbs/30_data.sources.ipynb #095df072
 class ShardReader:
     "Pipeline stage: shard dicts → raw samples (dicts of bytes), then an end-of-shard marker per shard."
-    def __init__(self, counter: SkipCounter, allow_pipe: bool = False): self.counter, self.allow_pipe = counter, allow_pipe
+    def __init__(self, counter: SkipCounter, allow_pipe: bool = False):
+        self.counter, self.allow_pipe = counter, allow_pipe
 
     def _skip(self, reason: str, n: int = 1):
-        "Count a skip in the shared counter and in this shard's own tally (the decoder adds to the counter meanwhile)."
+        """Count a skip in the shared counter and in this shard's own tally (the decoder adds to the counter
+        meanwhile)."""
         self.counter.add(reason, n); self._own[reason] += n
 
     def __call__(self, shards):
@@ -304,7 +341,8 @@ class ShardReader:
                 yield sample
             if n == 0 and not self._own: self._skip("empty_shard")   # opened fine, held nothing
             self.counter.add_filter("shards"); self.counter.add_filter("read", n)
-            yield {SHARD_END: shard["url"], "__shard__": visit, "n": n, "skips": dict(self._own), "error": self._error}
+            yield {SHARD_END: shard["url"], "__shard__": visit, "n": n, "skips": dict(self._own),
+                   "error": self._error}
 
     def _folder(self, shard):
         root = Path(shard["root"])
@@ -331,14 +369,16 @@ class ShardReader:
             self._skip("unreadable_shard"); self._error = failure_reason(e)
             warnings.warn(f"data: cannot open shard {url}: {self._error}")
             return
-        sample, started, headers = None, False, type("_TarInfo", (_EndCheckingTarInfo,), {})   # fresh class: per-shard end flag
+        # fresh class: per-shard end flag
+        sample, started, headers = None, False, type("_TarInfo", (_EndCheckingTarInfo,), {})
         try:
             with stream, tarfile.open(fileobj=stream, mode="r|*", tarinfo=headers) as tar:
                 for member in tar:
                     started = True
                     if not member.isfile(): continue
                     ke = split_key(member.name)
-                    if ke is None or Path(ke[0]).name.startswith(("._", "__")): continue   # macOS resource forks, meta files
+                    # macOS resource forks, meta files
+                    if ke is None or Path(ke[0]).name.startswith(("._", "__")): continue
                     key, ext = ke
                     data = tar.extractfile(member).read()
                     if sample is not None and sample["__key__"] != key:
@@ -350,14 +390,17 @@ class ShardReader:
         except Exception as e:   # tarfile.ReadError, EOFError, OSError from a pipe: the tail of the shard is lost
             self._skip("truncated_tar" if started else "unreadable_shard")
             where = sample["__key__"] if sample else "its start"
-            if not started or is_timeout(e): self._error = failure_reason(e)   # the shard's one line (a stall: not a corrupt tar)
+            # the shard's one line (a stall: not a corrupt tar)
+            if not started or is_timeout(e): self._error = failure_reason(e)
             if is_timeout(e):
                 warnings.warn(f"data: shard {url} stalled after {where}: {self._error}; the rest of it is skipped")
             else: warnings.warn(f"data: shard {url} is truncated or corrupt after {where}: {e!r}")
-            if not headers.clean_end and isinstance(e, tarfile.ReadError) and "end-of-archive" in str(e): pass  # last sample may be whole
+            if not headers.clean_end and isinstance(e, tarfile.ReadError) and "end-of-archive" in str(e):
+                pass  # last sample may be whole
             else: sample = None   # the sample being read when the tar broke is incomplete
         if sample is not None: yield sample
 
+# %% ../../nbs/30_data.sources.ipynb #27929f6c
 class _EndCheckingTarInfo(tarfile.TarInfo):
     "TarInfo that remembers whether the last header block read was the all-zero end-of-archive block."
     clean_end = False
@@ -372,14 +415,18 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
     return ti
 
+# %% ../../nbs/30_data.sources.ipynb #041e5c73
 def safe_key(key: str, used: set) -> str:
-    "A member key the first-dot rule reads back whole: the basename with `.` and other odd characters as `_`, unique in `used`."
-    base = re.sub(r"[^\w\-]", "_", Path(key).name).lstrip("_") or "sample"   # no leading '_': '__*' names are metadata
+    """A member key the first-dot rule reads back whole: the basename with `.` and other odd characters as `_`, unique
+    in `used`."""
+    # no leading '_': '__*' names are metadata
+    base = re.sub(r"[^\w\-]", "_", Path(key).name).lstrip("_") or "sample"
     k, i = base, 1
     while k in used: i += 1; k = f"{base}_{i}"
     used.add(k)
     return k
 
+# %% ../../nbs/30_data.sources.ipynb #801d20e3
 def write_shards(samples, out_dir, shard_size: int = 1000, pattern: str = "shard-%06d.tar") -> list[Path]:
     "Write an iterable of raw samples (`{'__key__', ext: bytes}`) as tar shards of `shard_size` samples each."
     out_dir = Path(out_dir)
@@ -402,19 +449,22 @@ def write_shards(samples, out_dir, shard_size: int = 1000, pattern: str = "shard
         if tar is not None: tar.close()
     return paths
 
+# %% ../../nbs/30_data.sources.ipynb #b8c678f5
 def _check_out_dir(source, out_dir: Path, overwrite: bool) -> list[Path]:
     "What packing into `out_dir` would replace; refuses a file, the source folder itself, or a non-empty folder."
-    if out_dir.exists() and not out_dir.is_dir(): raise NotADirectoryError(f"pack: output {out_dir} is a file, not a folder")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"pack: output {out_dir} is a file, not a folder")
     src = None if is_remote(str(source)) else local_path(str(source)).resolve()
     if src is not None and out_dir.resolve() in (src, src.parent if src.is_file() else src):
         raise ValueError(f"pack: output folder {out_dir} is the source's own folder; choose a new one")
     present = sorted(out_dir.iterdir()) if out_dir.is_dir() else []
     if present and not overwrite:
-        raise FileExistsError(f"pack: output folder {out_dir} is not empty ({len(present)} entries, e.g. {present[0].name}); "
-                              "training reads every .tar in a folder, so old shards would mix in. Use a new folder, or "
-                              "--overwrite (overwrite=True) to replace its shards")
+        raise FileExistsError(f"pack: output folder {out_dir} is not empty ({len(present)} entries, e.g. "
+                              f"{present[0].name}); training reads every .tar in a folder, so old shards would mix in. "
+                              "Use a new folder, or --overwrite (overwrite=True) to replace its shards")
     return [p for p in present if p.suffix == ".tar" or p.name == "cache_info.json"]
 
+# %% ../../nbs/30_data.sources.ipynb #94e2d218
 def pack_folder(source, out_dir, shard_size: int = 1000, pattern: str = "shard-%06d.tar", overwrite: bool = False,
                 counter: SkipCounter | None = None) -> list[Path]:
     "Pack a folder of `NNNN.{jpg,png}` + `NNNN.txt` (+ `.json`), or a hand-made tar, into webdataset shards."
@@ -426,7 +476,8 @@ def pack_folder(source, out_dir, shard_size: int = 1000, pattern: str = "shard-%
     try:
         raw = (s for s in ShardReader(counter)(shards) if SHARD_END not in s)
         written = write_shards(raw, staging, shard_size, pattern)
-        if not written: raise ValueError(f"pack_folder: {source} holds no samples (skipped: {dict(counter.total) or 'none'})")
+        if not written:
+            raise ValueError(f"pack_folder: {source} holds no samples (skipped: {dict(counter.total) or 'none'})")
         for p in replaced: p.unlink()
         paths = [p.replace(out_dir / p.name) for p in written]
     finally: shutil.rmtree(staging, ignore_errors=True)

@@ -8,9 +8,10 @@ Docs: https://cascade-nb.github.io/cascade_nb/gdf.html.md"""
 __all__ = []
 
 # %% ../../nbs/19_gdf.ipynb #41a372a0
-from .schedules import (BaseSchedule, CosineSchedule, CosineSchedule2, SqrtSchedule, RectifiedFlowsSchedule,
-    EDMSampleSchedule, EDMTrainSchedule, LinearSchedule, PiecewiseLinearSchedule, StableDiffusionSchedule,
-    LogitNormalSchedule, AdaptiveTrainSchedule, InterpolatedSchedule, abar_to_logsnr, interp1d, sd_abar_table, bucket_ema_)
+from .schedules import (BaseSchedule, CosineSchedule, CosineSchedule2, SqrtSchedule,
+    RectifiedFlowsSchedule, EDMSampleSchedule, EDMTrainSchedule, LinearSchedule, PiecewiseLinearSchedule,
+    StableDiffusionSchedule, LogitNormalSchedule, AdaptiveTrainSchedule, InterpolatedSchedule, abar_to_logsnr, interp1d,
+    sd_abar_table, bucket_ema_)
 from .scalers import BaseScaler, VPScaler, LERPScaler
 from .targets import BaseTarget, EpsilonTarget, X0Target, VTarget, RectifiedFlowsTarget
 from cascade_nb.gdf.noise_conditions import (BaseNoiseCond, CosineTNoiseCond, EDMNoiseCond, SigmoidNoiseCond,
@@ -19,7 +20,8 @@ from cascade_nb.gdf.noise_conditions import (BaseNoiseCond, CosineTNoiseCond, ED
 from .loss_weights import (BaseLossWeight, ConstantLossWeight, SNRLossWeight, P2LossWeight,
     SNRPlusOneLossWeight, MinSNRLossWeight, MinSNRPlusOneLossWeight, TruncatedSNRLossWeight, SechLossWeight,
     DebiasedLossWeight, SigmoidLossWeight, ComposedLossWeight, AdaptiveLossWeight)
-from .samplers import BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, SAMPLERS, register_sampler, renoise, seeded_randn
+from cascade_nb.gdf.samplers import (BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, SAMPLERS, register_sampler,
+    renoise, seeded_randn)
 from .core import GDF, Diffused, SampleStep, cfg_batch, cfg_scale, guide
 from .presets import (LOSS_WEIGHTS, TARGETS, SAMPLING_DEFAULTS, make_loss_weight, make_gdf,
     stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift, TIMESTEP_SAMPLINGS, register_loss_weight,

@@ -30,6 +30,7 @@ class Diffused(NamedTuple):
     noise_cond: torch.Tensor  # (B,) the network's `r`
     loss_weight: torch.Tensor # (B,)
 
+# %% ../../nbs/16_gdf.core.ipynb #6e731cd3
 class GDF:
     "Generic Diffusion Framework (Stable Cascade): five roles over logSNR wired into diffuse / undiffuse / sample."
     def __init__(self, schedule: BaseSchedule, input_scaler: BaseScaler, target: BaseTarget, noise_cond: BaseNoiseCond,
@@ -38,7 +39,8 @@ class GDF:
         self.noise_cond, self.loss_weight, self.offset_noise = noise_cond, loss_weight, offset_noise
 
     def __repr__(self):
-        parts = ", ".join(type(getattr(self, k)).__name__ for k in ("schedule", "input_scaler", "target", "noise_cond", "loss_weight"))
+        parts = ", ".join(type(getattr(self, k)).__name__
+                          for k in ("schedule", "input_scaler", "target", "noise_cond", "loss_weight"))
         return f"GDF({parts}, offset_noise={self.offset_noise})"
 
     def setup_limits(self, stretch_max: bool = True, stretch_min: bool = True, shift: float = 1.):
@@ -57,10 +59,12 @@ class GDF:
         B, dtype, xf = x0.shape[0], x0.dtype, x0.float()
         eps = seeded_randn(x0.shape, generator, x0.device) if epsilon is None else epsilon.float()
         if self.offset_noise > 0:
-            offset = seeded_randn((*x0.shape[:2], *[1] * (x0.ndim - 2)), generator, x0.device) if offset is None else offset.float()
+            offset = (seeded_randn((*x0.shape[:2], *[1] * (x0.ndim - 2)), generator, x0.device) if offset is None
+                      else offset.float())
             eps = eps + self.offset_noise * offset                             # (B, C, H, W)
         if t is not None and (not torch.is_tensor(t) or t.ndim == 0): t = torch.full((B,), float(t), device=x0.device)
-        logsnr = self.schedule(B if t is None else t, shift=shift, generator=generator).to(x0.device, torch.float32)  # (B,)
+        # logsnr: (B,)
+        logsnr = self.schedule(B if t is None else t, shift=shift, generator=generator).to(x0.device, torch.float32)
         a, b = self.scales(logsnr, xf)                                          # (B, 1, 1, 1)
         target = self.target(xf, eps, logsnr, a, b)
         noised = a * xf + b * eps
@@ -75,9 +79,12 @@ class GDF:
     def _stateful(self) -> dict:
         return {k: getattr(self, k) for k in ("schedule", "loss_weight") if hasattr(getattr(self, k), "update_buckets")}
 
-    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99, shift: float = 1., loss_shift: float = 1.):
-        "Feed the per-sample unweighted `loss` to every adaptive part, at the `shift`/`loss_shift` `diffuse` used; else no-op."
-        for k, part in self._stateful().items(): part.update_buckets(logsnr, loss, beta, shift=loss_shift if k == "loss_weight" else shift)
+    def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99, shift: float = 1.,
+                       loss_shift: float = 1.):
+        """Feed the per-sample unweighted `loss` to every adaptive part, at the `shift`/`loss_shift` `diffuse` used;
+        else no-op."""
+        for k, part in self._stateful().items():
+            part.update_buckets(logsnr, loss, beta, shift=loss_shift if k == "loss_weight" else shift)
 
     def state_dict(self) -> dict:
         "Tensors of the adaptive parts, e.g. {'loss_weight': {...}}; empty for a stateless recipe."
@@ -86,7 +93,8 @@ class GDF:
     def load_state_dict(self, state: dict):
         "Restore what `state_dict` returned; the recipe must have the same adaptive parts."
         if set(state) != set(self._stateful()):
-            raise ValueError(f"GDF.load_state_dict: state has parts {sorted(state)}, this GDF's adaptive parts are {sorted(self._stateful())}")
+            raise ValueError(f"GDF.load_state_dict: state has parts {sorted(state)}, "
+                             f"this GDF's adaptive parts are {sorted(self._stateful())}")
         for k, part in self._stateful().items(): part.load_state_dict(state[k])
 
 # %% ../../nbs/16_gdf.core.ipynb #62520178
@@ -98,20 +106,26 @@ def _cat_cond(v, v_u):
     if isinstance(v, dict): return {k: _cat_cond(vk, (v_u or {}).get(k)) for k, vk in v.items()}
     return v
 
+# %% ../../nbs/16_gdf.core.ipynb #0e19c133
 def cfg_batch(model_inputs: dict, unconditional_inputs: dict | None = None) -> dict:
     "Concatenate conditional and unconditional model inputs along the batch (tensors, lists, dicts; missing -> zeros)."
     unconditional_inputs = unconditional_inputs or {}
     return {k: _cat_cond(v, unconditional_inputs.get(k)) for k, v in model_inputs.items()}
 
+# %% ../../nbs/16_gdf.core.ipynb #22f9060a
 def cfg_scale(cfg, t: float, cfg_t_start: float | None = None, cfg_t_stop: float | None = None) -> float | None:
-    "Guidance scale at time `t` (`cfg` a number or (start, end)); None outside [cfg_t_stop, cfg_t_start] or if cfg is None."
-    if cfg is None or (cfg_t_stop is not None and t < cfg_t_stop) or (cfg_t_start is not None and t > cfg_t_start): return None
+    """Guidance scale at time `t` (`cfg` a number or (start, end)); None outside [cfg_t_stop, cfg_t_start] or if cfg
+    is None."""
+    if cfg is None or (cfg_t_stop is not None and t < cfg_t_stop) or (cfg_t_start is not None and t > cfg_t_start):
+        return None
     if isinstance(cfg, (list, tuple)):
         if len(cfg) != 2: raise ValueError(f"cfg must be a number or a (start, end) pair, got {cfg!r}")
         return cfg[0] * t + cfg[1] * (1 - t)
     return float(cfg)
 
-def guide(pred_cond: torch.Tensor, pred_uncond: torch.Tensor, scale, rho: float = 0.7, per_sample: bool = False) -> torch.Tensor:
+# %% ../../nbs/16_gdf.core.ipynb #99be4f69
+def guide(pred_cond: torch.Tensor, pred_uncond: torch.Tensor, scale, rho: float = 0.7,
+          per_sample: bool = False) -> torch.Tensor:
     "Classifier-free guidance with CFG-rescale `rho` (std over the whole tensor as in Stable Cascade, or `per_sample`)."
     pred = torch.lerp(pred_uncond, pred_cond, scale)
     if rho > 0:
@@ -126,6 +140,7 @@ class SampleStep(NamedTuple):
     x: torch.Tensor
     pred: torch.Tensor
 
+# %% ../../nbs/16_gdf.core.ipynb #7e4bcfb1
 def _sample(self: GDF, model: Callable, model_inputs: dict, shape, unconditional_inputs: dict | None = None,
             sampler: BaseSampler | None = None, schedule: BaseSchedule | None = None, t_start: float = 1.0,
             t_end: float = 0.0, timesteps: int = 20, x_init: torch.Tensor | None = None, cfg=3.0,
@@ -141,7 +156,8 @@ def _sample(self: GDF, model: Callable, model_inputs: dict, shape, unconditional
     batched_inputs = cfg_batch(model_inputs, unconditional_inputs) if cfg is not None else None
     for i in range(timesteps):
         t = t_range[i].item()
-        logsnr, logsnr_next = logsnr_range[i].expand(x.shape[0]), logsnr_range[i + 1].expand(x.shape[0])  # (B,)
+        # both (B,)
+        logsnr, logsnr_next = logsnr_range[i].expand(x.shape[0]), logsnr_range[i + 1].expand(x.shape[0])
         r = self.noise_cond(logsnr)
         scale = cfg_scale(cfg, t, cfg_t_start, cfg_t_stop)
         if scale is not None:

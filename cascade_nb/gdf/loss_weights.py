@@ -22,59 +22,72 @@ class BaseLossWeight:
 
     @staticmethod
     def unshift(logsnr: torch.Tensor, shift: float = 1.) -> torch.Tensor:
-        "The logSNR the weight is read at: `logsnr` + 2 ln(shift), the unshifted schedule's level (GDF's `loss_shift`)."
+        """The logSNR the weight is read at: `logsnr` + 2 ln(shift), the unshifted schedule's level (GDF's
+        `loss_shift`)."""
         return logsnr + 2 * math.log(shift) if shift != 1 else logsnr
 
     def __call__(self, logsnr: torch.Tensor, shift: float = 1., clamp_range=None) -> torch.Tensor:
-        return self.weight(self.unshift(logsnr, shift)).clamp(*((-1e9, 1e9) if clamp_range is None else clamp_range))
+        return self.weight(self.unshift(logsnr, shift)).clamp(
+            *((-1e9, 1e9) if clamp_range is None else clamp_range))
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #8e3718e5
 class ConstantLossWeight(BaseLossWeight):
     "The same weight `v` everywhere."
     def __init__(self, v: float = 1.): self.v = v
     def weight(self, logsnr): return torch.full_like(logsnr, self.v)
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #8b0ce062
 class SNRLossWeight(BaseLossWeight):
     "SNR = exp(logsnr)."
     def weight(self, logsnr): return logsnr.exp()
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #60b012ae
 class P2LossWeight(BaseLossWeight):
     "Perception-prioritised weight (k + SNR^s)^-gamma (Choi et al. 2022)."
     def __init__(self, k: float = 1., gamma: float = 1., s: float = 1.): self.k, self.gamma, self.s = k, gamma, s
     def weight(self, logsnr): return (self.k + (logsnr * self.s).exp()) ** -self.gamma
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #26b3ab0e
 class SNRPlusOneLossWeight(BaseLossWeight):
     "SNR + 1."
     def weight(self, logsnr): return logsnr.exp() + 1
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #f9b40f77
 class MinSNRLossWeight(BaseLossWeight):
     "min(SNR, max_snr) (Hang et al. 2023, x0-space form)."
     def __init__(self, max_snr: float = 5.): self.max_snr = max_snr
     def weight(self, logsnr): return logsnr.exp().clamp(max=self.max_snr)
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #5de29f6d
 class MinSNRPlusOneLossWeight(BaseLossWeight):
     "min(SNR + 1, max_snr)."
     def __init__(self, max_snr: float = 5.): self.max_snr = max_snr
     def weight(self, logsnr): return (logsnr.exp() + 1).clamp(max=self.max_snr)
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #5f672ee5
 class TruncatedSNRLossWeight(BaseLossWeight):
     "max(SNR, min_snr) (Salimans & Ho 2022)."
     def __init__(self, min_snr: float = 1.): self.min_snr = min_snr
     def weight(self, logsnr): return logsnr.exp().clamp(min=self.min_snr)
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #95722c93
 class SechLossWeight(BaseLossWeight):
     "1 / cosh(logsnr / div)."
     def __init__(self, div: float = 2.): self.div = div
     def weight(self, logsnr): return 1 / (logsnr / self.div).cosh()
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #158af587
 class DebiasedLossWeight(BaseLossWeight):
     "1 / sqrt(SNR) (Yu et al. 2024, debiased estimation)."
     def weight(self, logsnr): return (-logsnr / 2).exp()
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #1aef00a0
 class SigmoidLossWeight(BaseLossWeight):
     "sigmoid(s * logsnr)."
     def __init__(self, s: float = 1.): self.s = s
     def weight(self, logsnr): return torch.sigmoid(logsnr * self.s)
 
+# %% ../../nbs/14_gdf.loss_weights.ipynb #96c3d2e2
 class ComposedLossWeight(BaseLossWeight):
     "Product of the `mul` weights divided by the product of the `div` weights (each one weight or a sequence)."
     def __init__(self, div=(), mul=()):
@@ -109,11 +122,13 @@ class AdaptiveLossWeight(BaseLossWeight):
         bucket_ema_(self.bucket_losses, self.bucket_index(self.unshift(logsnr, shift)), loss, beta)
 
     def state_dict(self) -> dict:
-        return {"bucket_ranges": self.bucket_ranges.detach().cpu().clone(), "bucket_losses": self.bucket_losses.detach().cpu().clone()}
+        return {"bucket_ranges": self.bucket_ranges.detach().cpu().clone(),
+                "bucket_losses": self.bucket_losses.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict):
         if state["bucket_losses"].shape != self.bucket_losses.shape:
-            raise ValueError(f"AdaptiveLossWeight.load_state_dict: bucket_losses has shape {tuple(state['bucket_losses'].shape)}, "
+            raise ValueError(f"AdaptiveLossWeight.load_state_dict: bucket_losses has shape "
+                             f"{tuple(state['bucket_losses'].shape)}, "
                              f"expected {tuple(self.bucket_losses.shape)} (buckets={len(self.bucket_losses)})")
         dev = self.bucket_losses.device
         self.bucket_ranges = torch.as_tensor(state["bucket_ranges"]).float().clone()

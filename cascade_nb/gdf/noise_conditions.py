@@ -27,6 +27,7 @@ class BaseNoiseCond:
         if self.shift != 1: logsnr = logsnr + 2 * math.log(self.shift)
         return self.cond(logsnr).clamp(*self.clamp_range)
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #36494871
 class CosineTNoiseCond(BaseNoiseCond):
     "The cosine schedule's t recovered from logSNR (Stable Cascade's `r`)."
     def __init__(self, s: float = 0.008, clamp_range=(0., 1.), **kwargs):
@@ -37,18 +38,22 @@ class CosineTNoiseCond(BaseNoiseCond):
         abar = torch.sigmoid(logsnr).clamp(*self.clamp_range)
         return (abar * self.min_var).sqrt().acos() / (math.pi / 2) * (1 + self.s) - self.s
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #e7229fa4
 class EDMNoiseCond(BaseNoiseCond):
     "EDM's c_noise = ln(sigma) / 4 = -logsnr / 8 (Karras et al. 2022)."
     def cond(self, logsnr): return -logsnr / 8
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #b6fc16d8
 class SigmoidNoiseCond(BaseNoiseCond):
     "sigmoid(-logsnr): the noise variance under VP."
     def cond(self, logsnr): return torch.sigmoid(-logsnr)
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #df1ff6fe
 class LogSNRNoiseCond(BaseNoiseCond):
     "logsnr itself."
     def cond(self, logsnr): return logsnr
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #fd2f10bb
 class EDMSigmaNoiseCond(BaseNoiseCond):
     "EDM's sigma = sigma_data * exp(-logsnr / 2)."
     def __init__(self, sigma_data: float = 1., **kwargs):
@@ -57,10 +62,12 @@ class EDMSigmaNoiseCond(BaseNoiseCond):
 
     def cond(self, logsnr): return torch.exp(-logsnr / 2) * self.sigma_data
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #5e2606dd
 class RectifiedFlowsNoiseCond(BaseNoiseCond):
     "The LERP signal scale a = sigmoid(logsnr / 2), i.e. 1 - t on the rectified-flow path."
     def cond(self, logsnr): return torch.sigmoid(logsnr / 2)
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #7232b9ca
 class PiecewiseLinearNoiseCond(BaseNoiseCond):
     "Inverse of a table schedule: abar = sigmoid(logsnr) -> t by linear interpolation (`y` decreasing in `x`)."
     def __init__(self, x: torch.Tensor, y: torch.Tensor, **kwargs):
@@ -70,11 +77,13 @@ class PiecewiseLinearNoiseCond(BaseNoiseCond):
     def cond(self, logsnr):
         return interp1d(torch.sigmoid(logsnr.double()), self.y.flip(0), self.x.flip(0)).to(logsnr.dtype)
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #f09478f8
 class StableDiffusionNoiseCond(PiecewiseLinearNoiseCond):
     "Stable Diffusion's table inverse, in [0, 1] (not multiplied by the step count)."
     def __init__(self, linear_range=(0.00085, 0.012), total_steps: int = 1000, clamp_range=(0., 1.), **kwargs):
         super().__init__(*sd_abar_table(linear_range, total_steps), clamp_range=clamp_range, **kwargs)
 
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #262df028
 class DiscreteNoiseCond(BaseNoiseCond):
     "Integer step index in [0, steps-1] from an inner condition normalised by `continuous_range`."
     def __init__(self, noise_cond: BaseNoiseCond, steps: int = 1000, continuous_range=(0., 1.), **kwargs):

@@ -29,26 +29,33 @@ LOSS_WEIGHTS = registry("loss_weight", {
     "truncated_snr": TruncatedSNRLossWeight, "sech": SechLossWeight, "debiased": DebiasedLossWeight,
     "sigmoid": SigmoidLossWeight, "constant": ConstantLossWeight})
 register_loss_weight = LOSS_WEIGHTS.register
-"`@register_loss_weight('name')` on a `BaseLossWeight` subclass (built with no arguments): `loss_weight: name` in configs."
+("`@register_loss_weight('name')` on a `BaseLossWeight` subclass (built with no arguments): "
+ "`loss_weight: name` in configs.")
 TARGETS = {"epsilon": EpsilonTarget, "v": VTarget}
 
+# %% ../../nbs/17_gdf.presets.ipynb #f82e4462
 def _default_t(cosine: CosineSchedule):
     "Uniform t on Stable Cascade's clamped cosine schedule (the reference)."
     return cosine
 def _logit_normal_t(cosine: CosineSchedule):
     "SD3's logit-normal t, logSNR ~ N(0, 2^2) kept inside the cosine schedule's range."
     return LogitNormalSchedule(logsnr_range=(cosine.limits[0], cosine.limits[1]))
+
+# %% ../../nbs/17_gdf.presets.ipynb #37b514ac
 TIMESTEP_SAMPLINGS = registry("timestep_sampling", {"default": _default_t, "logit_normal": _logit_normal_t})
 "How training draws noise levels (`timestep_sampling`): a schedule built from Stable Cascade's clamped cosine."
 register_timestep_sampling = TIMESTEP_SAMPLINGS.register
 
+# %% ../../nbs/17_gdf.presets.ipynb #48182b51
 def make_loss_weight(name: str, target: str = "epsilon") -> BaseLossWeight:
     "The loss weight called `name` (in LOSS_WEIGHTS); 'min_snr' is expressed in `target`'s space."
     weight = LOSS_WEIGHTS.choose(name)
     if name == "min_snr" and target in TARGETS:
-        return ComposedLossWeight(div=SNRLossWeight() if target == "epsilon" else SNRPlusOneLossWeight(), mul=MinSNRLossWeight())
+        return ComposedLossWeight(div=SNRLossWeight() if target == "epsilon" else SNRPlusOneLossWeight(),
+                                  mul=MinSNRLossWeight())
     return weight()
 
+# %% ../../nbs/17_gdf.presets.ipynb #3b135758
 def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling: str = "default",
              offset_noise: float = 0.) -> GDF:
     "Stable Cascade's GDF (cosine, VP, CosineT) with a chosen loss weight, target, timestep sampling and offset noise."
@@ -58,6 +65,7 @@ def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling
     return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS[target](), noise_cond=CosineTNoiseCond(),
                loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise)
 
+# %% ../../nbs/17_gdf.presets.ipynb #b0bb2391
 def stage_c_gdf(adaptive_loss_weight: bool = False, offset_noise: float = 0., target: str = "epsilon") -> GDF:
     "Stable Cascade's Stage C training GDF (cosine, VP, eps, CosineT, P2 or adaptive)."
     return make_gdf("adaptive" if adaptive_loss_weight else "p2", target, offset_noise=offset_noise)
@@ -66,15 +74,18 @@ def stage_b_gdf(adaptive_loss_weight: bool = False, target: str = "epsilon") -> 
     "Stable Cascade's Stage B training GDF (the same recipe; Stage B trains without offset noise)."
     return make_gdf("adaptive" if adaptive_loss_weight else "p2", target)
 
+# %% ../../nbs/17_gdf.presets.ipynb #4b670a1e
 def gdf_from_config(gdf_cfg) -> GDF:
-    "Build the GDF a `cascade_nb.config.GDFConfig` describes (loss_weight, edm_objective -> v target, timestep_sampling, offset_noise)."
+    """Build the GDF a `cascade_nb.config.GDFConfig` describes (loss_weight, edm_objective -> v target,
+    timestep_sampling, offset_noise)."""
     loss_weight = gdf_cfg.loss_weight or ("adaptive" if gdf_cfg.adaptive_loss_weight else "p2")
     return make_gdf(loss_weight, "v" if gdf_cfg.edm_objective else "epsilon",
                     getattr(gdf_cfg, "timestep_sampling", "default"), gdf_cfg.offset_noise or 0.)
 
 # %% ../../nbs/17_gdf.presets.ipynb #f2df1077
 def training_shift(cfg) -> float:
-    "The logSNR shift `train(cfg)` diffuses with: Stage B at 1 as the reference (`stage_b_shift: reference`), else `shift`."
+    """The logSNR shift `train(cfg)` diffuses with: Stage B at 1 as the reference (`stage_b_shift: reference`), else
+    `shift`."""
     if cfg.model.stage == "b" and cfg.gdf.stage_b_shift == "reference": return 1.
     return float(cfg.gdf.shift)
 

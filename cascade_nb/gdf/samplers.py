@@ -15,29 +15,34 @@ from ..registry import registry
 __all__ = ['SAMPLERS', 'register_sampler', 'renoise', 'BaseSampler', 'DDIMSampler', 'DDPMSampler', 'LCMSampler']
 
 # %% ../../nbs/15_gdf.samplers.ipynb #0e3f2770
-def renoise(x0: torch.Tensor, eps: torch.Tensor, a_next, b_next, sigma, generator: torch.Generator | None = None) -> torch.Tensor:
+def renoise(x0: torch.Tensor, eps: torch.Tensor, a_next, b_next, sigma,
+            generator: torch.Generator | None = None) -> torch.Tensor:
     "x' = a' x0 + sqrt(b'^2 - sigma^2) eps + sigma z: the step shared by DDPM, DDIM and LCM."
     x = a_next * x0 + (b_next**2 - sigma**2).clamp(min=0).sqrt() * eps
     if torch.is_tensor(sigma) and bool((sigma > 0).any()):
         x = x + sigma * seeded_randn(x0.shape, generator, x0.device, x0.dtype)
     return x
 
+# %% ../../nbs/15_gdf.samplers.ipynb #500e4a97
 class BaseSampler:
     "Move x from logsnr to logsnr_next given (x0, eps); subclasses choose the fresh-noise scale `sigma`."
     def __init__(self, **params): self.params = params
 
     def sigma(self, a, b, a_next, b_next, **params) -> torch.Tensor: raise NotImplementedError
 
-    def init_x(self, shape, generator: torch.Generator | None = None, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    def init_x(self, shape, generator: torch.Generator | None = None, device="cpu",
+               dtype=torch.float32) -> torch.Tensor:
         "Pure noise to start from."
         return seeded_randn(shape, generator, device, dtype)
 
-    def __call__(self, x, x0, eps, logsnr, logsnr_next, scaler: BaseScaler, generator: torch.Generator | None = None, **params):
+    def __call__(self, x, x0, eps, logsnr, logsnr_next, scaler: BaseScaler, generator: torch.Generator | None = None,
+                 **params):
         a, b = (append_dims(v, x0) for v in scaler(logsnr))
         a_next, b_next = (append_dims(v, x0) for v in scaler(logsnr_next))
         sigma = self.sigma(a, b, a_next, b_next, **{**self.params, **params})
         return renoise(x0, eps, a_next, b_next, torch.as_tensor(sigma, device=x0.device), generator).to(x.dtype)
 
+# %% ../../nbs/15_gdf.samplers.ipynb #18b2368e
 class DDIMSampler(BaseSampler):
     "DDIM (Song et al. 2021): eta=0 deterministic, eta=1 equals DDPM."
     def __init__(self, eta: float = 0.): super().__init__(eta=eta)
@@ -48,6 +53,7 @@ class DDPMSampler(DDIMSampler):
     "Ancestral DDPM (Ho et al. 2020) = DDIM with eta=1; Stable Cascade's default sampler."
     def __init__(self, eta: float = 1.): super().__init__(eta=eta)
 
+# %% ../../nbs/15_gdf.samplers.ipynb #07db7cc7
 class LCMSampler(BaseSampler):
     "Latent-consistency style step (Luo et al. 2023): re-noise the predicted x0 with fresh noise."
     def sigma(self, a, b, a_next, b_next): return b_next
@@ -55,4 +61,5 @@ class LCMSampler(BaseSampler):
 # %% ../../nbs/15_gdf.samplers.ipynb #d5550cc2
 SAMPLERS = registry("sampler", {"ddpm": DDPMSampler, "ddim": DDIMSampler, "lcm": LCMSampler})
 register_sampler = SAMPLERS.register
-"`@register_sampler('name')` on a `BaseSampler` subclass: `sample_sampler: name` in configs, `--sampler name` in CLIs."
+("`@register_sampler('name')` on a `BaseSampler` subclass: `sample_sampler: name` in configs, "
+ "`--sampler name` in CLIs.")

@@ -19,8 +19,10 @@ class BaseScaler:
 
     def scalers(self, logsnr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: raise NotImplementedError
 
-    def setup_limits(self, schedule: BaseSchedule, stretch_max: bool = True, stretch_min: bool = True, shift: float = 1.):
-        "Stretch (a, b) so t=1 maps to (0, 1) (if `stretch_max`) and t=0 to (1, 0) (if `stretch_min`); returns the limits."
+    def setup_limits(self, schedule: BaseSchedule, stretch_max: bool = True, stretch_min: bool = True,
+                     shift: float = 1.):
+        """Stretch (a, b) so t=1 maps to (0, 1) (if `stretch_max`) and t=0 to (1, 0) (if `stretch_min`); returns the
+        limits."""
         self.stretched_limits = None
         ends = schedule(torch.tensor([1., 0.]), shift=shift)
         (min_a, max_a), (max_b, min_b) = (v.tolist() for v in self(ends))
@@ -36,10 +38,12 @@ class BaseScaler:
             a, b = (a - min_a) / (max_a - min_a), (b - min_b) / (max_b - min_b)
         return a, b
 
+# %% ../../nbs/11_gdf.scalers.ipynb #52202729
 class VPScaler(BaseScaler):
     "Variance preserving: a^2 = sigmoid(logsnr), b^2 = sigmoid(-logsnr) (Ho et al. 2020)."
     def scalers(self, logsnr): return torch.sigmoid(logsnr).sqrt(), torch.sigmoid(-logsnr).sqrt()
 
+# %% ../../nbs/11_gdf.scalers.ipynb #4e92c785
 class LERPScaler(BaseScaler):
     "Linear interpolation (rectified flow): a + b = 1, a / b = exp(logsnr / 2) (Liu et al. 2022)."
     def scalers(self, logsnr): return torch.sigmoid(logsnr / 2), torch.sigmoid(-logsnr / 2)

@@ -47,7 +47,8 @@ class BaseSchedule:
             t = (t * (self.discrete_steps - 1)).round() / (self.discrete_steps - 1)
         return t.clamp(0, 1)
 
-    def __call__(self, t: torch.Tensor | int, shift: float = 1., generator: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor | int, shift: float = 1.,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         "logSNR for times `t`, or for `t` training draws if `t` is an int; shifted by -2 ln(shift) and clamped."
         if isinstance(t, int): logsnr = self.sample_logsnr(t, generator)
         else: logsnr = self.logsnr(self._quantize(torch.as_tensor(t)))
@@ -63,6 +64,7 @@ def abar_to_logsnr(abar: torch.Tensor, clamp_range=(1e-4, 0.9999), norm_instead:
     abar = abar * (hi - lo) + lo if norm_instead else abar.clamp(lo, hi)
     return torch.logit(abar)
 
+# %% ../../nbs/10_gdf.schedules.ipynb #9d60ff85
 class CosineSchedule(BaseSchedule):
     "iDDPM cosine schedule (Nichol & Dhariwal 2021) in logSNR form; Stable Cascade's training schedule."
     def __init__(self, s: float = 0.008, clamp_range=(1e-4, 0.9999), norm_instead: bool = False, **kwargs):
@@ -75,7 +77,8 @@ class CosineSchedule(BaseSchedule):
         return torch.cos((t + self.s) / (1 + self.s) * math.pi / 2).clamp(0, 1) ** 2 / self.min_var
 
     def logsnr(self, t): return abar_to_logsnr(self.abar(t), self.clamp_range, self.norm_instead)
-    def sample_t(self, batch_size, generator=None): return (super().sample_t(batch_size, generator) + 0.001).clamp(0.001, 1.)
+    def sample_t(self, batch_size, generator=None):
+        return (super().sample_t(batch_size, generator) + 0.001).clamp(0.001, 1.)
 
 # %% ../../nbs/10_gdf.schedules.ipynb #fe45c7b3
 class CosineSchedule2(BaseSchedule):
@@ -87,6 +90,7 @@ class CosineSchedule2(BaseSchedule):
 
     def logsnr(self, t): return -2 * torch.tan(self.t_min + t * (self.t_max - self.t_min)).log()
 
+# %% ../../nbs/10_gdf.schedules.ipynb #a0efa3c8
 class SqrtSchedule(BaseSchedule):
     "Square-root schedule abar = 1 - sqrt(t + s) (Li et al. 2022, Diffusion-LM)."
     def __init__(self, s: float = 1e-4, clamp_range=(1e-4, 0.9999), norm_instead: bool = False, **kwargs):
@@ -95,6 +99,7 @@ class SqrtSchedule(BaseSchedule):
 
     def logsnr(self, t): return abar_to_logsnr(1 - (t + self.s).sqrt(), self.clamp_range, self.norm_instead)
 
+# %% ../../nbs/10_gdf.schedules.ipynb #61280210
 class RectifiedFlowsSchedule(BaseSchedule):
     "Rectified-flow path x_t = (1-t) x0 + t eps, i.e. logSNR = 2 ln((1-t)/t) (Liu et al. 2022; SD3)."
     def __init__(self, logsnr_range=(-15., 15.), **kwargs):
@@ -103,6 +108,7 @@ class RectifiedFlowsSchedule(BaseSchedule):
 
     def logsnr(self, t): return (2 * (torch.log1p(-t) - torch.log(t))).clamp(*self.logsnr_range)
 
+# %% ../../nbs/10_gdf.schedules.ipynb #6d97fafe
 class EDMSampleSchedule(BaseSchedule):
     "Karras et al. 2022 (EDM) sampling grid: sigma interpolated in sigma^(1/p) space, logSNR = -2 ln sigma."
     def __init__(self, sigma_range=(0.002, 80.), p: float = 7., **kwargs):
@@ -114,6 +120,7 @@ class EDMSampleSchedule(BaseSchedule):
         sigma = (smax ** (1 / p) + (1 - t) * (smin ** (1 / p) - smax ** (1 / p))) ** p
         return -2 * sigma.log()
 
+# %% ../../nbs/10_gdf.schedules.ipynb #39506872
 class LinearSchedule(BaseSchedule):
     "logSNR linear in t from `logsnr_range[1]` (t=0) down to `logsnr_range[0]` (t=1)."
     def __init__(self, logsnr_range=(-10., 10.), **kwargs):
@@ -132,12 +139,14 @@ def interp1d(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tenso
     x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
+# %% ../../nbs/10_gdf.schedules.ipynb #ce770c9b
 def sd_abar_table(linear_range=(0.00085, 0.012), total_steps: int = 1000):
     "Stable Diffusion's 'scaled linear' schedule as a table (t grid, abar)."
     x = torch.linspace(0, 1, total_steps + 1, dtype=torch.float64)
     b0, b1 = (r ** 0.5 for r in linear_range)
     return x, (1 - (b0 * (1 - x) + b1 * x) ** 2).cumprod(-1)
 
+# %% ../../nbs/10_gdf.schedules.ipynb #4c9d133a
 class PiecewiseLinearSchedule(BaseSchedule):
     "Signal variance abar(t) given as a table `x` (times, increasing) -> `y` (abar), linearly interpolated."
     def __init__(self, x: torch.Tensor, y: torch.Tensor, **kwargs):
@@ -172,6 +181,7 @@ class EDMTrainSchedule(BaseSchedule):
     def sample_logsnr(self, batch_size, generator=None):
         return -2 * (self.mu + self.std * seeded_randn(batch_size, generator))
 
+# %% ../../nbs/10_gdf.schedules.ipynb #3a163c0c
 class LogitNormalSchedule(RectifiedFlowsSchedule):
     "SD3's logit-normal timestep sampling (Esser et al. 2024): t = sigmoid(m + s n) on the rectified-flow path."
     def __init__(self, m: float = 0., s: float = 1., logsnr_range=(-15., 15.), **kwargs):
@@ -181,6 +191,7 @@ class LogitNormalSchedule(RectifiedFlowsSchedule):
     def sample_t(self, batch_size, generator=None):
         return torch.sigmoid(self.m + self.s * seeded_randn(batch_size, generator))
 
+# %% ../../nbs/10_gdf.schedules.ipynb #22bb1255
 class AdaptiveTrainSchedule(BaseSchedule):
     "Importance-sample logSNR buckets in proportion to an EMA of their loss (GDF). Train-only; call `update_buckets`."
     train_only = True
@@ -203,13 +214,16 @@ class AdaptiveTrainSchedule(BaseSchedule):
     def update_buckets(self, logsnr: torch.Tensor, loss: torch.Tensor, beta: float = 0.99, shift: float = 1.):
         "EMA the per-sample (unweighted) `loss` into the buckets `logsnr` was drawn from (un-shifted by `shift`)."
         s = shift * self.shift
-        bucket_ema_(self.bucket_probs, self.bucket_index(logsnr + 2 * math.log(s) if s != 1 else logsnr), loss, beta)
+        bucket_ema_(self.bucket_probs, self.bucket_index(logsnr + 2 * math.log(s) if s != 1 else logsnr),
+                    loss, beta)
 
-    def state_dict(self) -> dict: return {"edges": self.edges.clone(), "bucket_probs": self.bucket_probs.detach().cpu().clone()}
+    def state_dict(self) -> dict:
+        return {"edges": self.edges.clone(), "bucket_probs": self.bucket_probs.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict):
         if state["bucket_probs"].shape != self.bucket_probs.shape:
-            raise ValueError(f"AdaptiveTrainSchedule.load_state_dict: bucket_probs has shape {tuple(state['bucket_probs'].shape)}, "
+            raise ValueError(f"AdaptiveTrainSchedule.load_state_dict: bucket_probs has shape "
+                             f"{tuple(state['bucket_probs'].shape)}, "
                              f"expected {tuple(self.bucket_probs.shape)} (buckets={len(self.bucket_probs)})")
         self.edges = state["edges"].clone().float()
         self.bucket_probs = state["bucket_probs"].clone().float()

@@ -20,16 +20,19 @@ class BaseTarget:
     def x0(self, x, pred, logsnr, a, b): return self.to_x0_eps(x, pred, a, b)[0]
     def epsilon(self, x, pred, logsnr, a, b): return self.to_x0_eps(x, pred, a, b)[1]
 
+# %% ../../nbs/12_gdf.targets.ipynb #b299282f
 class EpsilonTarget(BaseTarget):
     "Predict the noise (Ho et al. 2020)."
     def target(self, x0, eps, a, b): return eps
     def to_x0_eps(self, x, pred, a, b): return (x - b * pred) / a, pred
 
+# %% ../../nbs/12_gdf.targets.ipynb #9477cdab
 class X0Target(BaseTarget):
     "Predict the clean sample."
     def target(self, x0, eps, a, b): return x0
     def to_x0_eps(self, x, pred, a, b): return pred, (x - a * pred) / b
 
+# %% ../../nbs/12_gdf.targets.ipynb #dc82e5c0
 class VTarget(BaseTarget):
     "Predict v = a eps - b x0 (Salimans & Ho 2022, progressive distillation)."
     def target(self, x0, eps, a, b): return a * eps - b * x0
@@ -37,6 +40,7 @@ class VTarget(BaseTarget):
         norm = a**2 + b**2
         return (a * x - b * pred) / norm, (b * x + a * pred) / norm
 
+# %% ../../nbs/12_gdf.targets.ipynb #c2e2ee29
 class RectifiedFlowsTarget(BaseTarget):
     "Predict the flow velocity eps - x0 (Liu et al. 2022; Esser et al. 2024)."
     def target(self, x0, eps, a, b): return eps - x0

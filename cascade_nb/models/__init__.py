@@ -8,15 +8,19 @@ Docs: https://cascade-nb.github.io/cascade_nb/models.html.md"""
 __all__ = []
 
 # %% ../../nbs/29_models.ipynb #dfa95270
-from .blocks import LayerNorm2d, GlobalResponseNorm, ResBlock, AttnBlock, FeedForwardBlock, TimestepBlock, UpDownBlock2d
+from .blocks import (LayerNorm2d, GlobalResponseNorm, ResBlock, AttnBlock, FeedForwardBlock,
+                                      TimestepBlock, UpDownBlock2d)
 from .stage_c import StageC, STAGE_C_PRESETS, save_stage_c, load_stage_c
-from .stage_b import StageB, STAGE_B_PRESETS, save_stage_b, load_stage_b, pyramid_noise, effnet_condition
+from .stage_b import (StageB, STAGE_B_PRESETS, save_stage_b, load_stage_b, pyramid_noise,
+                                       effnet_condition)
 from .stage_a import StageA, STAGE_A_PRESETS, save_stage_a, load_stage_a
 from .effnet import EfficientNetEncoder, load_effnet_encoder
 from .previewer import Previewer, load_previewer
-from .clip import (load_clip_tokenizer, load_clip_text_model, load_clip_image_model, tiny_clip_text_model,
-                   tiny_clip_vision_model, encode_text, encode_image, clip_conditions)
+from .clip import (load_clip_tokenizer, load_clip_text_model, load_clip_image_model,
+                                    tiny_clip_text_model, tiny_clip_vision_model, encode_text, encode_image,
+                                    clip_conditions)
 
+# %% ../../nbs/29_models.ipynb #1fa99ad3
 __all__ = ["LayerNorm2d", "GlobalResponseNorm", "ResBlock", "AttnBlock", "FeedForwardBlock", "TimestepBlock",
            "UpDownBlock2d", "StageC", "STAGE_C_PRESETS", "save_stage_c", "load_stage_c", "StageB", "STAGE_B_PRESETS",
            "save_stage_b", "load_stage_b", "pyramid_noise", "effnet_condition", "StageA", "STAGE_A_PRESETS",

@@ -33,7 +33,8 @@ class GlobalResponseNorm(nn.Module):
 
     def forward(self, x):
         s = x.square().sum(dim=(1, 2), keepdim=True)               # (B, 1, 1, C); 5× faster than vector_norm on CPU
-        g = torch.where(s > 0, s, 1.).sqrt() * (s > 0)             # √s, with a zero (not NaN) gradient where a channel is all 0
+        # √s, with a zero (not NaN) gradient where a channel is all 0
+        g = torch.where(s > 0, s, 1.).sqrt() * (s > 0)
         n = g / (g.mean(dim=-1, keepdim=True) + 1e-6)
         return torch.addcmul(self.beta, x, 1 + self.gamma * n)
 
@@ -65,7 +66,8 @@ class ResBlock(nn.Module):
 
 # %% ../../nbs/20_models.blocks.ipynb #edb54e04
 class Attention2D(nn.Module):
-    "Multi-head attention of image tokens over [image tokens; kv] via SDPA, with nn.MultiheadAttention's parameter layout."
+    """Multi-head attention of image tokens over [image tokens; kv] via SDPA, with nn.MultiheadAttention's parameter
+    layout."""
     def __init__(self, c: int, nhead: int, dropout: float = 0.0):
         super().__init__()
         self.attn = nn.MultiheadAttention(c, nhead, dropout=dropout, bias=True, batch_first=True)
@@ -83,7 +85,8 @@ class Attention2D(nn.Module):
 
 # %% ../../nbs/20_models.blocks.ipynb #e3a24434
 class AttnBlock(nn.Module):
-    "Pre-LN joint self+cross attention: queries are image tokens, keys/values [image tokens; mapped conditioning] (Würstchen)."
+    """Pre-LN joint self+cross attention: queries are image tokens, keys/values [image tokens; mapped conditioning]
+    (Würstchen)."""
     def __init__(self, c: int, c_cond: int, nhead: int, self_attn: bool = True, dropout: float = 0.0):
         super().__init__()
         self.self_attn = self_attn
@@ -174,12 +177,15 @@ COMPILED_BLOCKS = (ResBlock, AttnBlock, TimestepBlock, FeedForwardBlock)
 
 _compiled_forwards: dict = {}
 
+# %% ../../nbs/20_models.blocks.ipynb #f4b63193
 def _mark_buckets(x: torch.Tensor):
     "Batch and (for images) height and width vary between aspect-ratio buckets: compile them as symbolic sizes."
     for d in ((0, 2, 3) if x.ndim == 4 else (0,)): torch._dynamo.maybe_mark_dynamic(x, d)
 
+# %% ../../nbs/20_models.blocks.ipynb #a91d7f07
 def _training_compiled(forward, **compile_kwargs):
-    "`forward` compiled for steps with gradients; sampling and validation (no_grad) run it eagerly, with no graphs of their own."
+    """`forward` compiled for steps with gradients; sampling and validation (no_grad) run it eagerly, with no graphs
+    of their own."""
     compiled = torch.compile(forward, **compile_kwargs)
     def run(self, *args, **kwargs):
         if not torch.is_grad_enabled(): return forward(self, *args, **kwargs)
@@ -188,18 +194,22 @@ def _training_compiled(forward, **compile_kwargs):
         return compiled(self, *args, **kwargs)
     return run
 
+# %% ../../nbs/20_models.blocks.ipynb #530e6fbf
 def compile_blocks(model: nn.Module, dynamic: bool | None = None, **compile_kwargs) -> int:
-    "Compile the training `forward` of each repeated block of `model` in place, one compiled function per block type; returns how many."
+    """Compile the training `forward` of each repeated block of `model` in place, one compiled function per block
+    type; returns how many."""
     n = 0
     for m in model.modules():
         cls = next((c for c in type(m).__mro__ if c in COMPILED_BLOCKS), None)
         if cls is None or isinstance(m.__dict__.get("forward"), types.MethodType): continue   # not a block / done
         key = (cls, dynamic, tuple(sorted(compile_kwargs.items())))
-        if key not in _compiled_forwards: _compiled_forwards[key] = _training_compiled(cls.forward, dynamic=dynamic, **compile_kwargs)
+        if key not in _compiled_forwards:
+            _compiled_forwards[key] = _training_compiled(cls.forward, dynamic=dynamic, **compile_kwargs)
         m.forward = types.MethodType(_compiled_forwards[key], m)   # a bound method: deepcopy rebinds it to the copy
         n += 1
     return n
 
+# %% ../../nbs/20_models.blocks.ipynb #cccde968
 def compile_seconds() -> float:
     "Seconds torch.compile has spent compiling in this process so far (dynamo + inductor)."
     from torch._dynamo.utils import compilation_time_metrics

@@ -24,6 +24,7 @@ CLIP_TEXT_MODEL = "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"  # the reference's 
 CLIP_IMAGE_MODEL = "openai/clip-vit-large-patch14"             # the reference's image encoder (hub id)
 CLIP_MAX_LENGTH = 77                                           # CLIP's context length
 
+# %% ../../nbs/22_models.clip.ipynb #534ec512
 def sample_tokenizer_dir() -> Path:
     "The real CLIP tokenizer shipped in a cascade_nb checkout (`data_samples/clip_tokenizer`)."
     import cascade_nb
@@ -33,6 +34,7 @@ def sample_tokenizer_dir() -> Path:
                                 f"regenerate it with tools/make_clip_tokenizer.py or load a hub id instead")
     return path
 
+# %% ../../nbs/22_models.clip.ipynb #f4103adf
 def load_clip_tokenizer(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, **kwargs):
     "CLIP tokenizer from a local directory or a hub id (like the reference: the text encoder's own tokenizer)."
     from transformers import AutoTokenizer
@@ -42,12 +44,15 @@ def load_clip_tokenizer(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, **kwa
 def load_clip_text_model(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, device=None, dtype=None, **kwargs):
     "Frozen `CLIPTextModelWithProjection` from a local directory or a hub id (default: the reference's bigG)."
     from transformers import CLIPTextModelWithProjection
-    return frozen(CLIPTextModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype, allow_fp16=True)
+    return frozen(CLIPTextModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype,
+                  allow_fp16=True)
 
+# %% ../../nbs/22_models.clip.ipynb #5937f12f
 def load_clip_image_model(name_or_path: str | os.PathLike = CLIP_IMAGE_MODEL, device=None, dtype=None, **kwargs):
     "Frozen `CLIPVisionModelWithProjection` from a local directory or a hub id (default: the reference's ViT-L/14)."
     from transformers import CLIPVisionModelWithProjection
-    return frozen(CLIPVisionModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype, allow_fp16=True)
+    return frozen(CLIPVisionModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype,
+                  allow_fp16=True)
 
 # %% ../../nbs/22_models.clip.ipynb #0bc289d7
 def tiny_clip_text_model(hidden: int = 64, proj: int = 64, layers: int = 2, heads: int = 2,
@@ -59,12 +64,14 @@ def tiny_clip_text_model(hidden: int = 64, proj: int = 64, layers: int = 2, head
                          bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
     return frozen(seeded(lambda: CLIPTextModelWithProjection(cfg), seed))
 
+# %% ../../nbs/22_models.clip.ipynb #d87095a7
 def tiny_clip_vision_model(hidden: int = 64, proj: int = 32, layers: int = 2, heads: int = 2,
                            image_size: int = 32, patch_size: int = 8, seed: int = 0):
     "A small random `CLIPVisionModelWithProjection` (default 32×32 input, 8×8 patches), frozen."
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
     cfg = CLIPVisionConfig(hidden_size=hidden, intermediate_size=4 * hidden, projection_dim=proj,
-                           num_hidden_layers=layers, num_attention_heads=heads, image_size=image_size, patch_size=patch_size)
+                           num_hidden_layers=layers, num_attention_heads=heads, image_size=image_size,
+                           patch_size=patch_size)
     return frozen(seeded(lambda: CLIPVisionModelWithProjection(cfg), seed))
 
 # %% ../../nbs/22_models.clip.ipynb #0bebb671
@@ -72,7 +79,9 @@ def _device_dtype(model) -> tuple[torch.device, torch.dtype]:
     p = next(model.parameters())
     return p.device, p.dtype
 
-def encode_text(tokenizer, text_model, captions: Sequence[str], max_length: int = CLIP_MAX_LENGTH) -> dict[str, torch.Tensor]:
+# %% ../../nbs/22_models.clip.ipynb #d8787805
+def encode_text(tokenizer, text_model, captions: Sequence[str],
+                max_length: int = CLIP_MAX_LENGTH) -> dict[str, torch.Tensor]:
     "Captions → `clip_text` (B, 77, hidden) and `clip_text_pooled` (B, 1, proj), as the reference conditions Stage C."
     if isinstance(captions, str): raise TypeError("encode_text takes a list of captions, got a single string")
     tokens = tokenizer(list(captions), padding="max_length", truncation=True,
@@ -87,8 +96,10 @@ def encode_text(tokenizer, text_model, captions: Sequence[str], max_length: int 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
+# %% ../../nbs/22_models.clip.ipynb #5757a916
 def resize_and_center_crop(images: torch.Tensor, size: int, mode: str = "bicubic") -> torch.Tensor:
-    "Resize (B, C, H, W) so the shorter side is `size` (antialiased), then center-crop `size`×`size` (torchvision's rule)."
+    """Resize (B, C, H, W) so the shorter side is `size` (antialiased), then center-crop `size`×`size` (torchvision's
+    rule)."""
     h, w = images.shape[-2:]
     scale = size / min(h, w)
     new_h, new_w = (size, int(w * scale)) if h <= w else (int(h * scale), size)
@@ -97,6 +108,7 @@ def resize_and_center_crop(images: torch.Tensor, size: int, mode: str = "bicubic
     top, left = int(round((new_h - size) / 2)), int(round((new_w - size) / 2))
     return images[..., top:top + size, left:left + size]
 
+# %% ../../nbs/22_models.clip.ipynb #1c40f970
 def clip_preprocess(images01: torch.Tensor, size: int = 224) -> torch.Tensor:
     "CLIP's image preprocessing on tensors in [0, 1]: resize + center crop to `size`, normalise with CLIP mean/std."
     x = resize_and_center_crop(images01, size)
@@ -107,12 +119,14 @@ def clip_preprocess(images01: torch.Tensor, size: int = 224) -> torch.Tensor:
 def encode_image(image_model, images01: torch.Tensor) -> torch.Tensor:
     "Images in [0, 1] (B, 3, H, W) → `clip_img` (B, 1, proj): CLIP preprocessing, then `image_embeds`."
     device, dtype = _device_dtype(image_model)
-    x = clip_preprocess(images01.to(device=device, dtype=torch.float32), image_model.config.image_size)  # bicubic in fp32
+    # bicubic in fp32
+    x = clip_preprocess(images01.to(device=device, dtype=torch.float32), image_model.config.image_size)
     return image_model(pixel_values=x.to(dtype)).image_embeds.unsqueeze(1)  # (B, 1, proj)
 
 # %% ../../nbs/22_models.clip.ipynb #b41f823a
-def clip_conditions(tokenizer, text_model, captions: Sequence[str], image_model=None, images01: torch.Tensor | None = None,
-                    image_mask: torch.Tensor | None = None, c_clip_img: int | None = None) -> dict[str, torch.Tensor]:
+def clip_conditions(tokenizer, text_model, captions: Sequence[str], image_model=None,
+                    images01: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+                    c_clip_img: int | None = None) -> dict[str, torch.Tensor]:
     "`clip_text`, `clip_text_pooled` and `clip_img` (zeros where `image_mask` is False or no images are given)."
     cond = encode_text(tokenizer, text_model, captions)
     if c_clip_img is None:
@@ -122,7 +136,8 @@ def clip_conditions(tokenizer, text_model, captions: Sequence[str], image_model=
     if images01 is not None:
         if image_model is None: raise ValueError("clip_conditions: images01 given but no image_model to encode them")
         mask = torch.ones(len(captions), dtype=torch.bool) if image_mask is None else image_mask.bool().cpu()
-        if mask.any(): clip_img[mask.to(ref.device)] = encode_image(image_model, images01[mask.to(images01.device)]).to(ref.dtype)
+        if mask.any():
+            clip_img[mask.to(ref.device)] = encode_image(image_model, images01[mask.to(images01.device)]).to(ref.dtype)
     return dict(clip_text=cond["clip_text"], clip_text_pooled=ref, clip_img=clip_img)
 
 # %% ../../nbs/22_models.clip.ipynb #11219e11

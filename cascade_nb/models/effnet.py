@@ -22,7 +22,8 @@ __all__ = ['EFFICIENTNET_V2_S', 'IMAGENET_MEAN', 'IMAGENET_STD', 'EFFNET_PRESETS
 class ConvNormAct(nn.Sequential):
     "Conv2d (no bias) → BatchNorm2d(eps=1e-3) → optional SiLU; torchvision's `Conv2dNormActivation` key layout."
     def __init__(self, c_in: int, c_out: int, kernel_size: int = 1, stride: int = 1, groups: int = 1, act: bool = True):
-        layers = [nn.Conv2d(c_in, c_out, kernel_size, stride, padding=(kernel_size - 1) // 2, groups=groups, bias=False),
+        layers = [nn.Conv2d(c_in, c_out, kernel_size, stride, padding=(kernel_size - 1) // 2, groups=groups,
+                            bias=False),
                   nn.BatchNorm2d(c_out, eps=1e-3)]
         super().__init__(*layers, *([nn.SiLU(inplace=True)] if act else []))
 
@@ -47,7 +48,8 @@ def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 # %% ../../nbs/23_models.effnet.ipynb #c50abb26
 class MBConv(nn.Module):
     "(Fused-)MBConv block of EfficientNetV2: expand → [depthwise → SE] → project, residual with stochastic depth."
-    def __init__(self, c_in: int, c_out: int, expand: int, kernel_size: int, stride: int, fused: bool, p_drop: float = 0.0):
+    def __init__(self, c_in: int, c_out: int, expand: int, kernel_size: int, stride: int, fused: bool,
+                 p_drop: float = 0.0):
         super().__init__()
         c_mid = c_in * expand
         if fused and expand == 1: layers = [ConvNormAct(c_in, c_out, kernel_size, stride)]
@@ -76,6 +78,7 @@ class EffNetStage:
     c_out: int
     n_blocks: int
 
+# %% ../../nbs/23_models.effnet.ipynb #8a70a8b7
 EFFICIENTNET_V2_S = (  # EfficientNetV2 paper, Table 4 (torchvision's efficientnet_v2_s)
     EffNetStage(True, 1, 3, 1, 24, 24, 2),
     EffNetStage(True, 4, 3, 2, 24, 48, 4),
@@ -85,6 +88,7 @@ EFFICIENTNET_V2_S = (  # EfficientNetV2 paper, Table 4 (torchvision's efficientn
     EffNetStage(False, 6, 3, 2, 160, 256, 15),
 )
 
+# %% ../../nbs/23_models.effnet.ipynb #2d818555
 def efficientnet_v2_features(stages=EFFICIENTNET_V2_S, c_last: int = 1280, p_drop: float = 0.2) -> nn.Sequential:
     "EfficientNetV2 feature extractor (stem, stages, head conv) with torchvision's `features` key layout."
     layers, n_total, depth = [ConvNormAct(3, stages[0].c_in, 3, stride=2)], sum(s.n_blocks for s in stages), 0
@@ -92,8 +96,8 @@ def efficientnet_v2_features(stages=EFFICIENTNET_V2_S, c_last: int = 1280, p_dro
         blocks = []
         for i in range(s.n_blocks):
             first = i == 0
-            blocks.append(MBConv(s.c_in if first else s.c_out, s.c_out, s.expand, s.kernel_size, s.stride if first else 1,
-                                 s.fused, p_drop * depth / n_total))
+            blocks.append(MBConv(s.c_in if first else s.c_out, s.c_out, s.expand, s.kernel_size,
+                                 s.stride if first else 1, s.fused, p_drop * depth / n_total))
             depth += 1
         layers.append(nn.Sequential(*blocks))
     layers.append(ConvNormAct(stages[-1].c_out, c_last))
@@ -108,6 +112,7 @@ def efficientnet_v2_features(stages=EFFICIENTNET_V2_S, c_last: int = 1280, p_dro
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
+# %% ../../nbs/23_models.effnet.ipynb #2d197b4f
 EFFNET_PRESETS = {
     "v2_s": dict(stages=EFFICIENTNET_V2_S, c_last=1280),
     "tiny": dict(stages=(EffNetStage(True, 1, 3, 1, 8, 8, 1), EffNetStage(True, 2, 3, 2, 8, 16, 1),
@@ -115,6 +120,7 @@ EFFNET_PRESETS = {
                          EffNetStage(False, 2, 3, 1, 24, 24, 1), EffNetStage(False, 2, 3, 2, 24, 32, 1)), c_last=64),
 }
 
+# %% ../../nbs/23_models.effnet.ipynb #3a885cb8
 class EfficientNetEncoder(nn.Module):
     "Stage C's latent encoder: EfficientNetV2 features → 1×1 conv to `c_latent` → BatchNorm without affine (Würstchen)."
     def __init__(self, c_latent: int = 16, stages=EFFICIENTNET_V2_S, c_last: int = 1280):
@@ -126,7 +132,8 @@ class EfficientNetEncoder(nn.Module):
     @classmethod
     def from_preset(cls, name: str = "v2_s", **overrides) -> "EfficientNetEncoder":
         "Build a named preset: 'v2_s' (the official encoder) or 'tiny' (CPU tests)."
-        if name not in EFFNET_PRESETS: raise ValueError(f"unknown effnet preset {name!r}; expected one of {list(EFFNET_PRESETS)}")
+        if name not in EFFNET_PRESETS:
+            raise ValueError(f"unknown effnet preset {name!r}; expected one of {list(EFFNET_PRESETS)}")
         return cls(**{**EFFNET_PRESETS[name], **overrides})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +142,8 @@ class EfficientNetEncoder(nn.Module):
 
     def encode(self, images01: torch.Tensor) -> torch.Tensor:
         "Images in [0, 1] (B, 3, H, W) → latents (B, c_latent, H/32, W/32), ImageNet normalisation included."
-        mean, std = (torch.tensor(v, device=images01.device, dtype=images01.dtype).view(-1, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        mean, std = (torch.tensor(v, device=images01.device, dtype=images01.dtype).view(-1, 1, 1)
+                     for v in (IMAGENET_MEAN, IMAGENET_STD))
         return self((images01 - mean) / std)
 
 # %% ../../nbs/23_models.effnet.ipynb #53fbc53f

@@ -18,6 +18,7 @@ __all__ = ['Previewer', 'load_previewer']
 def _conv_gelu_bn(conv: nn.Module, c_out: int) -> list[nn.Module]:
     return [conv, nn.GELU(), nn.BatchNorm2d(c_out)]
 
+# %% ../../nbs/24_models.previewer.ipynb #9bd54a9c
 class Previewer(nn.Module):
     "Stage C latent (B, 16, h, w) → rough RGB preview (B, 3, 8h, 8w), the reference's official layout."
     def __init__(self, c_in: int = 16, c_hidden: int = 512, c_out: int = 3):

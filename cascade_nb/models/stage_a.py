@@ -71,6 +71,7 @@ class StageAEncoding(NamedTuple):
     indices: torch.Tensor | None = None     # (B, H/4, W/4) code indices, with quantize=True
     vq_loss: torch.Tensor | None = None     # vq_loss + 0.25 commit_loss, with quantize=True
 
+# %% ../../nbs/28_models.stage_a.ipynb #ac6b0af6
 class StageA(nn.Module):
     "Stable Cascade's Stage A VQGAN (Würstchen's Paella VQ): images in [0, 1] ↔ 4-channel latents at 1/4 resolution."
     def __init__(self, levels: int = 2, bottleneck_blocks: int = 12, c_hidden: int = 384, c_latent: int = 4,
@@ -98,7 +99,8 @@ class StageA(nn.Module):
     @classmethod
     def from_preset(cls, name: str = 'official', **overrides) -> StageA:
         "Build 'official' (the released VQGAN) or 'tiny' (CPU tests) with any argument overridden."
-        if name not in STAGE_A_PRESETS: raise ValueError(f"unknown StageA preset {name!r}; choose one of {sorted(STAGE_A_PRESETS)}")
+        if name not in STAGE_A_PRESETS:
+            raise ValueError(f"unknown StageA preset {name!r}; choose one of {sorted(STAGE_A_PRESETS)}")
         return cls(**{**STAGE_A_PRESETS[name], **overrides})
 
     @property
@@ -120,6 +122,7 @@ class StageA(nn.Module):
         enc = self.encode(x, quantize)
         return self.decode(enc.latent), enc.vq_loss
 
+# %% ../../nbs/28_models.stage_a.ipynb #22bc71df
 STAGE_A_PRESETS = {
     'official': dict(),
     'tiny': dict(c_hidden=16, bottleneck_blocks=2, codebook_size=64),
@@ -132,8 +135,10 @@ def save_stage_a(model: StageA, path: str | os.PathLike):
     "Save `model`'s weights in the official layout as safetensors, with its config in the metadata."
     save_with_config(model, path, _META_KEY)
 
+# %% ../../nbs/28_models.stage_a.ipynb #d8e87fa8
 def load_stage_a(path: str | os.PathLike, device=None, dtype=None, preset: str | None = None, **overrides) -> StageA:
-    "Frozen `StageA` in eval mode from `stage_a.safetensors` (a file or a directory); config: preset, else metadata, else official."
+    """Frozen `StageA` in eval mode from `stage_a.safetensors` (a file or a directory); config: preset, else metadata,
+    else official."""
     path = Path(path)
     if path.is_dir(): path = path / 'stage_a.safetensors'
     if not path.is_file(): raise FileNotFoundError(f"load_stage_a: no Stage A weights at {path}")

@@ -11,7 +11,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config, seeded_rand, seeded_randn
+from ..core import (resolve_dtype, checkpoint_file, save_with_config, load_with_config, seeded_rand,
+                            seeded_randn)
 from .blocks import LayerNorm2d, TimestepBlock
 from .stage_c import StageC
 
@@ -24,13 +25,15 @@ def _cond_mapper(c_in: int, c: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c * 4, kernel_size=1), nn.GELU(), nn.Conv2d(c * 4, c, kernel_size=1),
                          LayerNorm2d(c, elementwise_affine=False, eps=1e-6))
 
+# %% ../../nbs/26_models.stage_b.ipynb #a3b91353
 def _resize_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     "Bilinear (align_corners) resize of `t` to `like`'s grid, computed in fp32, returned in `like`'s dtype."
     return F.interpolate(t.float(), size=like.shape[-2:], mode='bilinear', align_corners=True).to(like.dtype)
 
 # %% ../../nbs/26_models.stage_b.ipynb #f17e5cd0
 class StageB(StageC):
-    "Stable Cascade's Stage B: a 4-level U-Net decoding Stage C latents + pooled text into Stage A latents (Würstchen v3)."
+    """Stable Cascade's Stage B: a 4-level U-Net decoding Stage C latents + pooled text into Stage A latents
+    (Würstchen v3)."""
     def __init__(self, c_in=4, c_out=4, c_r=64, patch_size=2, c_cond=1280, c_hidden=(320, 640, 1280, 1280),
                  nhead=(-1, -1, 20, 20), blocks=((2, 6, 28, 6), (6, 28, 6, 2)),
                  block_repeat=((1, 1, 1, 1), (3, 3, 2, 2)), level_config=('CT', 'CT', 'CTA', 'CTA'), c_clip=1280,
@@ -70,13 +73,15 @@ class StageB(StageC):
         return cls(**{**STAGE_B_PRESETS[name], **overrides})
 
     def gen_c_embeddings(self, clip) -> torch.Tensor:
-        "(B, n·c_clip_seq, c_cond): each pooled text vector of `clip` (B, n, c_clip) or (B, c_clip) as c_clip_seq tokens."
+        """(B, n·c_clip_seq, c_cond): each pooled text vector of `clip` (B, n, c_clip) or (B, c_clip) as c_clip_seq
+        tokens."""
         B = clip.shape[0]
         clip = clip.reshape(B, -1, clip.shape[-1])                                  # (B, n, c_clip)
         return self.clip_norm(self.clip_mapper(clip).view(B, clip.shape[1] * self.c_clip_seq, -1))
 
     def forward(self, x, r, effnet, clip, pixels=None, **kwargs):
-        "Predict the target for Stage A latents x (B, 4, H, W) at noise level r (B,) given the Stage C latent and pooled text."
+        """Predict the target for Stage A latents x (B, 4, H, W) at noise level r (B,) given the Stage C latent and
+        pooled text."""
         if pixels is None: pixels = x.new_zeros(x.shape[0], self.pixels_mapper[0].in_channels, 8, 8)
         x, effnet, clip, pixels = self._as_weights(x, effnet, clip, pixels)
         r_embed = self.gen_r_embedding(r, **kwargs)
@@ -101,6 +106,7 @@ def save_stage_b(model: StageB, path, dtype=None):
     "Save `model`'s weights in the official key layout as safetensors, with its config in the metadata."
     save_with_config(model, path, _META_KEY, dtype)
 
+# %% ../../nbs/26_models.stage_b.ipynb #99a815b3
 def _infer_stage_b_preset(shapes: dict) -> str:
     width = shapes.get('down_downscalers.1.1.weight', (None,))[0]
     for name in ('3B', '700M'):
@@ -108,6 +114,7 @@ def _infer_stage_b_preset(shapes: dict) -> str:
     raise ValueError(f"load_stage_b: cannot infer the preset from down_downscalers.1.1.weight (level-1 width {width}); "
                      f"pass preset= and overrides")
 
+# %% ../../nbs/26_models.stage_b.ipynb #c09b2af1
 def load_stage_b(path_or_dir, preset: str | None = None, dtype=None, device='cpu', **overrides) -> StageB:
     "Load Stage B weights (official or ours, safetensors only) into a model built on the meta device."
     dtype = resolve_dtype(dtype)
@@ -119,7 +126,8 @@ def load_stage_b(path_or_dir, preset: str | None = None, dtype=None, device='cpu
 # %% ../../nbs/26_models.stage_b.ipynb #b872309a
 def pyramid_noise(eps: torch.Tensor, discount: float = 0.75, levels: int = 10, size_range: tuple | None = (1, 16),
                   mode: str = 'nearest', generator: torch.Generator | None = None) -> torch.Tensor:
-    "Add upsampled coarse noise (weight discount**i at 1/2**i resolution) to `eps` (B, C, H, W); unit variance (train_b)."
+    """Add upsampled coarse noise (weight discount**i at 1/2**i resolution) to `eps` (B, C, H, W); unit variance
+    (train_b)."""
     B, C, H, W = eps.shape
     out, weights = eps.float().clone(), [1.]
     for i in range(1, levels):
@@ -140,6 +148,7 @@ def random_effnet_size(h: int, w: int, factor_range: tuple = (0.5, 1.), multiple
     f = lo + (hi - lo) * seeded_rand((), generator).item()
     return tuple(max(multiple, int(s * f) // multiple * multiple) for s in (h, w))
 
+# %% ../../nbs/26_models.stage_b.ipynb #088e903d
 def effnet_condition(encode: Callable, images01: torch.Tensor, p_drop: float = 0.1, factor_range: tuple = (0.5, 1.),
                      multiple: int = 32, c_latent: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
     "Stage B's training `effnet` condition: encode(images downscaled by U(factor_range)), zeros for a p_drop fraction."

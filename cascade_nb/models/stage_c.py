@@ -31,12 +31,13 @@ def r_embedding(r: torch.Tensor, c_r: int = 64, max_positions: int = 10000) -> t
 def _per_level(v, n: int) -> tuple:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
 
+# %% ../../nbs/21_models.stage_c.ipynb #9b41a19c
 def _as_batch(v, like: torch.Tensor) -> torch.Tensor:
     "A scalar or (B,) condition as a float (B,) tensor on `like`'s device."
     v = torch.as_tensor(v, dtype=torch.float32, device=like.device)
     return v.expand(like.shape[0]) if v.ndim == 0 else v.reshape(like.shape[0])
 
-#| export
+# %% ../../nbs/21_models.stage_c.ipynb #5999f619
 def stage_c_block(letter: str, c: int, c_cond: int, c_r: int, nhead: int, kernel_size: int, dropout: float,
                   self_attn: bool, t_conds, c_skip: int = 0, level_config=None) -> nn.Module:
     "One block of a level from its letter: C ResBlock, T TimestepBlock, A AttnBlock, F FeedForwardBlock."
@@ -46,6 +47,7 @@ def stage_c_block(letter: str, c: int, c_cond: int, c_r: int, nhead: int, kernel
     if letter == 'T': return TimestepBlock(c, c_r, conds=t_conds)
     raise ValueError(f"StageC: unknown block letter {letter!r} in level_config {level_config}; use C, T, A or F")
 
+# %% ../../nbs/21_models.stage_c.ipynb #b3477ada
 def level_switch(c_from: int, c_to: int, mode: str, switch_level, i: int) -> nn.Module:
     "Between two levels: a stride-2 (transposed) conv, or with `switch_level` an `UpDownBlock2d` (Stage B)."
     if switch_level is None:  # a real resolution change
@@ -62,11 +64,14 @@ def stage_c_down_path(c_hidden, blocks, block_repeat, level_config, make_block, 
             LayerNorm2d(c_hidden[i - 1], elementwise_affine=False, eps=1e-6),
             level_switch(c_hidden[i - 1], c_hidden[i], 'down', switch_level, i - 1)))
         down_blocks.append(nn.ModuleList(make_block(l, i) for _ in range(blocks[i]) for l in level_config[i]))
-        repeat_mappers.append(nn.ModuleList(nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1) for _ in range(block_repeat[i] - 1)))
+        repeat_mappers.append(nn.ModuleList(nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1)
+                                            for _ in range(block_repeat[i] - 1)))
     return down_blocks, downscalers, repeat_mappers
 
+# %% ../../nbs/21_models.stage_c.ipynb #e762965c
 def stage_c_up_path(c_hidden, blocks, block_repeat, level_config, make_block, switch_level):
-    "(blocks, upscalers, repeat mappers) of the up levels, deepest first; `blocks`/`block_repeat` are listed deepest first."
+    """(blocks, upscalers, repeat mappers) of the up levels, deepest first; `blocks`/`block_repeat` are listed deepest
+    first."""
     n = len(c_hidden)
     up_blocks, upscalers, repeat_mappers = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
     for i in reversed(range(n)):
@@ -76,13 +81,15 @@ def stage_c_up_path(c_hidden, blocks, block_repeat, level_config, make_block, sw
         skip = c_hidden[i] if i < n - 1 else 0   # the first block of every level but the deepest takes the skip
         up_blocks.append(nn.ModuleList(make_block(l, i, c_skip=skip if j == k == 0 else 0)
                                        for j in range(blocks[::-1][i]) for k, l in enumerate(level_config[i])))
-        repeat_mappers.append(nn.ModuleList(nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1) for _ in range(block_repeat[::-1][i] - 1)))
+        repeat_mappers.append(nn.ModuleList(nn.Conv2d(c_hidden[i], c_hidden[i], kernel_size=1)
+                                            for _ in range(block_repeat[::-1][i] - 1)))
     return up_blocks, upscalers, repeat_mappers
 
 # %% ../../nbs/21_models.stage_c.ipynb #aefac148
 @torch.no_grad()
 def stage_c_init_(model):
-    "In place, the reference's init of a StageC (xavier, N(0, .02) CLIP mappers, zero output conv, zero TimestepBlocks, scaled MLP outputs)."
+    """In place, the reference's init of a StageC (xavier, N(0, .02) CLIP mappers, zero output conv, zero
+    TimestepBlocks, scaled MLP outputs)."""
     if any(p.is_meta for p in model.parameters()): return
     for m in model.modules():
         if isinstance(m, (nn.Conv2d, nn.Linear)):   # as the reference: not ConvTranspose2d
@@ -118,7 +125,8 @@ class StageC(nn.Module):
                            c_clip_seq=c_clip_seq, kernel_size=kernel_size, dropout=dropout, self_attn=self_attn,
                            t_conds=tuple(t_conds), switch_level=None if switch_level is None else tuple(switch_level))
         for k in ('nhead', 'level_config', 'dropout', 'self_attn'):
-            if len(self.config[k]) != n: raise ValueError(f"StageC: {k} has {len(self.config[k])} entries, c_hidden has {n}")
+            if len(self.config[k]) != n:
+                raise ValueError(f"StageC: {k} has {len(self.config[k])} entries, c_hidden has {n}")
         self.c_r, self.t_conds, self.c_clip_seq = c_r, tuple(t_conds), c_clip_seq
         self.gradient_checkpointing = gradient_checkpointing
 
@@ -132,8 +140,8 @@ class StageC(nn.Module):
                                        nn.Conv2d(c_in * patch_size ** 2, c_hidden[0], kernel_size=1),
                                        LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6))
 
-        make = lambda letter, i, c_skip=0: stage_c_block(letter, c_hidden[i], c_cond, c_r, nhead[i], kernel_size, dropout[i],
-                                                         self_attn[i], t_conds, c_skip, level_config)
+        make = lambda letter, i, c_skip=0: stage_c_block(letter, c_hidden[i], c_cond, c_r, nhead[i], kernel_size,
+                                                         dropout[i], self_attn[i], t_conds, c_skip, level_config)
         self.down_blocks, self.down_downscalers, self.down_repeat_mappers = stage_c_down_path(
             c_hidden, blocks[0], block_repeat[0], level_config, make, switch_level)
         self.up_blocks, self.up_upscalers, self.up_repeat_mappers = stage_c_up_path(
@@ -161,11 +169,13 @@ class StageC(nn.Module):
 
     def gen_r_embedding(self, r, **conds) -> torch.Tensor:
         "(B, c_r·(1+len(t_conds))): embeddings of r and of each t_cond (a scalar or a (B,) tensor, default 0)."
-        embs = [r_embedding(r, self.c_r)] + [r_embedding(_as_batch(conds.get(c, 0.), r), self.c_r) for c in self.t_conds]
+        embs = [r_embedding(r, self.c_r)] + [r_embedding(_as_batch(conds.get(c, 0.), r), self.c_r)
+                                             for c in self.t_conds]
         return torch.cat(embs, dim=1)
 
     def gen_c_embeddings(self, clip_text, clip_text_pooled, clip_img) -> torch.Tensor:
-        "(B, 77 + 2·c_clip_seq, c_cond): mapped text tokens, pooled text and image embeddings as c_clip_seq tokens each."
+        """(B, 77 + 2·c_clip_seq, c_cond): mapped text tokens, pooled text and image embeddings as c_clip_seq tokens
+        each."""
         B = clip_text.shape[0]
         pooled = clip_text_pooled.reshape(B, -1, clip_text_pooled.shape[-1])       # (B, 1, C) also from (B, C)
         img = clip_img.reshape(B, -1, clip_img.shape[-1])
@@ -183,7 +193,8 @@ class StageC(nn.Module):
         return run_level(self, x, blocks, repeat_mappers, r_embed, clip, cnet, skip)
 
     def forward(self, x, r, clip_text, clip_text_pooled, clip_img=None, cnet=None, **kwargs):
-        "Predict the target for latents x (B, c_in, H, W) at noise level r (B,); `kwargs` may hold the t_conds (sca, crp)."
+        """Predict the target for latents x (B, c_in, H, W) at noise level r (B,); `kwargs` may hold the t_conds
+        (sca, crp)."""
         if clip_img is None: clip_img = clip_text.new_zeros(x.shape[0], 1, self.clip_img_mapper.in_features)
         x, clip_text, clip_text_pooled, clip_img = self._as_weights(x, clip_text, clip_text_pooled, clip_img)
         r_embed = self.gen_r_embedding(r, **kwargs)
@@ -196,7 +207,8 @@ class StageC(nn.Module):
         return [t if t is None else t.to(dtype) for t in tensors]
 
     def _levels(self, x, r_embed, clip, cnet=None) -> torch.Tensor:
-        "Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips, `clf`."
+        """Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips,
+        `clf`."""
         return unet_levels(self, x, r_embed, clip, cnet)
 
 # %% ../../nbs/21_models.stage_c.ipynb #74109758
@@ -218,6 +230,7 @@ def run_level(model, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
         if rep < len(repeat_mappers): x = repeat_mappers[rep](x)
     return x
 
+# %% ../../nbs/21_models.stage_c.ipynb #4a44078f
 def unet_levels(model, x, r_embed, clip, cnet=None) -> torch.Tensor:
     "Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips, `clf`."
     x = x.contiguous(memory_format=torch.channels_last)   # (B, C, H, W) stored as (B, H, W, C)
@@ -249,6 +262,7 @@ def save_stage_c(model: StageC, path, dtype=None):
     "Save `model`'s weights in the official key layout as safetensors, with its config in the metadata."
     save_with_config(model, path, _META_KEY, dtype)
 
+# %% ../../nbs/21_models.stage_c.ipynb #4f79638f
 def _infer_preset(shapes: dict) -> str:
     width = shapes.get('clip_txt_mapper.weight', (None,))[0]
     for name in ('3.6B', '1B'):
@@ -256,9 +270,11 @@ def _infer_preset(shapes: dict) -> str:
     raise ValueError(f"load_stage_c: cannot infer the preset from clip_txt_mapper.weight (c_cond={width}); "
                      f"pass preset= and overrides")
 
+# %% ../../nbs/21_models.stage_c.ipynb #43242774
 def load_stage_c(path_or_dir, preset: str | None = None, dtype=None, device='cpu', **overrides) -> StageC:
     "Load Stage C weights (official or ours, safetensors only) into a model built on the meta device."
     dtype = resolve_dtype(dtype)
     path = checkpoint_file(path_or_dir, 'stage_c', None if preset is None else preset == '1B', dtype)
-    model = load_with_config(StageC, path, _META_KEY, STAGE_C_PRESETS, preset, _infer_preset, dtype, device, overrides)
+    model = load_with_config(StageC, path, _META_KEY, STAGE_C_PRESETS, preset, _infer_preset, dtype, device,
+                             overrides)
     return model.to(device)
