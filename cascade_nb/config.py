@@ -6,152 +6,24 @@ Docs: https://cascade-nb.github.io/cascade_nb/config.html.md"""
 
 # %% ../nbs/01_config.ipynb #4427b049
 from __future__ import annotations
-import ast, difflib, importlib, math, operator, os, re, sys, typing
+import difflib, importlib, math, os, re, sys, typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import yaml
-from .registry import REGISTRIES, Registry, UnknownChoice, registry
+from .registry import REGISTRIES, Registry, UnknownChoice, registry, ConfigError
+from .filters import DatasetFilter, CaptionsGetter
+_all_ = ["ConfigError"]
 
 # %% auto #0
-__all__ = ['CAPTION_GETTERS', 'register_caption_getter', 'REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS',
-           'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES', 'NULL_TURNS_OFF',
-           'BUILTIN_SECTIONS', 'SECTION_MODES', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'CONFIG_HOOKS',
-           'register_config_hook', 'ConfigError', 'SafeFilter', 'parse_filter', 'DatasetFilter', 'caption_identity',
-           'caption_from_json', 'CaptionsGetter', 'Choice', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
-           'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'LoraConfig', 'ControlNetConfig', 'Range',
-           'check_range', 'config_section', 'coerce', 'Config', 'read_yaml', 'config_from_dict', 'load_config',
-           'import_modules', 'ConfigHook', 'dump_config', 'save_config']
-
-# %% ../nbs/01_config.ipynb #1db3210e
-class ConfigError(ValueError):
-    "A configuration value, key or file that cannot be used; the message names file, key, value and what was expected."
-
-# %% ../nbs/01_config.ipynb #caa054ae
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
-           ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.In: lambda a, b: a in b,
-           ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-_UNOPS = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-class SafeFilter:
-    "A `lambda` filter string parsed with `ast` and evaluated without `eval`: comparisons, boolean ops, arithmetic."
-    def __init__(self, src: str, n_args: int | None = None):
-        self.src = src
-        try: tree = ast.parse(src.strip(), mode="eval")
-        except SyntaxError as e: raise ConfigError(f"filter {src!r} is not valid Python syntax: {e.msg}") from None
-        lam = tree.body
-        if not isinstance(lam, ast.Lambda):
-            raise ConfigError(f"filter {src!r} must be a lambda, e.g. 'lambda w: w >= 768'")
-        a = lam.args
-        if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs or not a.args:
-            raise ConfigError(f"filter {src!r}: only plain positional arguments are allowed (e.g. 'lambda w, h: w * h > 1e6')")
-        self.args = tuple(x.arg for x in a.args)
-        if n_args is not None and len(self.args) != n_args:
-            raise ConfigError(f"filter {src!r} takes {len(self.args)} argument(s) but is applied to {n_args} field(s)")
-        self._check(lam.body)
-        self.body = lam.body
-
-    def _check(self, node):
-        ok = (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.Constant, ast.Name, ast.Tuple, ast.List, ast.IfExp,
-              ast.Load, ast.And, ast.Or, *_BINOPS, *_CMPOPS, *_UNOPS)
-        for n in ast.walk(node):
-            if not isinstance(n, ok):
-                raise ConfigError(f"filter {self.src!r}: {type(n).__name__} is not allowed; only comparisons, boolean "
-                                  "operators and arithmetic on the lambda's arguments and literals")
-            if isinstance(n, ast.Name) and n.id not in self.args:
-                raise ConfigError(f"filter {self.src!r}: unknown name {n.id!r}; only the lambda's arguments {self.args} may be used")
-            if isinstance(n, ast.Constant) and not isinstance(n.value, (int, float, str, bool, type(None))):
-                raise ConfigError(f"filter {self.src!r}: literal {n.value!r} is not allowed")
-
-    def _eval(self, n, env):
-        if isinstance(n, ast.Constant): return n.value
-        if isinstance(n, ast.Name): return env[n.id]
-        if isinstance(n, (ast.Tuple, ast.List)): return tuple(self._eval(e, env) for e in n.elts)
-        if isinstance(n, ast.UnaryOp): return _UNOPS[type(n.op)](self._eval(n.operand, env))
-        if isinstance(n, ast.IfExp): return self._eval(n.body if self._eval(n.test, env) else n.orelse, env)
-        if isinstance(n, ast.BinOp):
-            l, r = self._eval(n.left, env), self._eval(n.right, env)
-            if isinstance(n.op, ast.Pow) and abs(r) > 64: raise ValueError(f"exponent {r} too large in filter {self.src!r}")
-            return _BINOPS[type(n.op)](l, r)
-        if isinstance(n, ast.BoolOp):
-            is_and = isinstance(n.op, ast.And)
-            for v in n.values:
-                res = self._eval(v, env)
-                if bool(res) != is_and: return res   # short-circuit like Python
-            return res
-        if isinstance(n, ast.Compare):
-            left = self._eval(n.left, env)
-            for op, c in zip(n.ops, n.comparators):
-                right = self._eval(c, env)
-                if not _CMPOPS[type(op)](left, right): return False
-                left = right
-            return True
-        raise ConfigError(f"filter {self.src!r}: cannot evaluate {type(n).__name__}")  # unreachable after _check
-
-    def __call__(self, *values):
-        if len(values) != len(self.args): raise TypeError(f"filter {self.src!r} expects {len(self.args)} value(s), got {len(values)}")
-        return self._eval(self.body, dict(zip(self.args, values)))
-    def __reduce__(self): return (SafeFilter, (self.src, len(self.args)))
-    def __repr__(self): return f"SafeFilter({self.src!r})"
-    def __eq__(self, o): return isinstance(o, SafeFilter) and o.src == self.src
-
-def parse_filter(src: str, n_args: int | None = None) -> SafeFilter:
-    "Parse a `lambda` filter string safely (see `SafeFilter`)."
-    return SafeFilter(src, n_args)
-
-# %% ../nbs/01_config.ipynb #b1ed9a92
-@dataclass(frozen=True)
-class DatasetFilter:
-    "One `dataset_filters` entry: metadata key(s) and the safe filter applied to their values."
-    keys: tuple[str, ...]
-    fn: SafeFilter
-    def __call__(self, meta: dict) -> bool:
-        try: return bool(self.fn(*(meta[k] for k in self.keys)))
-        except Exception: return False
-    def to_yaml(self): return [self.keys[0] if len(self.keys) == 1 else list(self.keys), self.fn.src]
-
-    @classmethod
-    def from_yaml(cls, entry):
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)):
-            raise ConfigError(f"a dataset_filters entry must be [key, 'lambda v: ...'] or [[key1, key2], 'lambda a, b: ...'], got {entry!r}")
-        keys = (entry[0],) if isinstance(entry[0], str) else tuple(entry[0])
-        if not keys or not all(isinstance(k, str) for k in keys):
-            raise ConfigError(f"dataset_filters entry {entry!r}: the key must be a string or a list of strings")
-        return cls(keys, parse_filter(entry[1], n_args=len(keys)))
-
-# %% ../nbs/01_config.ipynb #e7c9265c
-def caption_identity(x):
-    "The caption member as text (bytes are decoded as UTF-8)."
-    return x.decode("utf-8") if isinstance(x, (bytes, bytearray)) else x
-
-def caption_from_json(x):
-    "The `caption` field of a JSON member (bytes, str or an already decoded dict)."
-    import json
-    d = x if isinstance(x, dict) else json.loads(caption_identity(x))
-    return d["caption"]
-
-CAPTION_GETTERS = registry("caption_getter", {"identity": caption_identity, "json_caption": caption_from_json})
-register_caption_getter = CAPTION_GETTERS.register
-"`@register_caption_getter('name')` (or `register_caption_getter(name, fn)`): `captions_getter: [key, name]` in configs."
-
-@dataclass(frozen=True)
-class CaptionsGetter:
-    "Which sample member holds the caption (`key`) and the registered getter `name` that turns it into text."
-    key: str = "txt"
-    name: str = "identity"
-    def __call__(self, sample: dict): return CAPTION_GETTERS[self.name](sample[self.key])
-    def to_yaml(self): return [self.key, self.name]
-
-    @classmethod
-    def from_yaml(cls, entry):
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
-            raise ConfigError(f"captions_getter must be [member_key, getter_name], e.g. ['txt', 'identity'], got {entry!r}")
-        try: CAPTION_GETTERS.choose(entry[1])
-        except UnknownChoice as e: raise ConfigError(f"captions_getter {entry!r}: {e}") from None
-        return cls(*entry)
+__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0',
+           'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES', 'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES',
+           'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'CONFIG_HOOKS', 'register_config_hook', 'Choice', 'ModelConfig',
+           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig',
+           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config', 'read_yaml',
+           'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'dump_config', 'save_config',
+           'ConfigError']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 
 # %% auto #0
-__all__ = ['REGISTRIES', 'UnknownChoice', 'Registry', 'registry', 'registry_table']
+__all__ = ['REGISTRIES', 'UnknownChoice', 'ConfigError', 'Registry', 'registry', 'registry_table']
 
 # %% ../nbs/00a_registry.ipynb #dd3cda3c
 class UnknownChoice(ValueError):
@@ -18,6 +18,10 @@ class UnknownChoice(ValueError):
 REGISTRIES: dict[str, "Registry"] = {}
 ("Every registry by kind ('loss_weight', 'sampler', 'timestep_sampling', 'optimizer', 'lr_schedule', 'training_mode', "
  "'caption_getter').")
+
+# %% ../nbs/00a_registry.ipynb #1db3210e
+class ConfigError(ValueError):
+    "A configuration value, key or file that cannot be used; the message names file, key, value and what was expected."
 
 # %% ../nbs/00a_registry.ipynb #9d3a9ba0
 class Registry(dict):

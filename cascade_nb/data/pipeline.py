@@ -14,7 +14,7 @@ import torch
 import webdataset as wds
 from safetensors.torch import load as st_load
 from PIL import Image, ImageOps
-from ..config import CaptionsGetter, DatasetFilter
+from ..filters import CaptionsGetter, DatasetFilter
 from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_shards, ShardList,
                                      ResampledShardList, ShardReader, _worker_seed, is_remote, local_path, DataError)
 from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize,
