@@ -6,7 +6,7 @@ samples), each lcm student (a phased one, as configs/lcm_demo.yaml trains by def
 at 4/2/1 LCM steps) and the progressive student at its steps (CFG 1: guidance is distilled in).
 For each: RMS pixel distance to teacher DDIM@20, that distance relative to teacher DDIM@4, caption retrieval top-1
 against the demo's training images (cascade_nb.eval), network evaluations and seconds per image. The table is
-`cascade_nb.distill.sampler_table`, the code the distillation notebook runs at tiny size.
+`cascade_nb.fast_sampling.sampler_table`, the code nbs/63_fast_sampling.ipynb runs at tiny size.
 
     accelerate launch cascade_nb/train.py configs/demo.yaml                                   # the teacher
     accelerate launch cascade_nb/train.py configs/lcm_demo.yaml                               # the phased student (4 phases)
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cascade_nb.config import load_config
-from cascade_nb.distill import sampler_table, format_table, fast_sampling_entries
+from cascade_nb.fast_sampling import sampler_table, format_table, fast_sampling_entries
 from cascade_nb.eval import reference_set
 
 p = argparse.ArgumentParser()
@@ -34,9 +34,11 @@ p.add_argument("--threads", type=int, default=1)
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 root = Path(__file__).resolve().parents[1]
-ref_images, ref_captions = reference_set(load_config(root/"configs"/"demo.yaml", [f"webdataset_path={root}/data_samples/emoji/shard-{{000002..000005}}.tar"]))
+ref_images, ref_captions = reference_set(load_config(
+    root/"configs"/"demo.yaml", [f"webdataset_path={root}/data_samples/emoji/shard-{{000002..000005}}.tar"]))
 captions = list(dict.fromkeys(ref_captions))
 entries = fast_sampling_entries(a.teacher, a.lcm, a.progressive)
 for seed in a.seeds:
-    rows = sampler_table(entries, captions, ref_images, ref_captions, reference="teacher DDIM@20", baseline="teacher DDIM@4", seed=seed)
+    rows = sampler_table(entries, captions, ref_images, ref_captions, reference="teacher DDIM@20",
+                         baseline="teacher DDIM@4", seed=seed)
     print(f"\nseed {seed}, {len(captions)} captions, {a.threads} thread(s)\n" + format_table(rows))

@@ -17,30 +17,36 @@ __all__ = ['cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_
 
 # %% ../nbs/01a_cli.ipynb #551fe829
 class _Parser(argparse.ArgumentParser):
-    "argparse, with a usage error as one line (`prog: error: ... (see --help)`) instead of the usage block and the error."
+    """argparse, with a usage error as one line (`prog: error: ... (see --help)`) instead of the usage block and the
+    error."""
     def error(self, message):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
 def cli_parser(prog: str, description: str, config: str | None = None) -> argparse.ArgumentParser:
-    "An ArgumentParser for a cascade_nb command; with `config` (its help text), the positional CONFIG.yaml and `key=value` overrides."
+    """An ArgumentParser for a cascade_nb command; with `config` (its help text), the positional CONFIG.yaml and
+    `key=value` overrides."""
     p = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if config:
         p.add_argument("config", help=config)
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. lr=3e-4 batch_size=8")
     return p
 
+# %% ../nbs/01a_cli.ipynb #9380a5cd
 def add_import_option(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "`--import MODULE` (repeatable): modules of the user's that a command imports first, e.g. one registering a sampler."
+    """`--import MODULE` (repeatable): modules of the user's that a command imports first, e.g. one registering a
+    sampler."""
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="a module of your own to import first, e.g. one that registers a sampler (repeat for several)")
     return p
 
+# %% ../nbs/01a_cli.ipynb #13794f6b
 def cli_choice(registry: Registry, name: str, option: str):
     "The part `name` of `registry` for command-line option `option`; a `ConfigError` naming the option if unknown."
     try: return registry.choose(name)
     except UnknownChoice as e: raise ConfigError(f"{option}: {e}") from None
 
+# %% ../nbs/01a_cli.ipynb #3d0aa279
 def parse_cli(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     "Parse `argv` with options, positionals and `key=value` overrides in any order (a subcommand's arguments too)."
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
@@ -52,6 +58,7 @@ def parse_cli(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     setattr(ns, subs.dest, argv[i])
     return ns
 
+# %% ../nbs/01a_cli.ipynb #e28a5dde
 def error_line(e: BaseException) -> str:
     "An exception as one line: `path: reason` for file errors, the message otherwise."
     if isinstance(e, OSError) and e.strerror: return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
@@ -65,6 +72,7 @@ def cli_errors(*errors: type[BaseException]):
         print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {error_line(e)}", file=sys.stderr)
         sys.exit(2)
 
+# %% ../nbs/01a_cli.ipynb #6283ee3a
 def at_least(lo: int, at_most: int | None = None):
     "An argparse `type`: an integer >= `lo` (and <= `at_most`), e.g. `--n 0` is refused when the option is parsed."
     def parse(text: str) -> int:
@@ -76,20 +84,26 @@ def at_least(lo: int, at_most: int | None = None):
     parse.__name__ = f"integer >= {lo}" + (f" and <= {at_most}" if at_most is not None else "")
     return parse
 
+# %% ../nbs/01a_cli.ipynb #cf134357
 def output_dir(path, option: str = "--out") -> Path:
     "Create `path` as an output folder and check it can be written, before any slow work; `OSError`s name the option."
     path = Path(path)
-    if path.exists() and not path.is_dir(): raise NotADirectoryError(20, f"{option} must be a folder, but it is a file", str(path))
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(20, f"{option} must be a folder, but it is a file", str(path))
     path.mkdir(parents=True, exist_ok=True)
     if not os.access(path, os.W_OK | os.X_OK): raise PermissionError(13, f"{option} is not writable", str(path))
     return path
 
+# %% ../nbs/01a_cli.ipynb #4fe13440
 def readable_weights(path) -> Path:
-    "Check that `path` is a readable safetensors file (header and tensor table) without loading it; `ValueError` otherwise."
+    """Check that `path` is a readable safetensors file (header and tensor table) without loading it; `ValueError`
+    otherwise."""
     from safetensors import safe_open
     path = Path(path)
-    if not path.is_file(): raise FileNotFoundError(2, "no such weights file" if not path.exists() else "not a file", str(path))
+    if not path.is_file():
+        raise FileNotFoundError(2, "no such weights file" if not path.exists() else "not a file", str(path))
     try:
         with safe_open(str(path), "pt") as f: f.keys()
-    except Exception as e: raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
     return path

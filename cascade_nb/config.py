@@ -41,6 +41,7 @@ class Choice(str):
     def __class_getitem__(cls, kind: str) -> type:
         return cls._kinds.setdefault(kind, type(f"Choice[{kind!r}]", (cls,), {"choice_kind": kind}))
 
+# %% ../nbs/01_config.ipynb #29275e0b
 def _registry_of(tp) -> Registry | None:
     "The registry a `Choice[kind]` annotation names, None while no module defining its parts was imported."
     return REGISTRIES.get(tp.choice_kind)
@@ -60,8 +61,10 @@ class ModelConfig:
     clip_text_model_name: str = "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"  # hub id or local dir, or 'tiny'
     clip_image_model_name: Optional[str] = "openai/clip-vit-large-patch14"   # hub id or local dir, 'tiny' or None
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = the text model's own
-    frozen_dtype: Literal["float32", "bfloat16"] = "float32"  # frozen encoders (CLIP, EfficientNet, Stage A); bfloat16 saves memory (explanations/differences_from_reference)
-    latent_space: Literal["effnet", "pixels", "cached"] = "effnet"  # what the generator sees: effnet latents, raw pixels (demo), cached latents
+    # frozen encoders (CLIP, EfficientNet, Stage A); bfloat16 saves memory (explanations/differences_from_reference)
+    frozen_dtype: Literal["float32", "bfloat16"] = "float32"
+    # what the generator sees: effnet latents, raw pixels (demo), cached latents
+    latent_space: Literal["effnet", "pixels", "cached"] = "effnet"
     gradient_checkpointing: bool = False  # recompute each block in backward (less memory, ~30% slower)
     compile: bool = False                 # torch.compile the generator
 
@@ -70,9 +73,11 @@ class ModelConfig:
 class GDFConfig:
     "The diffusion recipe (see the GDF notebooks)."
     adaptive_loss_weight: Optional[bool] = None  # official key: AdaptiveLossWeight instead of P2
-    loss_weight: Optional[Choice["loss_weight"]] = None  # explicit choice; None = 'adaptive' if adaptive_loss_weight else 'p2'
+    # explicit choice; None = 'adaptive' if adaptive_loss_weight else 'p2'
+    loss_weight: Optional[Choice["loss_weight"]] = None
     shift: float = 1.0                    # logSNR shift (resolution shift); official key
-    stage_b_shift: Literal["reference", "config"] = "reference"  # Stage B trains at shift 1 as train_b.py, or at `shift` (explanations/differences_from_reference)
+    # Stage B trains at shift 1 as train_b.py, or at `shift` (explanations/differences_from_reference)
+    stage_b_shift: Literal["reference", "config"] = "reference"
     offset_noise: Optional[float] = 0.0   # per-channel offset noise strength (ControlNet configs use 0.1)
     edm_objective: bool = False           # official key (finetune_c_3b_v.yaml): train with the v-objective
     timestep_sampling: Choice["timestep_sampling"] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
@@ -87,18 +92,21 @@ class DataConfig:
     webdataset_path: Union[str, list[str]] = REQUIRED  # folder, tar(s), brace pattern, list, pipe:/s3:// URL
     allow_pipe_sources: bool = False     # run pipe:CMD sources (shell commands); off so a YAML cannot run code
     image_size: int = 768                 # side of the square training image (bucket area = image_size**2)
-    resolution_schedule: Optional[list[tuple[int, int]]] = None  # [[update, side], ...]: train at `side` from `update` on; largest = image_size
+    # [[update, side], ...]: train at `side` from `update` on; largest = image_size
+    resolution_schedule: Optional[list[tuple[int, int]]] = None
     multi_aspect_ratio: Optional[list[Fraction]] = None  # e.g. [1/1, 1/2, 3/4]; reciprocals are added
     batch_size: int = 32                  # GLOBAL batch: split over processes and accumulation steps
     dataset_filters: Optional[list[DatasetFilter]] = None  # [[key, 'lambda v: ...'], ...] on the sample JSON
     captions_getter: Optional[CaptionsGetter] = None       # [member, getter]; None = ['txt', 'identity']
     caption_dropout: float = 0.05         # probability of training a sample with an empty caption (for CFG)
     image_embed_prob: float = 0.1         # probability of feeding the CLIP image embedding (reference: 10%)
-    crop: Literal["auto", "smart", "random", "center"] = "auto"  # auto: saliency-centred (smart) if square, random in aspect buckets
+    # auto: saliency-centred (smart) if square, random in aspect buckets
+    crop: Literal["auto", "smart", "random", "center"] = "auto"
     bucketeer_random_ratio: float = 0.05  # probability of a random aspect bucket instead of the closest
     resampled: bool = True                # infinite stream with shard resampling (reference) vs finite epochs
     shuffle_buffer: int = 1000            # sample shuffle buffer
-    num_workers: Optional[int] = None     # DataLoader workers per process; None: scaled to this process's CPUs (default_num_workers)
+    # DataLoader workers per process; None: scaled to this process's CPUs (default_num_workers)
+    num_workers: Optional[int] = None
     pin_memory: bool = True
     prefetch_factor: Optional[int] = 2
     val_webdataset_path: Optional[Union[str, list[str]]] = None  # held-out data for the validation loss
@@ -112,9 +120,16 @@ class TrainConfig:
     warmup_updates: int = 1               # linear warm-up from 0 (official semantics)
     updates: int = 10000                  # optimizer updates in the whole run
     grad_accum_steps: int = 1
-    lr_schedule: Choice["lr_schedule"] = "constant"  # after warm-up: 'constant', 'cosine' or a registered one
+    # after the warm-up: constant, linear, cosine, cosine_with_restarts, polynomial, rex or a registered one
+    lr_schedule: Choice["lr_schedule"] = "constant"
+    warmup_shape: Choice["warmup_shape"] = "linear"  # the warm-up's ramp from 0 to lr: linear, cosine or registered
+    min_lr: float = 0.0                   # the LR's floor after the warm-up (a decay ends there; with scale_lr, scaled)
+    lr_cycles: int = 1                    # cosine_with_restarts: cosine cycles over the run
+    lr_power: float = 1.0                 # polynomial: the decay's power (1 = linear)
     scale_lr: bool = False                # lr *= batch per process * accumulation * processes (SD v1 rule)
-    optimizer: Choice["optimizer"] = "adamw"  # 'adamw', 'adamw8bit' (needs bitsandbytes) or a registered one
+    # adamw, adamw8bit, adafactor, came, lion, prodigy (cascade_nb.run_state.OPTIMIZERS) or a registered one
+    optimizer: Choice["optimizer"] = "adamw"
+    optimizer_args: dict[str, Any] = field(default_factory=dict)  # the optimizer's own options, e.g. {d_coef: 0.5}
     weight_decay: float = 0.01
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -127,7 +142,8 @@ class TrainConfig:
     ema_on_cpu: bool = False               # keep the EMA weights in CPU memory
     use_fsdp: Optional[bool] = None        # official key; sharding is chosen by the accelerate launch config
     max_nan_steps: int = 10                # stop after this many non-finite losses in a row
-    mode: Optional[str] = None             # a registered training mode: full, lora, controlnet or your own; None: inferred
+    # a registered training mode: full, lora, controlnet or your own; None: inferred
+    mode: Optional[str] = None
     imports: Optional[list[str]] = None    # modules to import first, e.g. one that defines a @training_mode
     # a frozen generator's dropout (LoRA, ControlNet): 'off' throughout, or 'reference': on where the official scripts
     # leave it on (LoRA: the first micro-step; ControlNet: the whole run; explanations/differences_from_reference)
@@ -183,7 +199,8 @@ class LoraConfig:
     rank: Optional[int] = None
     lora_alpha: Optional[float] = None    # None: scale 1/rank as the reference (alpha = 1)
     lora_dropout: float = 0.0
-    lora_init: Literal["reference", "peft"] = "reference"  # up ~ N(0,1), down = 0 (train_c_lora.py), or peft's Kaiming down, up = 0 (explanations/differences_from_reference)
+    # up ~ N(0,1), down = 0 (train_c_lora.py), or peft's Kaiming down, up = 0 (explanations/differences_from_reference)
+    lora_init: Literal["reference", "peft"] = "reference"
     train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
     lora_checkpoint_path: Optional[str] = None
 
@@ -225,37 +242,47 @@ class Range:
         else: s = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
         return f"{self.label} {s}".strip()
 
+# %% ../nbs/01_config.ipynb #f00126e2
 POSITIVE, AT_LEAST_0, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
 PROBABILITY, DECAY = Range(0, 1, label="a probability"), Range(0, 1, hi_open=True)
 
+# %% ../nbs/01_config.ipynb #a15f5c1c
 RANGES: dict[str, Range] = dict(
     shift=POSITIVE, offset_noise=AT_LEAST_0, sample_cfg=AT_LEAST_0, sample_steps=AT_LEAST_1,       # gdf
     image_size=Range(8), batch_size=AT_LEAST_1, caption_dropout=PROBABILITY, image_embed_prob=PROBABILITY,  # data
     bucketeer_random_ratio=PROBABILITY, shuffle_buffer=AT_LEAST_0, num_workers=AT_LEAST_0, prefetch_factor=AT_LEAST_1,
     val_batches=AT_LEAST_1, resolution_schedule=(AT_LEAST_0, Range(8)),
-    lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1, weight_decay=AT_LEAST_0,  # train
-    adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE, seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0,
-    ema_iters=AT_LEAST_1, ema_beta=DECAY, max_nan_steps=AT_LEAST_1,
-    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1, eval_captions=AT_LEAST_1,  # checkpoint
+    lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1,        # train
+    min_lr=AT_LEAST_0, lr_cycles=AT_LEAST_1, lr_power=POSITIVE,
+    weight_decay=AT_LEAST_0, adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE,
+    seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0, ema_iters=AT_LEAST_1, ema_beta=DECAY,
+    max_nan_steps=AT_LEAST_1,
+    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,    # checkpoint
+    eval_captions=AT_LEAST_1,
     log_every=AT_LEAST_1,                                                                           # log
     rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,                                        # lora
     controlnet_blocks=AT_LEAST_0)                                                                   # controlnet
-"The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field of each entry)."
+("The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field "
+ "of each entry).")
 
 # keys whose null means "never": a 0 there is refused with the way to say it
 NULL_TURNS_OFF = {"eval_every": "evaluation", "val_every": "validation"}
 
+# %% ../nbs/01_config.ipynb #5c671070
 def check_range(key: str, value):
-    "Raise `ConfigError` naming key, value and expected range when `value` (or an element of it) is outside `RANGES[key]`."
+    """Raise `ConfigError` naming key, value and expected range when `value` (or an element of it) is outside
+    `RANGES[key]`."""
     r = RANGES.get(key)
     if r is None or value is None: return
     for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
         if isinstance(v, str): continue   # e.g. eval_captions: a count, or the captions themselves
         name = key if i is None else f"{key}[{i}]"
-        for j, x, rj in zip(range(len(r)), v, r) if isinstance(r, tuple) else [(None, v, r)]:   # entries of several fields
+        # entries of several fields
+        for j, x, rj in zip(range(len(r)), v, r) if isinstance(r, tuple) else [(None, v, r)]:
             if x in rj: continue
             off = f" (null turns {NULL_TURNS_OFF[key]} off)" if key in NULL_TURNS_OFF else ""
-            raise ConfigError(f"key '{name if j is None else f'{name}[{j}]'}': {x!r} is out of range; expected {rj}{off}")
+            raise ConfigError(f"key '{name if j is None else f'{name}[{j}]'}': {x!r} is out of range; "
+                              f"expected {rj}{off}")
 
 # %% ../nbs/01_config.ipynb #fa44a1ec
 BUILTIN_SECTIONS = tuple(SECTIONS)
@@ -268,18 +295,27 @@ def _numeric(tp) -> bool:
     if tp in (int, float): return True
     return any(_numeric(a) for a in typing.get_args(tp) if a is not type(None)) and typing.get_origin(tp) is not dict
 
+# %% ../nbs/01_config.ipynb #2b124150
 def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
     "Class decorator: register dataclass `cls` as config section `name`, its numeric keys checked against `ranges`."
     def register(cls):
-        if name in BUILTIN_SECTIONS or name in KEY_SECTION: raise ValueError(f"config section {name!r}: the name is taken")
+        if name in BUILTIN_SECTIONS or name in KEY_SECTION:
+            raise ValueError(f"config section {name!r}: the name is taken")
         hints, rs = typing.get_type_hints(cls), dict(ranges or {})
         for f in fields(cls):
             owner = KEY_SECTION.get(f.name, name)
-            if owner != name: raise ValueError(f"config section {name!r}: key {f.name!r} already belongs to section {owner!r}")
-            if f.default is REQUIRED: raise ValueError(f"config section {name!r}: key {f.name!r} cannot be REQUIRED (check it in the mode's check_config)")
-            if _numeric(hints[f.name]) and f.name not in rs: raise ValueError(f"config section {name!r}: numeric key {f.name!r} needs a range")
-        if set(rs) - {f.name for f in fields(cls)}: raise ValueError(f"config section {name!r}: ranges for unknown keys {sorted(set(rs) - {f.name for f in fields(cls)})}")
-        for k in [k for k, s in KEY_SECTION.items() if s == name]: del KEY_SECTION[k]; RANGES.pop(k, None)   # re-registration replaces
+            if owner != name:
+                raise ValueError(f"config section {name!r}: key {f.name!r} already belongs to section {owner!r}")
+            if f.default is REQUIRED:
+                raise ValueError(f"config section {name!r}: key {f.name!r} cannot be REQUIRED "
+                                 "(check it in the mode's check_config)")
+            if _numeric(hints[f.name]) and f.name not in rs:
+                raise ValueError(f"config section {name!r}: numeric key {f.name!r} needs a range")
+        if set(rs) - {f.name for f in fields(cls)}:
+            raise ValueError(f"config section {name!r}: ranges for unknown keys "
+                             f"{sorted(set(rs) - {f.name for f in fields(cls)})}")
+        # re-registration replaces
+        for k in [k for k, s in KEY_SECTION.items() if s == name]: del KEY_SECTION[k]; RANGES.pop(k, None)
         SECTIONS[name], SECTION_MODES[name] = cls, tuple(modes)
         KEY_SECTION.update({f.name: name for f in fields(cls)}); RANGES.update(rs)
         return cls
@@ -297,8 +333,10 @@ def _type_name(tp) -> str:
         return f"the name of a registered {_registry_of(tp).words if _registry_of(tp) else tp.choice_kind}"
     return getattr(tp, "__name__", str(tp))
 
+# %% ../nbs/01_config.ipynb #cda958bb
 def coerce(value, tp, key: str = "value"):
-    "Check `value` against the annotation `tp`, converting YAML forms (fractions, '1e-4', filters); raise `ConfigError`."
+    """Check `value` against the annotation `tp`, converting YAML forms (fractions, '1e-4', filters); raise
+    `ConfigError`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = lambda: ConfigError(f"key '{key}': {value!r} is not valid; expected {_type_name(tp)}")
     if tp is Any: return value
@@ -373,7 +411,8 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     controlnet: ControlNetConfig = field(default_factory=ControlNetConfig)
     source: Optional[str] = None  # the file it was loaded from
-    mode_sections: dict[str, Any] = field(default_factory=dict)  # sections registered by modes (`config_section`), by name
+    # sections registered by modes (`config_section`), by name
+    mode_sections: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name):
         "A registered mode section by name (`cfg.distill`), like a built-in one."
@@ -390,6 +429,7 @@ class Config:
         "All keys in one flat dict of plain YAML values (fractions as 'a/b', filters as [key, 'lambda ...'])."
         return {k: _to_yaml(v) for k, v in self.flat().items()}
 
+# %% ../nbs/01_config.ipynb #2195d365
 def _to_yaml(v):
     if isinstance(v, Fraction): return f"{v.numerator}/{v.denominator}"
     if hasattr(v, "to_yaml"): return v.to_yaml()
@@ -440,6 +480,7 @@ class _ConfigLoader(yaml.SafeLoader):
                               "YAML alias *name counts all the values it stands for); a config holds a few hundred")
         return node
 
+# %% ../nbs/01_config.ipynb #576686f7
 def read_yaml(text: str):
     "Parse YAML `text` safely (`yaml.SafeLoader` tags) with `_ConfigLoader`'s checks; `ConfigError` names the line."
     loader = _ConfigLoader(text)
@@ -451,21 +492,28 @@ def read_yaml(text: str):
 _ALIASES = {"learning_rate": "lr", "train_batch_size": "batch_size", "max_train_steps": "updates",
             "gradient_accumulation_steps": "grad_accum_steps", "resolution": "image_size", "output_dir": "output_path",
             "lr_warmup_steps": "warmup_updates", "lr_scheduler": "lr_schedule", "checkpointing_steps": "save_every",
-            "gradient_checkpointing_enable": "gradient_checkpointing", "network_dim": "rank", "network_alpha": "lora_alpha",
-            "max_grad_norm": "grad_clip", "dataloader_num_workers": "num_workers", "report_to": "tracker",
-            "pretrained_model_name_or_path": "generator_checkpoint_path", "use_ema": "ema_start_iters",
-            "ema_decay": "ema_beta", "snr_gamma": "loss_weight", "train_data_dir": "webdataset_path"}
+            "gradient_checkpointing_enable": "gradient_checkpointing", "network_dim": "rank",
+            "network_alpha": "lora_alpha", "max_grad_norm": "grad_clip", "dataloader_num_workers": "num_workers",
+            "report_to": "tracker", "pretrained_model_name_or_path": "generator_checkpoint_path",
+            "use_ema": "ema_start_iters", "ema_decay": "ema_beta", "snr_gamma": "loss_weight",
+            "train_data_dir": "webdataset_path", "lr_scheduler_num_cycles": "lr_cycles",
+            "lr_scheduler_power": "lr_power", "optimizer_kwargs": "optimizer_args",
+            "optimizer_config": "optimizer_args", "lr_end": "min_lr", "lr_scheduler_min_lr_ratio": "min_lr"}
 
+# %% ../nbs/01_config.ipynb #69096c8a
 def _modes_hint() -> str:
     "What to do when the training modes (and their sections' keys) were never loaded in this process."
     if "training_mode" in CONFIG_HOOKS: return ""
     return " (the keys of the training modes' own sections are known once cascade_nb.modes is imported)"
 
+# %% ../nbs/01_config.ipynb #d9ad9619
 def _suggest(key: str) -> str:
     matches = difflib.get_close_matches(key, [*KEY_SECTION, *_ALIASES], n=3, cutoff=0.6)
     close = list(dict.fromkeys(_ALIASES.get(m, m) for m in matches))
-    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "; see the key list in cascade_nb.config"
+    return (f"; did you mean {', '.join(repr(c) for c in close)}?" if close
+            else "; see the key list in cascade_nb.config")
 
+# %% ../nbs/01_config.ipynb #81a47ff6
 def _parse_override(item: str, where: str = "override") -> tuple[str, Any]:
     if "=" not in item: raise ConfigError(f"{where} {item!r}: expected key=value")
     key, raw = item.split("=", 1)
@@ -475,6 +523,7 @@ def _parse_override(item: str, where: str = "override") -> tuple[str, Any]:
     except ConfigError as e: raise ConfigError(f"{where} {item!r}: {e}") from None
     return key, value
 
+# %% ../nbs/01_config.ipynb #b09131b8
 def _flatten(raw: dict, where: str) -> dict[str, Any]:
     "Accept flat official keys and nested `section: {key: value}` blocks."
     out, at = {}, {}
@@ -488,15 +537,18 @@ def _flatten(raw: dict, where: str) -> dict[str, Any]:
             out[k2], at[k2] = v2, here
     return out
 
+# %% ../nbs/01_config.ipynb #44171b90
 def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str | None = None) -> Config:
     "Build and validate a `Config` from a flat (or sectioned) dict plus `key=value` overrides."
     where = source or "config"
     values = {k: (v, where) for k, v in _flatten(raw or {}, where).items()}
-    if isinstance(overrides, dict): overrides = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in overrides.items()]
+    if isinstance(overrides, dict):
+        overrides = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in overrides.items()]
     for item in overrides:
         k, v = _parse_override(item)
         values[k] = (v, "override")
-    imports = values.get("imports", (None, where))   # modules that register modes (and their config sections) come first
+    # modules that register modes (and their config sections) come first
+    imports = values.get("imports", (None, where))
     try: imports = coerce(imports[0], Optional[list[str]], "imports") or []
     except ConfigError as e: raise ConfigError(f"{imports[1]}: {e}") from None
     search = Path(source).parent if source else None
@@ -516,6 +568,7 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     _check(cfg, where, training)
     return cfg
 
+# %% ../nbs/01_config.ipynb #f806e2bb
 def load_config(path: str | os.PathLike | None = None, overrides=(), training: bool = True) -> Config:
     "Load a YAML training config (official StableCascade keys or ours), apply `key=value` overrides and validate."
     raw = {}
@@ -531,14 +584,17 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
             raw = read_yaml(data.decode("utf-8")) or {}
         except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
         except yaml.YAMLError as e: raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        except UnicodeDecodeError as e: raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); expected a YAML file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); expected a YAML file") from None
         except OSError as e: raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
-        if not isinstance(raw, dict): raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(raw).__name__}")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(raw).__name__}")
     return config_from_dict(raw, overrides, training=training, source=str(path) if path is not None else None)
 
 # %% ../nbs/01_config.ipynb #b41ceb2e
 def import_modules(names, where: str = "config", search: str | os.PathLike | None = None):
-    "Import modules by dotted name (also from the folder `search`, e.g. the config's) so that they register their modes."
+    """Import modules by dotted name (also from the folder `search`, e.g. the config's) so that they register their
+    modes."""
     for name in names:
         if not (isinstance(name, str) and all(p.isidentifier() for p in name.split("."))):
             raise ConfigError(f"{where}: key 'imports': {name!r} is not a module name (e.g. my_modes or mypkg.modes)")
@@ -553,7 +609,6 @@ def import_modules(names, where: str = "config", search: str | os.PathLike | Non
         finally:
             for s in extra: sys.path.remove(s)
 
-
 # %% ../nbs/01_config.ipynb #55239e1a
 class ConfigHook:
     """What a later module adds to loading a config: `before` runs once the config's `imports:` are imported, before
@@ -564,24 +619,29 @@ class ConfigHook:
 
 CONFIG_HOOKS = registry("config_hook", {}, "@register_config_hook('name') on a `ConfigHook` instance")
 register_config_hook = CONFIG_HOOKS.register
-"`register_config_hook('name', hook)`: run `hook.before`/`hook.after` in every `load_config` (re-registering replaces)."
-
+("`register_config_hook('name', hook)`: run `hook.before`/`hook.after` in every `load_config` "
+ "(re-registering replaces).")
 
 # %% ../nbs/01_config.ipynb #34de7e48
 def _check_resolution_schedule(cfg: Config, need):
-    "`resolution_schedule`: [update, side] entries from update 0 on, strictly increasing, within the run, largest side = image_size."
+    """`resolution_schedule`: [update, side] entries from update 0 on, strictly increasing, within the run, largest
+    side = image_size."""
     s, d, key, eg = cfg.data.resolution_schedule, cfg.data, "key 'resolution_schedule'", "e.g. [[0, 256], [10000, 512]]"
     need(s, f"{key}: [] is empty; expected [[0, side], [update, side], ...] ({eg}) or null")
-    need(s[0][0] == 0, f"{key}: the first entry {list(s[0])} starts at update {s[0][0]}; expected 0 (the side of the first updates), {eg}")
+    need(s[0][0] == 0, f"{key}: the first entry {list(s[0])} starts at update {s[0][0]}; expected 0 "
+                       f"(the side of the first updates), {eg}")
     for prev, cur in zip(s, s[1:]):
-        need(cur[0] > prev[0], f"{key}: entry {list(cur)} does not start after {list(prev)}; expected strictly increasing updates, {eg}")
+        need(cur[0] > prev[0], f"{key}: entry {list(cur)} does not start after {list(prev)}; "
+                               f"expected strictly increasing updates, {eg}")
     need(s[-1][0] < cfg.train.updates, f"{key}: entry {list(s[-1])} would never train: the run's updates are 0 to "
                                        f"{cfg.train.updates - 1} (updates: {cfg.train.updates})")
     big = max(side for _, side in s)
-    need(big == d.image_size, f"{key}: its largest side {big} must equal image_size ({d.image_size}), the side the data pipeline "
-                              f"crops and buckets at and validation, evaluation and the memory plan use; set image_size: {big}")
-    need(cfg.model.latent_space != "cached", f"{key} needs images: latents cached by `python -m cascade_nb.data cache` have one "
-                                             "fixed size (latent_space: cached); train from the images (latent_space: effnet)")
+    need(big == d.image_size, f"{key}: its largest side {big} must equal image_size ({d.image_size}), the side "
+                              "the data pipeline crops and buckets at and validation, evaluation and the memory "
+                              f"plan use; set image_size: {big}")
+    need(cfg.model.latent_space != "cached",
+         f"{key} needs images: latents cached by `python -m cascade_nb.data cache` have one "
+         "fixed size (latent_space: cached); train from the images (latent_space: effnet)")
 
 # %% ../nbs/01_config.ipynb #8dddb117
 def _check(cfg: Config, where: str, training: bool):
@@ -591,17 +651,23 @@ def _check(cfg: Config, where: str, training: bool):
         for sec in SECTIONS:
             for f in fields(SECTIONS[sec]):
                 need(getattr(getattr(cfg, sec), f.name) is not REQUIRED,
-                     f"required key '{f.name}' is missing" + {"experiment_id": " (the run's name; checkpoints go to {checkpoint_path}/{experiment_id}/)",
-                                                              "webdataset_path": " (a folder of images + .txt captions, .tar shards, a brace pattern or a URL)"}.get(f.name, ""))
+                     f"required key '{f.name}' is missing"
+                     + {"experiment_id": " (the run's name; checkpoints go to {checkpoint_path}/{experiment_id}/)",
+                        "webdataset_path": " (a folder of images + .txt captions, .tar shards, a brace pattern "
+                                           "or a URL)"}.get(f.name, ""))
     m, t, d = cfg.model, cfg.train, cfg.data
     if m.dtype == "float16":
-        raise ConfigError(f"{where}: key 'dtype': 'float16' is not supported: Stable Cascade overflows fp16 (max 65504); use bfloat16 or float32")
+        raise ConfigError(f"{where}: key 'dtype': 'float16' is not supported: Stable Cascade overflows fp16 "
+                          "(max 65504); use bfloat16 or float32")
     if m.stage is None: m.stage = "b" if m.model_version in ("3B", "700M") else "c"
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
-    need(m.model_version in presets, f"key 'model_version': {m.model_version!r} is not a Stage {m.stage.upper()} preset; expected one of {presets}")
+    need(m.model_version in presets, f"key 'model_version': {m.model_version!r} is not a Stage {m.stage.upper()} "
+                                     f"preset; expected one of {presets}")
     # what later modules check (the training mode, `ConfigHook`), then the rules that need several keys
     for hook in list(CONFIG_HOOKS.values()): hook.after(cfg, where)
     if d.resolution_schedule is not None: _check_resolution_schedule(cfg, need)
+    need(t.min_lr < t.lr, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends at must be "
+                          "lower than the LR it starts from")
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
     if d.captions_getter is None: d.captions_getter = CaptionsGetter()
@@ -614,11 +680,14 @@ def dump_config(cfg: Config) -> str:
     "The resolved config as YAML text: flat official-style keys grouped under one comment per section."
     d, parts = cfg.to_yaml_dict(), []
     for sec, cls in SECTIONS.items():
-        if SECTION_MODES.get(sec) and cfg.train.mode not in SECTION_MODES[sec]: continue   # another mode's keys: all defaults
+        # another mode's keys: all defaults
+        if SECTION_MODES.get(sec) and cfg.train.mode not in SECTION_MODES[sec]: continue
         block = {f.name: d[f.name] for f in fields(cls)}
-        parts.append(f"# --- {sec}: {cls.__doc__}\n" + yaml.dump(block, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))
+        parts.append(f"# --- {sec}: {cls.__doc__}\n"
+                     + yaml.dump(block, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))
     return "\n".join(parts)
 
+# %% ../nbs/01_config.ipynb #2e8063f9
 def save_config(cfg: Config, path):
     "Write `dump_config(cfg)` to `path` atomically."
     from cascade_nb.core import atomic_write_text

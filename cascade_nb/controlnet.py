@@ -335,6 +335,56 @@ class ControlNetNet(nn.Module):
         cnet = self.controlnet(cnet_input.to(x.dtype)) if cnet_input is not None else None
         return self.generator(x, r, cnet=cnet, **conds)
 
+# %% ../nbs/61_controlnet.ipynb #3e8bc1fa
+def _controlnet_released_generator(cls, cfg, run, ema):
+    "`ControlNetTraining.released_generator`: the base generator of `run` with its `controlnet.safetensors`."
+    from pathlib import Path
+    from cascade_nb.lora import lora_base_generator
+    path = Path(run)/"controlnet.safetensors"
+    if not path.exists(): raise FileNotFoundError(f"{run} has no controlnet.safetensors yet")
+    base = lora_base_generator(cfg, run, what="ControlNet")
+    return ControlNetNet(base, load_controlnet(path, cfg.controlnet.controlnet_blocks)), path
+
+# %% ../nbs/61_controlnet.ipynb #cc7183a9
+def _controlnet_build(training, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype):
+    "`ControlNetTraining.__init__`: freeze the generator, make the filter, build (or load) the ControlNet, `net`."
+    c = cfg.controlnet
+    # a released run (`released_generator`): the base and the trained ControlNet come loaded
+    released = generator.controlnet if isinstance(generator, ControlNetNet) else None
+    if released is not None: generator = generator.generator
+    training.cfg, training.space, training.compute_dtype = cfg, space, compute_dtype
+    training.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
+    if cfg.train.ema_start_iters is not None:
+        warnings.warn("ControlNet training keeps no EMA (ema_* keys are ignored)")
+    generator.requires_grad_(False)
+    effnet = getattr(space, "effnet", None)
+    training.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
+    widths = set(generator.config["c_hidden"])
+    if len(widths) != 1: raise ValueError(f"ControlNet: Stage C levels have different widths {widths}")
+    # hints a forward takes: one per ResBlock call (block_repeat runs a block more than once)
+    n_hints = control_points(generator)
+    if max(c.controlnet_blocks) >= n_hints:
+        warnings.warn(f"controlnet_blocks {list(c.controlnet_blocks)}: a forward pass of the model takes {n_hints} "
+                      f"hints (one per ResBlock call); indices ≥ {n_hints} are never injected "
+                      "(their projections stay frozen)")
+    mode = c.controlnet_bottleneck_mode or "effnet"
+    backbone_state = None
+    if mode == "effnet" and effnet is not None and not c.controlnet_checkpoint_path:
+        backbone_state = effnet.backbone.state_dict()          # Stage C's fine-tuned EfficientNetV2-S as the start
+    elif mode == "effnet" and not c.controlnet_checkpoint_path and released is None:
+        warnings.warn("ControlNet 'effnet' bottleneck starts from random weights (no effnet_checkpoint_path): "
+                      "the reference starts from ImageNet EfficientNetV2-S")
+    if released is not None: controlnet = released
+    elif c.controlnet_checkpoint_path:
+        controlnet = load_controlnet(c.controlnet_checkpoint_path, c.controlnet_blocks)
+    else:
+        controlnet = ControlNet(training.filter.num_channels, widths.pop(), c.controlnet_blocks, mode, backbone_state)
+    controlnet.float().requires_grad_(True)
+    for idx, proj in zip(controlnet.proj_blocks, controlnet.projections):
+        # never injected: no gradient (and DDP must not wait for one)
+        if idx >= n_hints: proj.requires_grad_(False)
+    training.net = ControlNetNet(generator, controlnet)
+
 # %% ../nbs/61_controlnet.ipynb #2da15b82
 @training_mode("controlnet")
 class ControlNetTraining(TrainingMode):
@@ -363,50 +413,11 @@ class ControlNetTraining(TrainingMode):
     @classmethod
     def released_generator(cls, cfg, run, ema: bool = True):
         "(the run's base generator with its `controlnet.safetensors` attached, that file): how a finished run samples."
-        from pathlib import Path
-        from cascade_nb.lora import lora_base_generator
-        path = Path(run)/"controlnet.safetensors"
-        if not path.exists(): raise FileNotFoundError(f"{run} has no controlnet.safetensors yet")
-        base = lora_base_generator(cfg, run, what="ControlNet")
-        return ControlNetNet(base, load_controlnet(path, cfg.controlnet.controlnet_blocks)), path
+        return _controlnet_released_generator(cls, cfg=cfg, run=run, ema=ema)
 
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        c = cfg.controlnet
-        # a released run (`released_generator`): the base and the trained ControlNet come loaded
-        released = generator.controlnet if isinstance(generator, ControlNetNet) else None
-        if released is not None: generator = generator.generator
-        self.cfg, self.space, self.compute_dtype = cfg, space, compute_dtype
-        self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-        if cfg.train.ema_start_iters is not None:
-            warnings.warn("ControlNet training keeps no EMA (ema_* keys are ignored)")
-        generator.requires_grad_(False)
-        effnet = getattr(space, "effnet", None)
-        self.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
-        widths = set(generator.config["c_hidden"])
-        if len(widths) != 1: raise ValueError(f"ControlNet: Stage C levels have different widths {widths}")
-        # hints a forward takes: one per ResBlock call (block_repeat runs a block more than once)
-        n_hints = control_points(generator)
-        if max(c.controlnet_blocks) >= n_hints:
-            warnings.warn(f"controlnet_blocks {list(c.controlnet_blocks)}: a forward pass of the model takes {n_hints} "
-                          f"hints (one per ResBlock call); indices ≥ {n_hints} are never injected "
-                          "(their projections stay frozen)")
-        mode = c.controlnet_bottleneck_mode or "effnet"
-        backbone_state = None
-        if mode == "effnet" and effnet is not None and not c.controlnet_checkpoint_path:
-            backbone_state = effnet.backbone.state_dict()          # Stage C's fine-tuned EfficientNetV2-S as the start
-        elif mode == "effnet" and not c.controlnet_checkpoint_path and released is None:
-            warnings.warn("ControlNet 'effnet' bottleneck starts from random weights (no effnet_checkpoint_path): "
-                          "the reference starts from ImageNet EfficientNetV2-S")
-        if released is not None: controlnet = released
-        elif c.controlnet_checkpoint_path:
-            controlnet = load_controlnet(c.controlnet_checkpoint_path, c.controlnet_blocks)
-        else:
-            controlnet = ControlNet(self.filter.num_channels, widths.pop(), c.controlnet_blocks, mode, backbone_state)
-        controlnet.float().requires_grad_(True)
-        for idx, proj in zip(controlnet.proj_blocks, controlnet.projections):
-            # never injected: no gradient (and DDP must not wait for one)
-            if idx >= n_hints: proj.requires_grad_(False)
-        self.net = ControlNetNet(generator, controlnet)
+        _controlnet_build(self, cfg=cfg, generator=generator, tokenizer=tokenizer, text_model=text_model,
+                          image_model=image_model, space=space, compute_dtype=compute_dtype)
 
     def _control(self, batch, device, training, rng):
         if "images" not in batch:

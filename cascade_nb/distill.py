@@ -13,7 +13,8 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import nn
 from .core import append_dims, frozen, resolve_dtype, seeded_rand, seeded_randn
-from .config import Config, ConfigError, config_section, Choice, GDFConfig, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, DECAY
+from .config import (Config, ConfigError, config_section, Choice, GDFConfig, Range, POSITIVE, AT_LEAST_0,
+                               AT_LEAST_1, DECAY)
 from .gdf.core import cfg_batch, guide
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDIMSampler
@@ -24,37 +25,52 @@ from .lora import LoraTraining, merged_lora_run
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',
            'guided_prediction', 'ddim_step', 'TeacherMode', 'copy_matching', 'consistency_scalings', 'consistency_fn',
            'clean_end', 'phase_edge', 'student_states', 'StudentTarget', 'grid_index', 'distance', 'LCMTraining',
-           'ProgressiveTraining', 'DistillTraining', 'nfe', 'sampler_table', 'format_table', 'fast_sampling_entries']
+           'LCMLoraTraining', 'ProgressiveTraining', 'DistillTraining']
 
 # %% ../nbs/62_distill.ipynb #5574d344
 @config_section("distill", modes=("lcm", "progressive", "distill"), ranges=dict(
-    cfg_scale=AT_LEAST_0, cfg_rho=Range(0, 1), solver_steps=AT_LEAST_1, solver_substeps=AT_LEAST_1, phases=AT_LEAST_1, student_rollout=Range(0, 1), teacher_steps=Range(2), huber_c=POSITIVE,
+    cfg_scale=AT_LEAST_0, cfg_rho=Range(0, 1), solver_steps=AT_LEAST_1, solver_substeps=AT_LEAST_1, phases=AT_LEAST_1,
+    student_rollout=Range(0, 1), teacher_steps=Range(2), huber_c=POSITIVE,
     target_ema_beta=DECAY, student_steps=AT_LEAST_1, student_cfg=AT_LEAST_0))
 @dataclass
 class DistillConfig:
-    "Distillation of a trained Stage C: the teacher, its guidance and the student's objective (modes lcm, progressive, distill)."
-    teacher_checkpoint_path: Optional[str] = None  # the teacher: a run directory {checkpoint_path}/{experiment_id} or a Stage C .safetensors
+    ("Distillation of a trained Stage C: the teacher, its guidance and the student's objective "
+     "(modes lcm, progressive, distill).")
+    # the teacher: a run directory {checkpoint_path}/{experiment_id} or a Stage C .safetensors
+    teacher_checkpoint_path: Optional[str] = None
     teacher_ema: bool = True             # from a run directory: its EMA weights when it kept some
-    teacher_model_version: Optional[str] = None  # a weights-file teacher's preset; None = the file's own config (or its shapes)
+    # a weights-file teacher's preset; None = the file's own config (or its shapes)
+    teacher_model_version: Optional[str] = None
     teacher_model_overrides: Optional[dict[str, Any]] = None  # a weights-file teacher's constructor overrides
-    cfg_scale: Union[float, tuple[float, float]] = 3.0  # the teacher's CFG scale, or [lo, hi] drawn per sample (lcm, progressive)
+    # the teacher's CFG scale, or [lo, hi] drawn per sample (lcm, progressive)
+    cfg_scale: Union[float, tuple[float, float]] = 3.0
     cfg_rho: float = 0.7                 # CFG rescale of the teacher's guided prediction (gdf.sample's default)
     solver_steps: int = 50               # lcm: the student's grid on t in [0, 1]; skipping interval 1/solver_steps
-    solver_substeps: int = 1             # lcm: the teacher's DDIM steps over one skipping interval (its grid: solver_steps x this)
-    phases: int = 1                      # lcm: 1 = consistency to t = 0 (LCM); P > 1 = to the lower edge of P phases (PCM), sampled by DDIM@P
-    student_rollout: float = 0.0         # lcm: fraction of each micro-batch whose x_{t_n} is the student's own DDIM trajectory from pure noise, not noised data
+    # lcm: the teacher's DDIM steps over one skipping interval (its grid: solver_steps x this)
+    solver_substeps: int = 1
+    # lcm: 1 = consistency to t = 0 (LCM); P > 1 = to the lower edge of P phases (PCM), sampled by DDIM@P
+    phases: int = 1
+    # lcm: fraction of each micro-batch whose x_{t_n} is the student's own DDIM trajectory from pure noise, not
+    # noised data
+    student_rollout: float = 0.0
     teacher_steps: int = 16              # progressive: the teacher's DDIM steps; the student learns teacher_steps / 2
-    distill_loss: Literal["l2", "huber"] = "l2"  # lcm: distance between consistency outputs; huber = sqrt(d^2 + c^2) - c
+    # lcm: distance between consistency outputs; huber = sqrt(d^2 + c^2) - c
+    distill_loss: Literal["l2", "huber"] = "l2"
     huber_c: float = 0.001               # lcm: c of the pseudo-Huber loss
     target_ema_beta: float = 0.95        # lcm: the target network is an EMA of the student with this decay
-    init_from_teacher: bool = True       # distill: start the student from the teacher's tensors where names and shapes match
-    student_sampler: Optional[Choice["sampler"]] = None  # the student's sampler (sets sample_sampler); None: the mode's (lcm: lcm, progressive: ddim)
-    student_steps: Optional[int] = None  # the student's steps (sets sample_steps); None: the mode's (lcm: 4, progressive: teacher_steps / 2)
-    student_cfg: Optional[float] = None  # the student's CFG (sets sample_cfg); None: the mode's (lcm, progressive: 1, the guidance is distilled in)
+    # distill: start the student from the teacher's tensors where names and shapes match
+    init_from_teacher: bool = True
+    # the student's sampler (sets sample_sampler); None: the mode's (lcm: lcm, progressive: ddim)
+    student_sampler: Optional[Choice["sampler"]] = None
+    # the student's steps (sets sample_steps); None: the mode's (lcm: 4, progressive: teacher_steps / 2)
+    student_steps: Optional[int] = None
+    # the student's CFG (sets sample_cfg); None: the mode's (lcm, progressive: 1, the guidance is distilled in)
+    student_cfg: Optional[float] = None
 
 # %% ../nbs/62_distill.ipynb #d0bdcc8d
 def teacher_config(cfg: Config) -> Config:
-    "The teacher's config: its run's saved config; for a weights file, this run's recipe with the teacher's sampling (DDPM, 20 steps, CFG `cfg_scale`)."
+    ("The teacher's config: its run's saved config; for a weights file, this run's recipe with the teacher's sampling "
+     "(DDPM, 20 steps, CFG `cfg_scale`).")
     dc = cfg.distill
     path = Path(dc.teacher_checkpoint_path)
     if (path/"info.json").exists():
@@ -62,10 +78,12 @@ def teacher_config(cfg: Config) -> Config:
         saved = json.loads((path/"info.json").read_text())["config"]
         return config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(path/"info.json"))
     g, w = GDFConfig(), dc.cfg_scale if not isinstance(dc.cfg_scale, tuple) else sum(dc.cfg_scale) / 2
-    m = replace(cfg.model, model_version=dc.teacher_model_version or cfg.model.model_version, generator_checkpoint_path=str(path),
-                model_overrides=dc.teacher_model_overrides or {})
-    return replace(cfg, model=m, gdf=replace(cfg.gdf, sample_sampler=g.sample_sampler, sample_steps=g.sample_steps, sample_cfg=w))
+    m = replace(cfg.model, model_version=dc.teacher_model_version or cfg.model.model_version,
+                generator_checkpoint_path=str(path), model_overrides=dc.teacher_model_overrides or {})
+    return replace(cfg, model=m, gdf=replace(cfg.gdf, sample_sampler=g.sample_sampler, sample_steps=g.sample_steps,
+                                             sample_cfg=w))
 
+# %% ../nbs/62_distill.ipynb #9eb92392
 def teacher_dtype(cfg: Config) -> torch.dtype:
     "The frozen teacher's dtype: bfloat16 under bf16 mixed precision, else the weights' dtype."
     return torch.bfloat16 if cfg.train.mixed_precision == "bf16" else resolve_dtype(cfg.model.dtype)
@@ -82,16 +100,19 @@ class FrozenTeacher(nn.Module):
         cast = lambda v: v.to(self.dtype) if torch.is_tensor(v) and v.is_floating_point() else v
         return self.generator(cast(x), r, **{k: cast(v) for k, v in conds.items()}).float()
 
+# %% ../nbs/62_distill.ipynb #643fd1f9
 def load_teacher(cfg: Config, device="cpu") -> tuple[nn.Module, Config]:
     "(the teacher generator in float32 on `device`, its config) from `teacher_checkpoint_path`."
     dc, path = cfg.distill, Path(cfg.distill.teacher_checkpoint_path)
     if not path.exists():
-        raise ConfigError(f"key 'teacher_checkpoint_path': {str(path)!r} does not exist; expected a run directory or a Stage C .safetensors")
+        raise ConfigError(f"key 'teacher_checkpoint_path': {str(path)!r} does not exist; expected a run directory or a "
+                          "Stage C .safetensors")
     if path.is_dir():
         from cascade_nb.sample import run_generator
         tcfg, teacher, _ = run_generator(path, ema=dc.teacher_ema, device=device)
         return teacher.float(), tcfg
-    from cascade_nb.models.stage_c import load_stage_c   # its own config (cascade_nb's metadata; official files by shape), unless given
+    # its own config (cascade_nb's metadata; official files by shape), unless given
+    from cascade_nb.models.stage_c import load_stage_c
     teacher = load_stage_c(path, preset=dc.teacher_model_version, device=device, **(dc.teacher_model_overrides or {}))
     return teacher.float(), teacher_config(cfg)
 
@@ -104,6 +125,7 @@ def guided_prediction(model, x, r, conds: dict, uncond: dict, w, rho: float = 0.
     p_cond, p_uncond = model(torch.cat([x, x]), torch.cat([r, r]), **cfg_batch(conds, uncond)).float().chunk(2)
     return guide(p_cond, p_uncond, append_dims(w, p_cond), rho, per_sample=True)
 
+# %% ../nbs/62_distill.ipynb #5ff5ab9c
 @torch.no_grad()
 def ddim_step(gdf, model, x, logsnr, logsnr_next, conds: dict, uncond: dict, w, rho: float = 0.7) -> torch.Tensor:
     "One deterministic DDIM step of `model` (guided at `w`) from `logsnr` to `logsnr_next`: x' = a' x0 + b' eps."
@@ -113,7 +135,8 @@ def ddim_step(gdf, model, x, logsnr, logsnr_next, conds: dict, uncond: dict, w, 
 
 # %% ../nbs/62_distill.ipynb #bb6f1f92
 class TeacherMode(FullTraining):
-    "What the distillation modes share: the frozen teacher, its conditioning, its sample row and the student's sampling defaults."
+    ("What the distillation modes share: the frozen teacher, its conditioning, its sample row and the student's "
+     "sampling defaults.")
     student_from_teacher = True   # the student starts as an exact copy of the teacher (lcm, progressive)
 
     @classmethod
@@ -122,15 +145,20 @@ class TeacherMode(FullTraining):
     def check_config(cls, cfg: Config):
         dc = cfg.distill
         if not dc.teacher_checkpoint_path:
-            raise ConfigError(f"mode {cls.name!r} needs 'teacher_checkpoint_path' (a run directory {{checkpoint_path}}/{{experiment_id}} or a Stage C .safetensors)")
-        if cfg.model.stage != "c": raise ConfigError(f"mode {cls.name!r} distils Stage C; model_version {cfg.model.model_version!r} is Stage B")
+            raise ConfigError(f"mode {cls.name!r} needs 'teacher_checkpoint_path' (a run directory "
+                              "{checkpoint_path}/{experiment_id} or a Stage C .safetensors)")
+        if cfg.model.stage != "c":
+            raise ConfigError(f"mode {cls.name!r} distils Stage C; model_version {cfg.model.model_version!r} "
+                              "is Stage B")
         if isinstance(dc.cfg_scale, tuple) and dc.cfg_scale[0] > dc.cfg_scale[1]:
             raise ConfigError(f"key 'cfg_scale': {list(dc.cfg_scale)} is not a range; expected [lo, hi] with lo <= hi")
         chosen = dict(sample_sampler=dc.student_sampler, sample_steps=dc.student_steps, sample_cfg=dc.student_cfg)
         for k, v in {**cls.student_sampling(cfg), **{k: v for k, v in chosen.items() if v is not None}}.items():
-            setattr(cfg.gdf, k, v)   # the student's sampler: in-training grids, and the sample CLI reads it from the run
+            # the student's sampler: in-training grids, and the sample CLI reads it from the run
+            setattr(cfg.gdf, k, v)
     @classmethod
-    def inference(cls, cfg: Config, *models, **kw): return FullTraining(cfg, *models, **kw)   # a student is a plain Stage C
+    def inference(cls, cfg: Config, *models, **kw):
+        return FullTraining(cfg, *models, **kw)   # a student is a plain Stage C
     @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
         return _teacher_memory_terms(cls, cfg, generator, batch, side, prec)
@@ -154,24 +182,27 @@ class TeacherMode(FullTraining):
 
 # %% ../nbs/62_distill.ipynb #86d89b04
 def _teacher_params(cfg: Config) -> int:
-    "The teacher's parameter count: from a weights file's header, or a run's preset built on the meta device (nothing is loaded)."
+    ("The teacher's parameter count: from a weights file's header, or a run's preset built on the meta device "
+     "(nothing is loaded).")
     from cascade_nb.models.stage_c import StageC
     from cascade_nb.core import safetensors_header
     path = Path(cfg.distill.teacher_checkpoint_path)
     if path.is_file(): return sum(math.prod(s) for s in safetensors_header(path)[1].values())
     try: m = teacher_config(cfg).model
     except (OSError, ValueError, KeyError): m = cfg.model   # a run directory that is not here (planning elsewhere)
-    with torch.device("meta"): return sum(p.numel() for p in StageC.from_preset(m.model_version, **m.model_overrides).parameters())
+    with torch.device("meta"):
+        return sum(p.numel() for p in StageC.from_preset(m.model_version, **m.model_overrides).parameters())
 
+# %% ../nbs/62_distill.ipynb #eb1215f1
 def _load_teacher_into(self, cfg, generator, device):
     "Load the frozen teacher (and its config and GDF) into the mode `self`; start the student from it as the mode says."
     teacher, self.teacher_cfg = load_teacher(cfg, device)
     if self.student_from_teacher:
         try: generator.load_state_dict(teacher.state_dict(), strict=True)
         except RuntimeError as e:
-            raise ConfigError(f"mode {self.name!r} starts the student from the teacher, whose architecture differs: set model_version/"
-                              f"model_overrides to the teacher's (its config: {getattr(teacher, 'config', '?')}); "
-                              f"{str(e).splitlines()[0]}") from None
+            raise ConfigError(f"mode {self.name!r} starts the student from the teacher, whose architecture differs: "
+                              f"set model_version/model_overrides to the teacher's (its config: "
+                              f"{getattr(teacher, 'config', '?')}); {str(e).splitlines()[0]}") from None
     elif cfg.distill.init_from_teacher: self.copied = copy_matching(generator, teacher)
     self.teacher = FrozenTeacher(teacher, teacher_dtype(cfg)).to(device)
     self.teacher_gdf, self._empty = gdf_from_config(self.teacher_cfg.gdf), None
@@ -187,35 +218,42 @@ def copy_matching(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
 # %% ../nbs/62_distill.ipynb #f724de2a
 @torch.no_grad()
 def _teacher_rows(self, batch, n: int = 8) -> dict:
-    "The teacher's samples (its own sampler, steps and CFG) on the grid's captions and initial noise, above the student's."
+    ("The teacher's samples (its own sampler, steps and CFG) on the grid's captions and initial noise, above the "
+     "student's.")
     from cascade_nb.train import sample_latents
     device = next(self.text_model.parameters()).device
     x0, conds = self.encode(batch, device, training=False)
     x0, conds = x0[:n], {k: v[:n] for k, v in conds.items()}
     g = self.teacher_cfg.gdf
-    x = sample_latents(self.teacher, self.teacher_gdf, conds, self.uncond(conds), x0.shape, self.teacher_cfg, device=device)
+    x = sample_latents(self.teacher, self.teacher_gdf, conds, self.uncond(conds), x0.shape, self.teacher_cfg,
+                       device=device)
     return {f"teacher ({g.sample_sampler}@{g.sample_steps})": self.space.decode(x.float())}
 
 # %% ../nbs/62_distill.ipynb #dc8b7bfe
-def _teacher_memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
-    "The student's terms (LoRA's for LCM-LoRA), plus the frozen teacher in its dtype and the mode's `extra_memory` rows."
-    lora = cfg.lora.module_filters and cls is LCMTraining   # LCM-LoRA: LoRA's terms (adapters train, the base is frozen)
-    base = (LoraTraining if lora else FullTraining).memory_terms.__func__(cls, cfg, generator, batch, side, prec)
-    rows = {f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})": _teacher_params(cfg) * teacher_dtype(cfg).itemsize,
-            **cls.extra_memory(cfg, generator)}
+def _teacher_memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None,
+                          student: type = FullTraining) -> MemoryTerms:
+    ("The student's terms (`student`'s: full fine-tuning's, LoRA's for LCM-LoRA), plus the frozen teacher in its dtype "
+     "and the mode's `extra_memory` rows.")
+    base = student.memory_terms.__func__(cls, cfg, generator, batch, side, prec)
+    teacher = f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})"
+    rows = {teacher: _teacher_params(cfg) * teacher_dtype(cfg).itemsize, **cls.extra_memory(cfg, generator)}
     return base._replace(rows={**(base.rows or {}), **rows})
 
 # %% ../nbs/62_distill.ipynb #59dcac98
-TIMESTEP_SCALING, SIGMA_DATA = 10., 0.5   # diffusers' LCM scalings: s = 10 * integer timestep (0..999), sigma_data = 0.5
+# diffusers' LCM scalings: s = 10 * integer timestep (0..999), sigma_data = 0.5
+TIMESTEP_SCALING, SIGMA_DATA = 10., 0.5
 
 def consistency_scalings(r: torch.Tensor, r_min: float) -> tuple[torch.Tensor, torch.Tensor]:
     "(c_skip, c_out) at noise condition `r` (Luo et al. 2023's boundary condition, diffusers' scalings on r - r_min)."
     s = (r.float() - r_min).clamp(min=0) * 1000 * TIMESTEP_SCALING
     return SIGMA_DATA**2 / (s**2 + SIGMA_DATA**2), s / (s**2 + SIGMA_DATA**2).sqrt()
 
-def consistency_fn(model, gdf, x, logsnr, conds: dict, r_min: float, logsnr_edge: torch.Tensor | None = None) -> torch.Tensor:
-    """The consistency model built on the denoiser `model`: f(x, logsnr) = c_skip x + c_out x0(x, logsnr) (to the clean end),
-    or with `logsnr_edge` (a phase's lower edge, one per sample) the DDIM jump a_e x0 + b_e eps, and x itself at the edge."""
+# %% ../nbs/62_distill.ipynb #16c8ae90
+def consistency_fn(model, gdf, x, logsnr, conds: dict, r_min: float,
+                   logsnr_edge: torch.Tensor | None = None) -> torch.Tensor:
+    """The consistency model built on the denoiser `model`: f(x, logsnr) = c_skip x + c_out x0(x, logsnr) (to the
+    clean end), or with `logsnr_edge` (a phase's lower edge, one per sample) the DDIM jump a_e x0 + b_e eps, and x
+    itself at the edge."""
     r = gdf.noise_cond(logsnr)
     x0, eps = gdf.undiffuse(x.float(), logsnr, model(x, r, **conds).float())
     if logsnr_edge is not None:
@@ -224,27 +262,31 @@ def consistency_fn(model, gdf, x, logsnr, conds: dict, r_min: float, logsnr_edge
     c_skip, c_out = (append_dims(c, x0) for c in consistency_scalings(r, r_min))
     return c_skip * x.float() + c_out * x0
 
+# %% ../nbs/62_distill.ipynb #f27a5095
 def clean_end(gdf, shift: float = 1.) -> float:
     "r at the clean end of the schedule (t = 0), where the consistency function is the identity."
     return float(gdf.noise_cond(gdf.schedule(torch.zeros(1), shift=shift)))
 
 # %% ../nbs/62_distill.ipynb #b3d5f6a1
 def phase_edge(n: torch.Tensor, steps: int, phases: int) -> torch.Tensor:
-    "t at the lower edge of the phase holding grid point `n` (1..steps) of a `steps`-step grid cut into `phases` phases."
+    ("t at the lower edge of the phase holding grid point `n` (1..steps) of a `steps`-step grid cut into `phases` "
+     "phases.")
     per = steps // phases
     return torch.div(n - 1, per, rounding_mode="floor") * per / steps
 
-
 # %% ../nbs/62_distill.ipynb #1acd2810
 @torch.no_grad()
-def student_states(model, gdf, x: torch.Tensor, t_n: torch.Tensor, phases: int, conds: dict, shift: float = 1.) -> torch.Tensor:
-    "The student's DDIM trajectory from pure noise `x` (t = 1) through its phase edges k/`phases` down to `t_n` (one per sample)."
+def student_states(model, gdf, x: torch.Tensor, t_n: torch.Tensor, phases: int, conds: dict,
+                   shift: float = 1.) -> torch.Tensor:
+    ("The student's DDIM trajectory from pure noise `x` (t = 1) through its phase edges k/`phases` down to `t_n` "
+     "(one per sample).")
     t, x = torch.ones_like(t_n), x.float()
     for k in range(phases - 1, -1, -1):   # the step from edge (k+1)/P towards k/P, stopping at t_n
         # no early exit once every sample has arrived: under FSDP each process must run the same number of forwards
         t_next = torch.maximum(torch.full_like(t, k / phases), t_n)
         l, l_next = (gdf.schedule(v, shift=shift).to(x.device) for v in (t, t_next))
-        x, t = consistency_fn(model, gdf, x, l, conds, 0., l_next), t_next   # the phased consistency jump; x itself where t stays
+        # the phased consistency jump; x itself where t stays
+        x, t = consistency_fn(model, gdf, x, l, conds, 0., l_next), t_next
     return x
 
 # %% ../nbs/62_distill.ipynb #04581469
@@ -256,8 +298,10 @@ class StudentTarget(nn.Module):
         self.as_target = False   # called through this module (FSDP2's root hooks), the target answers instead
     def forward(self, x, r, **conds): return (self.target if self.as_target else self.student)(x, r, **conds)
 
-from .run_state import ema_update_   # on each process's own tensors: under FSDP both are sharded alike, no gather
+# on each process's own tensors: under FSDP both are sharded alike, no gather
+from .run_state import ema_update_
 
+# %% ../nbs/62_distill.ipynb #58a8e21f
 from accelerate.utils import extract_model_from_parallel
 
 def _inner(net: nn.Module) -> nn.Module:
@@ -269,6 +313,7 @@ def grid_index(n: int, steps: int, rng=None, device="cpu") -> torch.Tensor:
     "n indices uniform in 1..steps (a point of a `steps`-step grid that has a step below it)."
     return (seeded_rand(n, rng, device) * steps).long().clamp(max=steps - 1) + 1
 
+# %% ../nbs/62_distill.ipynb #4c2a5425
 def distance(a: torch.Tensor, b: torch.Tensor, kind: str = "l2", c: float = 1e-3) -> torch.Tensor:
     "Per-sample distance: mean squared error, or diffusers' elementwise pseudo-Huber sqrt(d^2 + c^2) - c."
     d = (a.float() - b.float()) ** 2
@@ -277,58 +322,75 @@ def distance(a: torch.Tensor, b: torch.Tensor, kind: str = "l2", c: float = 1e-3
 # %% ../nbs/62_distill.ipynb #3482d3ec
 @training_mode("lcm")
 class LCMTraining(TeacherMode):
-    "Latent consistency distillation (Luo et al. 2023): the student becomes a consistency model of the guided teacher's ODE."
+    ("Latent consistency distillation (Luo et al. 2023): the student becomes a consistency model of the guided "
+     "teacher's ODE.")
     supports_ema = False   # the target network is the student's EMA, released as generator_ema
 
     @classmethod
+    def for_config(cls, cfg: Config) -> type:
+        "The class that trains `cfg`: `LCMLoraTraining` when it sets `module_filters` (LCM-LoRA), else this one."
+        return LCMLoraTraining if cls is LCMTraining and cfg.lora.module_filters else cls
+    @classmethod
+    def build(cls, cfg: Config, *models, **kw) -> TrainingMode:
+        if (lora := cls.for_config(cfg)) is not cls: return lora.build(cfg, *models, **kw)
+        return super().build(cfg, *models, **kw)
+    @classmethod
     def check_config(cls, cfg):
+        if (lora := cls.for_config(cfg)) is not cls: return lora.check_config(cfg)
         super().check_config(cfg)
-        if cfg.lora.train_tokens: raise ConfigError("mode 'lcm' trains LoRA adapters (module_filters, rank), not train_tokens")
-        if cfg.lora.module_filters: LoraTraining.check_config(cfg)   # LCM-LoRA: the LoRA keys' own rules (rank default 4)
+        if cfg.lora.train_tokens:
+            raise ConfigError("mode 'lcm' trains LoRA adapters (module_filters, rank), not train_tokens")
         dc = cfg.distill
         if dc.solver_steps % dc.phases:
-            raise ConfigError(f"key 'solver_steps': {dc.solver_steps} is not a multiple of phases={dc.phases}; expected each phase "
-                              f"to hold a whole number of skipping intervals (e.g. solver_steps={dc.phases * max(1, dc.solver_steps // dc.phases)})")
+            raise ConfigError(f"key 'solver_steps': {dc.solver_steps} is not a multiple of phases={dc.phases}; "
+                              f"expected each phase to hold a whole number of skipping intervals (e.g. "
+                              f"solver_steps={dc.phases * max(1, dc.solver_steps // dc.phases)})")
+    @classmethod
+    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
+        if (lora := cls.for_config(cfg)) is not cls: return lora.memory_terms(cfg, generator, batch, side, prec)
+        return super().memory_terms(cfg, generator, batch, side, prec)
+    @classmethod
+    def released_generator(cls, cfg, run, ema: bool = True):
+        "A student's weights (an LCM-LoRA run's: `LCMLoraTraining.released_generator`)."
+        if (lora := cls.for_config(cfg)) is not cls: return lora.released_generator(cfg, run, ema)
+        return super().released_generator(cfg, run, ema)
     @classmethod
     def student_sampling(cls, cfg):
-        "LCM: its multistep sampler, 4 steps; phased: DDIM at the phase edges. CFG 1 either way: the guidance is distilled in."
+        ("LCM: its multistep sampler, 4 steps; phased: DDIM at the phase edges. CFG 1 either way: the guidance is "
+         "distilled in.")
         P = cfg.distill.phases
-        return dict(sample_sampler="lcm", sample_steps=4, sample_cfg=1.0) if P == 1 else dict(sample_sampler="ddim", sample_steps=P, sample_cfg=1.0)
+        return (dict(sample_sampler="lcm", sample_steps=4, sample_cfg=1.0) if P == 1
+                else dict(sample_sampler="ddim", sample_steps=P, sample_cfg=1.0))
     @classmethod
     def extra_memory(cls, cfg, generator):
-        if cfg.lora.module_filters: return {}   # LCM-LoRA: the student is its own target
-        return {"target network (EMA of the student)": sum(p.numel() for p in generator.parameters()) * resolve_dtype(cfg.model.dtype).itemsize}
+        n = sum(p.numel() for p in generator.parameters())
+        return {"target network (EMA of the student)": n * resolve_dtype(cfg.model.dtype).itemsize}
 
     def __init__(self, cfg, generator, *models, **kw):
         super().__init__(cfg, generator, *models, **kw)
-        if cfg.train.ema_start_iters is not None: warnings.warn("mode lcm keeps no EMA of its own (ema_* keys are ignored): its target network is one")
-        self.lora = LoraTraining(cfg, generator, *models, **kw) if cfg.lora.module_filters else None
-        self.net = self.lora.net if self.lora else StudentTarget(generator)
+        if cfg.train.ema_start_iters is not None:
+            warnings.warn("mode lcm keeps no EMA of its own (ema_* keys are ignored): its target network is one")
+        self.net = self.student_net(cfg, generator, *models, **kw)
+    def student_net(self, cfg, generator, *models, **kw) -> nn.Module:
+        "The network that trains: the student with its target network (`StudentTarget`)."
+        return StudentTarget(generator)
 
-    def trainable_modules(self, net): return self.lora.trainable_modules(net) if self.lora else [_inner(net).student]
+    def trainable_modules(self, net): return [_inner(net).student]
     def target(self, net) -> nn.Module:
-        "The network whose consistency output is the target: the EMA target network, or (LCM-LoRA) the student itself, as diffusers."
-        return net if self.lora else _inner(net).target
+        "The network whose consistency output is the target: the EMA target network."
+        return _inner(net).target
     @contextlib.contextmanager
     def evaluated(self, net):
         "Evaluation scores what the run releases as generator_ema and the sample CLI samples: the target network."
-        if self.lora: yield net; return
         # through the root module, so that FSDP2 gathers the target's shards as for any forward
         inner = _inner(net); inner.as_target = True
         try: yield inner
         finally: inner.as_target = False
-    def after_update(self, state):
-        if not self.lora: ema_update_(self.net.target, self.net.student, self.cfg.distill.target_ema_beta)
+    def after_update(self, state): ema_update_(self.net.target, self.net.student, self.cfg.distill.target_ema_beta)
     def released(self, accelerator, net) -> dict:
-        if self.lora: return self.lora.released(accelerator, net)   # lora.safetensors, exported like any LoRA
         sd = unwrap_state_dict(accelerator, net)
         return {name: {k.removeprefix(f"{part}."): v for k, v in sd.items() if k.startswith(f"{part}.")}
                 for name, part in (("generator", "student"), ("generator_ema", "target"))}
-    @classmethod
-    def released_generator(cls, cfg, run, ema: bool = True):
-        "A student's weights; an LCM-LoRA merged into the teacher, the base it was trained on."
-        if not cfg.lora.module_filters: return super().released_generator(cfg, run, ema)
-        return merged_lora_run(cfg, run, load_teacher(cfg)[0])   # the frozen base: the student started as the teacher
     def loss(self, net, gdf, x0, conds: dict, rng=None, **kw): return _lcm_loss(self, net, gdf, x0, conds, rng, **kw)
 
 # %% ../nbs/62_distill.ipynb #17e2da87
@@ -348,22 +410,60 @@ def _lcm_loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
         x, logsnr, uncond = d.noised.float(), d.logsnr, self.uncond(conds)
         for j in range(1, m + 1):
             logsnr_next = gdf.schedule((n - j / m) / N, shift=shift).to(x0.device)   # j = m: lambda(t_{n-1})
-            x, logsnr = ddim_step(self.teacher_gdf, self.teacher, x, logsnr, logsnr_next, conds, uncond, w, dc.cfg_rho), logsnr_next
+            x, logsnr = (ddim_step(self.teacher_gdf, self.teacher, x, logsnr, logsnr_next, conds, uncond, w,
+                                   dc.cfg_rho), logsnr_next)
         target = consistency_fn(self.target(net), gdf, x, logsnr, conds, r_min, edge)
-    raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min, edge), target, dc.distill_loss, dc.huber_c)
+    raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min, edge), target, dc.distill_loss,
+                   dc.huber_c)
     return raw.mean(), raw, d
 
+# %% ../nbs/62_distill.ipynb #e3c6163d
+class LCMLoraTraining(LCMTraining):
+    ("LCM-LoRA (Luo et al. 2023b): `mode: lcm` with `module_filters` trains LoRA adapters on the student; the adapted "
+     "student is its own target.")
+    @classmethod
+    def check_config(cls, cfg):
+        super().check_config(cfg)
+        LoraTraining.check_config(cfg)   # the LoRA keys' own rules (rank default 4)
+    @classmethod
+    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
+        "LoRA's terms (adapters train, the base is frozen), plus the frozen teacher."
+        return _teacher_memory_terms(cls, cfg, generator, batch, side, prec, student=LoraTraining)
+    @classmethod
+    def extra_memory(cls, cfg, generator): return {}   # the student is its own target
+    @classmethod
+    def released_generator(cls, cfg, run, ema: bool = True):
+        "The run's `lora.safetensors` merged into the teacher, the base it was trained on."
+        return merged_lora_run(cfg, run, load_teacher(cfg)[0])   # the frozen base: the student started as the teacher
+
+    def student_net(self, cfg, generator, *models, **kw) -> nn.Module:
+        "The network that trains: `LoraTraining`'s, adapters on the frozen student."
+        self.lora = LoraTraining(cfg, generator, *models, **kw)
+        return self.lora.net
+    def trainable_modules(self, net): return self.lora.trainable_modules(net)
+    def target(self, net) -> nn.Module:
+        "The network whose consistency output is the target: the adapted student itself, as diffusers."
+        return net
+    def evaluated(self, net):
+        "Evaluation scores the adapted student, what the run releases."
+        return contextlib.nullcontext(net)
+    def after_update(self, state): pass   # no target network to update
+    def released(self, accelerator, net) -> dict:
+        return self.lora.released(accelerator, net)   # lora.safetensors, exported like any LoRA
 
 # %% ../nbs/62_distill.ipynb #77cfe5e6
 @training_mode("progressive")
 class ProgressiveTraining(TeacherMode):
-    "Progressive distillation (Salimans & Ho 2022): one student DDIM step = two teacher DDIM steps; one run halves the steps."
+    ("Progressive distillation (Salimans & Ho 2022): one student DDIM step = two teacher DDIM steps; one run halves "
+     "the steps.")
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
-        if cfg.distill.teacher_steps % 2: raise ConfigError(f"key 'teacher_steps': {cfg.distill.teacher_steps} must be even (the student takes half)")
+        if cfg.distill.teacher_steps % 2:
+            raise ConfigError(f"key 'teacher_steps': {cfg.distill.teacher_steps} must be even (the student takes half)")
     @classmethod
-    def student_sampling(cls, cfg): return dict(sample_sampler="ddim", sample_steps=cfg.distill.teacher_steps // 2, sample_cfg=1.0)
+    def student_sampling(cls, cfg):
+        return dict(sample_sampler="ddim", sample_steps=cfg.distill.teacher_steps // 2, sample_cfg=1.0)
 
     def loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
         "(mean truncated-SNR loss, per-sample loss, Diffused at t) of one micro-batch."
@@ -395,55 +495,8 @@ class DistillTraining(TeacherMode):
         shift = training_shift(self.cfg)
         d = gdf.diffuse(x0, epsilon=self.epsilon(x0, rng), shift=shift, loss_shift=shift, generator=rng)
         with torch.no_grad():
-            x0_t, eps_t = self.teacher_gdf.undiffuse(d.noised.float(), d.logsnr, self.teacher(d.noised, self.teacher_gdf.noise_cond(d.logsnr), **conds))
+            x0_t, eps_t = self.teacher_gdf.undiffuse(
+                d.noised.float(), d.logsnr, self.teacher(d.noised, self.teacher_gdf.noise_cond(d.logsnr), **conds))
             target = gdf.target(x0_t, eps_t, d.logsnr, *gdf.scales(d.logsnr, x0_t))
         raw = distance(net(d.noised, d.noise_cond, **conds), target)
         return (raw * d.loss_weight).mean(), raw, d
-
-# %% ../nbs/62_distill.ipynb #cfc03d5f
-def nfe(steps: int, cfg_scale: float) -> int:
-    "Network evaluations per image: one per step, two with classifier-free guidance (a scale of 1 needs one)."
-    return steps * (1 if cfg_scale == 1 else 2)
-
-@torch.no_grad()
-def sampler_table(entries: dict, captions: list[str], ref_images, ref_captions, reference: str, baseline: str | None = None,
-                  seed: int = 0) -> list[dict]:
-    "Rows {name, distance, ratio, top1, nfe, s_per_image}; `entries`: name -> ((mode, gdf, cfg) of `load_run`, dict(sampler, steps, cfg_scale))."
-    import time
-    from cascade_nb.eval import sample_captions, Retrieval
-    images, seconds = {}, {}
-    for name, (run, kw) in entries.items():
-        start = time.perf_counter()
-        images[name] = sample_captions(*run, captions, seed=seed, steps=kw["steps"], sampler=kw["sampler"], cfg_scale=kw["cfg_scale"])
-        seconds[name] = (time.perf_counter() - start) / len(captions)
-    dist = {k: (v - images[reference]).pow(2).flatten(1).mean(1).sqrt().mean().item() for k, v in images.items()}   # RMS per image, mean
-    return [dict(name=k, distance=dist[k], ratio=dist[k] / dist[baseline] if baseline else None,
-                 top1=Retrieval()(images[k], captions, ref_images, ref_captions)["top1"],
-                 nfe=nfe(kw["steps"], kw["cfg_scale"]), s_per_image=seconds[k]) for k, (_, kw) in entries.items()]
-
-def format_table(rows: list[dict], times: bool = True) -> str:
-    "The rows as a Markdown table (`times=False` leaves out the machine-dependent time column)."
-    head = "| sampler | RMS distance to reference | vs teacher DDIM@4 | retrieval top-1 | NFE |" + (" s/image |" if times else "")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        lines.append(f"| {r['name']} | {r['distance']:.4f} | {ratio} | {r['top1']:.2f} | {r['nfe']} |" + (f" {r['s_per_image']:.4f} |" if times else ""))
-    return "\n".join(lines)
-
-def fast_sampling_entries(teacher_run, lcm_run=None, progressive_run=None, cfg_scale: float = 3.0) -> dict:
-    "The issue's comparison: teacher DDPM@20, DDIM@20, DDIM@4 (CFG `cfg_scale`); LCM student @4/@2/@1 (phased: DDIM@phases); progressive student @its steps."
-    from cascade_nb.sample import load_run
-    t = load_run(teacher_run)
-    e = {f"teacher DDPM@20": (t, dict(sampler="ddpm", steps=20, cfg_scale=cfg_scale)),
-         f"teacher DDIM@20": (t, dict(sampler="ddim", steps=20, cfg_scale=cfg_scale)),
-         f"teacher DDIM@4": (t, dict(sampler="ddim", steps=4, cfg_scale=cfg_scale))}
-    lcm_runs = [] if lcm_run is None else [lcm_run] if isinstance(lcm_run, (str, Path)) else list(lcm_run)
-    for run in lcm_runs:   # LCM: its sampler at 4, 2, 1 steps; phased (PCM): DDIM at its phase edges
-        s = load_run(run); P = s[2].distill.phases
-        tag = f" [{Path(run).name}]" if len(lcm_runs) > 1 else ""   # several runs: named by their directories
-        if P == 1: e.update({f"LCM student @{k}{tag}": (s, dict(sampler="lcm", steps=k, cfg_scale=1.0)) for k in (4, 2, 1)})
-        else: e[f"LCM student ({P} phases) DDIM@{P}{tag}"] = (s, dict(sampler="ddim", steps=P, cfg_scale=1.0))
-    if progressive_run is not None:
-        p = load_run(progressive_run)
-        e[f"progressive student DDIM@{p[2].gdf.sample_steps}"] = (p, dict(sampler="ddim", steps=p[2].gdf.sample_steps, cfg_scale=1.0))
-    return e

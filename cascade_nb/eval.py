@@ -39,6 +39,7 @@ def retrieval_ranks(sample_feats: torch.Tensor, sample_labels, ref_feats: torch.
     worst = len(torch.unique(ref_labels)) - 1
     return torch.where(torch.isfinite(sample_feats).all(1), ranks, torch.full_like(ranks, worst))
 
+# %% ../nbs/43_eval.ipynb #3e795862
 def retrieval_scores(ranks: torch.Tensor, ks=(1, 5)) -> dict:
     "Top-k accuracies and the median rank from `retrieval_ranks`."
     ranks = ranks.double()
@@ -67,6 +68,7 @@ class _InceptionMetric:
         return self._result(m.compute())
     def _result_of_inf(self) -> dict: return {k: math.inf if g == "min" else math.nan for k, g in self.goals.items()}
 
+# %% ../nbs/43_eval.ipynb #67a0c4ad
 @register_metric
 class FID(_InceptionMetric):
     "Fréchet Inception Distance (torchmetrics); `feature` = 2048 (Inception-v3 via torch-fidelity) or an nn.Module."
@@ -76,6 +78,7 @@ class FID(_InceptionMetric):
         self.metric = FrechetInceptionDistance(feature=feature, normalize=True)
     def _result(self, v) -> dict: return {"": v.item()}
 
+# %% ../nbs/43_eval.ipynb #f0efb5c6
 @register_metric
 class KID(_InceptionMetric):
     "Kernel Inception Distance (torchmetrics), mean and std over `subsets` random subsets of at most `subset_size`."
@@ -85,7 +88,8 @@ class KID(_InceptionMetric):
     def __call__(self, samples, captions, ref_images, ref_captions) -> dict:
         from torchmetrics.image.kid import KernelInceptionDistance
         size = min(self.subset_size, len(samples), len(ref_images))   # torchmetrics needs subset_size <= set sizes
-        self.metric = KernelInceptionDistance(feature=self.feature, subsets=self.subsets, subset_size=size, normalize=True)
+        self.metric = KernelInceptionDistance(feature=self.feature, subsets=self.subsets, subset_size=size,
+                                              normalize=True)
         return super().__call__(samples, captions, ref_images, ref_captions)
     def _result(self, v) -> dict: return {"": v[0].item(), "std": v[1].item()}
 
@@ -94,6 +98,7 @@ def _embeds(out) -> torch.Tensor:
     "Projected CLIP embeddings from `get_*_features`: a tensor (transformers 4) or an output's `pooler_output` (5)."
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
+# %% ../nbs/43_eval.ipynb #6b2fa81f
 @register_metric
 class CLIPScore:
     "CLIP score (Hessel et al. 2021): 100·max(cos(image, caption), 0), averaged, with a transformers CLIP."
@@ -113,7 +118,8 @@ class CLIPScore:
         pixels = list((samples.nan_to_num(0).clamp(0, 1) * 255).round().to(torch.uint8).cpu())
         inp = self.processor(text=list(captions), images=pixels, return_tensors="pt", padding=True, truncation=True)
         img = _embeds(m.get_image_features(pixel_values=inp["pixel_values"].to(dev)))
-        txt = _embeds(m.get_text_features(input_ids=inp["input_ids"].to(dev), attention_mask=inp["attention_mask"].to(dev)))
+        txt = _embeds(m.get_text_features(input_ids=inp["input_ids"].to(dev),
+                                          attention_mask=inp["attention_mask"].to(dev)))
         score = (100 * F.cosine_similarity(img, txt).clamp(min=0)).where(finite.to(dev), 0.)
         return {"": score.mean().item()}
 
@@ -127,7 +133,8 @@ class Retrieval:
     def __call__(self, samples, captions, ref_images, ref_captions) -> dict:
         labels = {c: i for i, c in enumerate(dict.fromkeys(ref_captions))}
         missing = [c for c in captions if c not in labels]
-        if missing: raise ValueError(f"retrieval: {len(missing)} caption(s) are not in the reference set, e.g. {missing[0]!r}")
+        if missing:
+            raise ValueError(f"retrieval: {len(missing)} caption(s) are not in the reference set, e.g. {missing[0]!r}")
         ranks = retrieval_ranks(self.features(samples), [labels[c] for c in captions],
                                 self.features(ref_images.to(samples.device)), [labels[c] for c in ref_captions])
         return retrieval_scores(ranks)
@@ -146,12 +153,14 @@ def reference_set(cfg: Config, source=None, max_images: int = 4096) -> tuple[tor
     if not captions: raise ConfigError(f"evaluation: the reference data {source!r} yielded no image")
     return torch.cat(images)[:max_images], captions[:max_images]
 
+# %% ../nbs/43_eval.ipynb #df0ef72f
 def pick_captions(spec, ref_captions: list[str]) -> list[str]:
     "The fixed evaluation captions: `spec` itself (a list), or `spec` distinct reference captions spread evenly."
     if not isinstance(spec, int): return list(spec)
     distinct = list(dict.fromkeys(ref_captions))
     if not 1 <= spec <= len(distinct):
-        raise ConfigError(f"key 'eval_captions': {spec} must be between 1 and the {len(distinct)} distinct captions of the reference set")
+        raise ConfigError(f"key 'eval_captions': {spec} must be between 1 and the {len(distinct)} distinct captions "
+                          "of the reference set")
     return [distinct[i * len(distinct) // spec] for i in range(spec)]
 
 # %% ../nbs/43_eval.ipynb #34aece27
@@ -160,30 +169,36 @@ def sample_captions(mode, gdf, cfg: Config, captions: list[str], net=None, seed:
                     steps: int | None = None, cfg_scale: float | None = None, sampler: str | None = None, device="cpu"):
     "(N, 3, H, W) images in [0, 1], one per caption, from fixed noise (chunk k of `batch` captions: seed + k)."
     chunks = [captions[i:i + batch] for i in range(0, len(captions), batch)]
-    return torch.cat([sample_run(mode, gdf, cfg, c, n=1, steps=steps, cfg_scale=cfg_scale, sampler=sampler, seed=seed + k,
-                                 device=device, net=net) for k, c in enumerate(chunks)])
+    return torch.cat([sample_run(mode, gdf, cfg, c, n=1, steps=steps, cfg_scale=cfg_scale, sampler=sampler,
+                                 seed=seed + k, device=device, net=net) for k, c in enumerate(chunks)])
 
 # %% ../nbs/43_eval.ipynb #1238695b
 class Evaluator:
-    "Fixed captions, seed, reference set and metrics of a run's evaluation; judges improvement of `best_metric` against a `TrainState`."
-    def __init__(self, cfg: Config, metrics=None, captions=None, reference=None, seed: int = 0, best_metric=None, **sampling):
+    """Fixed captions, seed, reference set and metrics of a run's evaluation; judges improvement of `best_metric`
+    against a `TrainState`."""
+    def __init__(self, cfg: Config, metrics=None, captions=None, reference=None, seed: int = 0, best_metric=None,
+                 **sampling):
         ck = cfg.checkpoint
         specs = metrics if metrics is not None else ck.eval_metrics
         specs = specs if isinstance(specs, dict) else dict.fromkeys(specs)
         for n in specs:
-            if n not in METRICS: raise ConfigError(f"key 'eval_metrics': unknown metric {n!r}; expected some of {sorted(METRICS)}")
+            if n not in METRICS:
+                raise ConfigError(f"key 'eval_metrics': unknown metric {n!r}; expected some of {sorted(METRICS)}")
         self.metrics = {n: m if m is not None else METRICS[n]() for n, m in specs.items()}
         self.goals = {_result_key(n, k): g for n in specs for k, g in METRICS[n].goals.items() if g}
         self.best_metric = best_metric if best_metric is not None else ck.best_metric
         if self.best_metric and self.best_metric not in self.goals:
             raise ConfigError(f"key 'best_metric': {self.best_metric!r} is not computed by eval_metrics {list(specs)}; "
                               f"expected one of {sorted(self.goals)}")
-        self.cfg, self.seed, self.sampling = cfg, seed, sampling   # sampling: sample_captions options (steps, cfg_scale, ...)
-        self.ref_images, self.ref_captions = reference if reference is not None else reference_set(cfg, ck.eval_reference)
+        # sampling: sample_captions options (steps, cfg_scale, ...)
+        self.cfg, self.seed, self.sampling = cfg, seed, sampling
+        self.ref_images, self.ref_captions = (reference if reference is not None
+                                              else reference_set(cfg, ck.eval_reference))
         self.captions = pick_captions(captions if captions is not None else ck.eval_captions, self.ref_captions)
 
     def improved(self, results: dict, state) -> bool:
-        "Whether `results` beat `state.best_metric_value` (a `TrainState`'s); if so, recorded there with `state.update`."
+        """Whether `results` beat `state.best_metric_value` (a `TrainState`'s); if so, recorded there with
+        `state.update`."""
         # weights that sample NaN are never the best, whatever the metric made of them
         if not self.best_metric or results.get("nonfinite_samples"): return False
         v, goal, best = results[self.best_metric], self.goals[self.best_metric], state.best_metric_value
@@ -210,10 +225,12 @@ def evaluate_run(evaluator: Evaluator, mode, gdf, net=None, device="cpu") -> tup
 
 # %% ../nbs/43_eval.ipynb #26a783d6
 def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_path, run_dir, out_dir) -> dict:
-    "One in-training evaluation at `state.update` (all processes): the EMA (else the generator) scored, logged, best weights kept."
+    """One in-training evaluation at `state.update` (all processes): the EMA (else the generator) scored, logged, best
+    weights kept."""
     update = state.update
     from accelerate.utils import broadcast_object_list
-    # an `EMA` computes through `ema_weights` (under FSDP: the sharded `net` with the EMA's shards swapped in, all processes)
+    # an `EMA` computes through `ema_weights` (under FSDP: the sharded `net` with the EMA's shards swapped in, all
+    # processes)
     # without one, the mode says which weights it releases as the run's (an lcm student's target network)
     with ema_weights(ema, acc.unwrap_model(net)) if ema is not None else mode.evaluated(acc.unwrap_model(net)) as model:
         was_training = model.training
@@ -232,12 +249,15 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
         for name, sd in released.items():
             fname = f"{name}_ema_best.safetensors" if ema is not None else f"{name}_best.safetensors"
             save_safetensors_atomic(ema_sd if ema is not None else sd, run_dir.path/fname)
-            (run_dir.path/"best.json").write_text(json.dumps({"metric": evaluator.best_metric, "value": state.best_metric_value,
+            (run_dir.path/"best.json").write_text(json.dumps({"metric": evaluator.best_metric,
+                                                              "value": state.best_metric_value,
                                                               "update": update, "weights": fname}, indent=1) + "\n")
     acc.print(f"update {update}: eval " + ", ".join(f"{k} {v:.4g}" for k, v in results.items())
-              + (f" (best {evaluator.best_metric} {state.best_metric_value:.4g} at update {state.best_metric_update})" if evaluator.best_metric else ""))
+              + (f" (best {evaluator.best_metric} {state.best_metric_value:.4g} at update {state.best_metric_update})"
+                 if evaluator.best_metric else ""))
     return results
 
+# %% ../nbs/43_eval.ipynb #fd5158f5
 def _save_eval_grid(evaluator: Evaluator, samples, path, n: int = 16):
     "Samples of the first `n` captions above the reference image of each caption (when it has one); captions beside."
     from cascade_nb.run_state import save_sample_grid
@@ -257,7 +277,8 @@ class InTrainingEvaluation:
     def enabled(cls, cfg: Config) -> bool: return bool(cfg.checkpoint.eval_every)
     def after_update(self, run):
         if run.state.update % self.every == 0:
-            eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path, run.run_dir, run.out_dir)
+            eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path,
+                      run.run_dir, run.out_dir)
 
 # %% ../nbs/43_eval.ipynb #19c64264
 def _finite(text: str) -> float:
@@ -268,14 +289,20 @@ def _finite(text: str) -> float:
     return v
 _finite.__name__ = "finite number"
 
+# %% ../nbs/43_eval.ipynb #c4f8874a
 def _parser() -> argparse.ArgumentParser:
     from cascade_nb.cli import at_least, add_import_option
-    p = argparse.ArgumentParser(prog="python -m cascade_nb.eval", description="Evaluate cascade_nb training runs: caption "
-                                "retrieval, FID/KID, CLIP score of samples for fixed captions and seeds.")
-    p.add_argument("--checkpoint", action="append", required=True, help="run directory {checkpoint_path}/{experiment_id} (repeat to compare)")
-    p.add_argument("--metrics", nargs="+", default=None, help=f"some of {sorted(METRICS)} (default: the run's eval_metrics)")
-    p.add_argument("--captions", type=at_least(1), default=None, help="number of captions (default: the run's eval_captions)")
-    p.add_argument("--reference", default=None, help="reference images (data source; default: the run's eval_reference or training data)")
+    p = argparse.ArgumentParser(prog="python -m cascade_nb.eval",
+                                description="Evaluate cascade_nb training runs: caption retrieval, FID/KID, CLIP "
+                                            "score of samples for fixed captions and seeds.")
+    p.add_argument("--checkpoint", action="append", required=True,
+                   help="run directory {checkpoint_path}/{experiment_id} (repeat to compare)")
+    p.add_argument("--metrics", nargs="+", default=None,
+                   help=f"some of {sorted(METRICS)} (default: the run's eval_metrics)")
+    p.add_argument("--captions", type=at_least(1), default=None,
+                   help="number of captions (default: the run's eval_captions)")
+    p.add_argument("--reference", default=None,
+                   help="reference images (data source; default: the run's eval_reference or training data)")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=_finite, default=None, help="CFG scale (default: the run's sample_cfg)")
     p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
@@ -299,10 +326,14 @@ def main(argv=None) -> dict:
             mode, gdf, cfg = load_run(run, ema=not a.no_ema, best=a.best)
             if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
             weights.append(mode.weights_file)
-            if a.reference: cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, eval_reference=a.reference))
-            shared = dict(captions=evaluator.captions, reference=(evaluator.ref_images, evaluator.ref_captions)) if evaluator else {}
-            evaluator = Evaluator(cfg, metrics=a.metrics, captions=shared.get("captions", a.captions), reference=shared.get("reference"),
-                                  seed=a.seed, best_metric="", steps=a.steps, cfg_scale=a.cfg, sampler=a.sampler)
+            if a.reference:
+                cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                              eval_reference=a.reference))
+            shared = (dict(captions=evaluator.captions, reference=(evaluator.ref_images, evaluator.ref_captions))
+                      if evaluator else {})
+            evaluator = Evaluator(cfg, metrics=a.metrics, captions=shared.get("captions", a.captions),
+                                  reference=shared.get("reference"), seed=a.seed, best_metric="", steps=a.steps,
+                                  cfg_scale=a.cfg, sampler=a.sampler)
             results.append(evaluate_run(evaluator, mode, gdf)[0])
     except (FileNotFoundError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr); sys.exit(2)

@@ -22,6 +22,7 @@ _CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.G
            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 _UNOPS = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
+# %% ../nbs/00b_filters.ipynb #6a581341
 class SafeFilter:
     "A `lambda` filter string parsed with `ast` and evaluated without `eval`: comparisons, boolean ops, arithmetic."
     def __init__(self, src: str, n_args: int | None = None):
@@ -33,7 +34,8 @@ class SafeFilter:
             raise ConfigError(f"filter {src!r} must be a lambda, e.g. 'lambda w: w >= 768'")
         a = lam.args
         if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs or not a.args:
-            raise ConfigError(f"filter {src!r}: only plain positional arguments are allowed (e.g. 'lambda w, h: w * h > 1e6')")
+            raise ConfigError(f"filter {src!r}: only plain positional arguments are allowed "
+                              "(e.g. 'lambda w, h: w * h > 1e6')")
         self.args = tuple(x.arg for x in a.args)
         if n_args is not None and len(self.args) != n_args:
             raise ConfigError(f"filter {src!r} takes {len(self.args)} argument(s) but is applied to {n_args} field(s)")
@@ -48,7 +50,8 @@ class SafeFilter:
                 raise ConfigError(f"filter {self.src!r}: {type(n).__name__} is not allowed; only comparisons, boolean "
                                   "operators and arithmetic on the lambda's arguments and literals")
             if isinstance(n, ast.Name) and n.id not in self.args:
-                raise ConfigError(f"filter {self.src!r}: unknown name {n.id!r}; only the lambda's arguments {self.args} may be used")
+                raise ConfigError(f"filter {self.src!r}: unknown name {n.id!r}; "
+                                  f"only the lambda's arguments {self.args} may be used")
             if isinstance(n, ast.Constant) and not isinstance(n.value, (int, float, str, bool, type(None))):
                 raise ConfigError(f"filter {self.src!r}: literal {n.value!r} is not allowed")
 
@@ -60,7 +63,8 @@ class SafeFilter:
         if isinstance(n, ast.IfExp): return self._eval(n.body if self._eval(n.test, env) else n.orelse, env)
         if isinstance(n, ast.BinOp):
             l, r = self._eval(n.left, env), self._eval(n.right, env)
-            if isinstance(n.op, ast.Pow) and abs(r) > 64: raise ValueError(f"exponent {r} too large in filter {self.src!r}")
+            if isinstance(n.op, ast.Pow) and abs(r) > 64:
+                raise ValueError(f"exponent {r} too large in filter {self.src!r}")
             return _BINOPS[type(n.op)](l, r)
         if isinstance(n, ast.BoolOp):
             is_and = isinstance(n.op, ast.And)
@@ -78,12 +82,14 @@ class SafeFilter:
         raise ConfigError(f"filter {self.src!r}: cannot evaluate {type(n).__name__}")  # unreachable after _check
 
     def __call__(self, *values):
-        if len(values) != len(self.args): raise TypeError(f"filter {self.src!r} expects {len(self.args)} value(s), got {len(values)}")
+        if len(values) != len(self.args):
+            raise TypeError(f"filter {self.src!r} expects {len(self.args)} value(s), got {len(values)}")
         return self._eval(self.body, dict(zip(self.args, values)))
     def __reduce__(self): return (SafeFilter, (self.src, len(self.args)))
     def __repr__(self): return f"SafeFilter({self.src!r})"
     def __eq__(self, o): return isinstance(o, SafeFilter) and o.src == self.src
 
+# %% ../nbs/00b_filters.ipynb #823e3025
 def parse_filter(src: str, n_args: int | None = None) -> SafeFilter:
     "Parse a `lambda` filter string safely (see `SafeFilter`)."
     return SafeFilter(src, n_args)
@@ -102,7 +108,8 @@ class DatasetFilter:
     @classmethod
     def from_yaml(cls, entry):
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)):
-            raise ConfigError(f"a dataset_filters entry must be [key, 'lambda v: ...'] or [[key1, key2], 'lambda a, b: ...'], got {entry!r}")
+            raise ConfigError("a dataset_filters entry must be [key, 'lambda v: ...'] or "
+                              f"[[key1, key2], 'lambda a, b: ...'], got {entry!r}")
         keys = (entry[0],) if isinstance(entry[0], str) else tuple(entry[0])
         if not keys or not all(isinstance(k, str) for k in keys):
             raise ConfigError(f"dataset_filters entry {entry!r}: the key must be a string or a list of strings")
@@ -113,15 +120,18 @@ def caption_identity(x):
     "The caption member as text (bytes are decoded as UTF-8)."
     return x.decode("utf-8") if isinstance(x, (bytes, bytearray)) else x
 
+# %% ../nbs/00b_filters.ipynb #9a986ad3
 def caption_from_json(x):
     "The `caption` field of a JSON member (bytes, str or an already decoded dict)."
     import json
     d = x if isinstance(x, dict) else json.loads(caption_identity(x))
     return d["caption"]
 
+# %% ../nbs/00b_filters.ipynb #5cf38a25
 CAPTION_GETTERS = registry("caption_getter", {"identity": caption_identity, "json_caption": caption_from_json})
 register_caption_getter = CAPTION_GETTERS.register
-"`@register_caption_getter('name')` (or `register_caption_getter(name, fn)`): `captions_getter: [key, name]` in configs."
+("`@register_caption_getter('name')` (or `register_caption_getter(name, fn)`): "
+ "`captions_getter: [key, name]` in configs.")
 
 @dataclass(frozen=True)
 class CaptionsGetter:
@@ -134,7 +144,8 @@ class CaptionsGetter:
     @classmethod
     def from_yaml(cls, entry):
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
-            raise ConfigError(f"captions_getter must be [member_key, getter_name], e.g. ['txt', 'identity'], got {entry!r}")
+            raise ConfigError("captions_getter must be [member_key, getter_name], e.g. ['txt', 'identity'], "
+                              f"got {entry!r}")
         try: CAPTION_GETTERS.choose(entry[1])
         except UnknownChoice as e: raise ConfigError(f"captions_getter {entry!r}: {e}") from None
         return cls(*entry)

@@ -23,57 +23,69 @@ def slug(text: str, max_len: int = 40) -> str:
     "A file-name-safe version of `text` ('image' if nothing is left)."
     return re.sub(r'[^a-z0-9]+', '-', text.lower()).strip('-')[:max_len].strip('-') or 'image'
 
+# %% ../nbs/51_generate.ipynb #6de43532
 def make_parser() -> argparse.ArgumentParser:
-    p = cli_parser("python -m cascade_nb.generate", "Text-to-image with Stable Cascade from a directory of checkpoints.")
+    p = cli_parser("python -m cascade_nb.generate",
+                   "Text-to-image with Stable Cascade from a directory of checkpoints.")
     p.add_argument("prompts", nargs="+", help="one or more prompts (\"\" with --image for a pure variation)")
-    p.add_argument("--models", required=True, help="directory with stage_c*, stage_b*, stage_a, previewer, effnet_encoder "
-                   ".safetensors (or diffusers prior/, decoder/, vqgan/) and optionally text_encoder/, tokenizer/, image_encoder/")
+    p.add_argument("--models", required=True,
+                   help="directory with stage_c*, stage_b*, stage_a, previewer, effnet_encoder .safetensors (or "
+                        "diffusers prior/, decoder/, vqgan/) and optionally text_encoder/, tokenizer/, image_encoder/")
     p.add_argument("--out", default="outputs", help="output directory (default: outputs)")
     p.add_argument("--negative-prompt", default="", help="text of the unconditional branch (default: empty)")
-    p.add_argument("--height", type=at_least(64), default=1024); p.add_argument("--width", type=at_least(64), default=1024)
+    p.add_argument("--height", type=at_least(64), default=1024)
+    p.add_argument("--width", type=at_least(64), default=1024)
     p.add_argument("--n", type=at_least(1), default=1, help="images per prompt")
     p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     p.add_argument("--steps-c", type=at_least(1), default=20); p.add_argument("--cfg-c", type=float, default=4.0)
     p.add_argument("--shift-c", type=float, default=2.0)
     p.add_argument("--steps-b", type=at_least(1), default=10); p.add_argument("--cfg-b", type=float, default=1.1)
     p.add_argument("--stage-c", choices=("3.6B", "1B"), default=None, help="Stage C preset (default: inferred)")
-    p.add_argument("--stage-c-weights", default=None, help="a Stage C .safetensors or a training run directory (e.g. a distilled "
-                   "student) used instead of --models' stage_c*")
-    p.add_argument("--sampler-c", default="ddpm", help=f"Stage C sampler, a registered one: {', '.join(SAMPLERS)} or one of "
-                   "--import's (lcm for an LCM student, e.g. --steps-c 4 --cfg-c 1)")
+    p.add_argument("--stage-c-weights", default=None,
+                   help="a Stage C .safetensors or a training run directory (e.g. a distilled student) used instead "
+                        "of --models' stage_c*")
+    p.add_argument("--sampler-c", default="ddpm",
+                   help=f"Stage C sampler, a registered one: {', '.join(SAMPLERS)} or one of "
+                        "--import's (lcm for an LCM student, e.g. --steps-c 4 --cfg-c 1)")
     p.add_argument("--stage-b", choices=("3B", "700M"), default=None, help="Stage B preset (default: inferred)")
-    p.add_argument("--text-encoder", default=None, help="CLIP text encoder dir or hub id (default: models/text_encoder or bigG)")
+    p.add_argument("--text-encoder", default=None,
+                   help="CLIP text encoder dir or hub id (default: models/text_encoder or bigG)")
     p.add_argument("--image-encoder", default=None, help="CLIP image encoder dir or hub id (for --image)")
     p.add_argument("--image", default=None, help="image file for image variation (CLIP image embedding)")
     p.add_argument("--init-image", default=None, help="image file for img2img")
     p.add_argument("--t-start", type=float, default=1.0, help="img2img noise level in (0, 1]; the reference uses 0.8")
     p.add_argument("--device", default=None, help="e.g. cuda, cpu (default: the best available)")
-    p.add_argument("--dtype", default=None, help="bfloat16 or float32 (default: bf16 on GPU, fp32 on CPU; fp16 is refused)")
+    p.add_argument("--dtype", default=None,
+                   help="bfloat16 or float32 (default: bf16 on GPU, fp32 on CPU; fp16 is refused)")
     p.add_argument("--offload", action="store_true", help="load one stage at a time (low memory)")
     p.add_argument("--no-previews", action="store_true", help="don't write the Stage C previews")
     return add_import_option(p)
 
+# %% ../nbs/51_generate.ipynb #09876847
 def _save_png(image, path: Path):
     with atomic_write(path) as f: image.save(f, format="PNG")
 
+# %% ../nbs/51_generate.ipynb #1b63e39c
 STAGE_FILES = {"stage_c": "prior", "stage_b": "decoder", "stage_a": "vqgan"}
 "The stages a models folder must hold: official `{stem}*.safetensors` or the diffusers subfolder."
 
 def check_models_dir(models, skip=()) -> Path:
-    "Check a models folder before anything is loaded (or downloaded): every stage present (but `skip`), every official file readable."
+    """Check a models folder before anything is loaded (or downloaded): every stage present (but `skip`), every
+    official file readable."""
     d = Path(models)
     if not d.is_dir(): raise FileNotFoundError(2, "--models is not a directory", str(d))
     for stem, sub in STAGE_FILES.items():
         if stem in skip: continue
         files = sorted(d.glob(f"{stem}*.safetensors"))
         if not files and not (d/sub/"config.json").is_file():
-            raise FileNotFoundError(2, f"no {stem}*.safetensors and no diffusers {sub}/ in --models (nothing is downloaded "
-                                       "for the stages; see the README for the files)", str(d))
+            raise FileNotFoundError(2, f"no {stem}*.safetensors and no diffusers {sub}/ in --models (nothing is "
+                                       "downloaded for the stages; see the README for the files)", str(d))
         for f in files: readable_weights(f)
     for f in ("previewer.safetensors", "effnet_encoder.safetensors"):
         if (d/f).exists(): readable_weights(d/f)
     return d
 
+# %% ../nbs/51_generate.ipynb #dae1bc70
 def main(argv=None) -> int:
     args = parse_cli(make_parser(), argv)
     from PIL import Image
@@ -85,7 +97,9 @@ def main(argv=None) -> int:
             if f is not None and not Path(f).is_file(): raise FileNotFoundError(2, "no such image file", f)
         if args.stage_c_weights is not None:
             w = Path(args.stage_c_weights)
-            if w.is_dir() and not (w/"info.json").exists(): raise FileNotFoundError(2, "--stage-c-weights: not a weights file or a run directory (no info.json)", str(w))
+            if w.is_dir() and not (w/"info.json").exists():
+                raise FileNotFoundError(2, "--stage-c-weights: not a weights file or a run directory (no info.json)",
+                                        str(w))
             if not w.is_dir(): readable_weights(w)
         check_models_dir(args.models, skip=("stage_c",) if args.stage_c_weights else ())
         pipe = CascadePipeline.from_dir(args.models, stage_c=args.stage_c, stage_b=args.stage_b,

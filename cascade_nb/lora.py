@@ -558,6 +558,97 @@ def merged_lora_run(cfg, run, base: nn.Module) -> tuple[nn.Module, Path]:
     load_lora_file(path, base)
     return base, path
 
+# %% ../nbs/60_lora.ipynb #0f6970b8
+def _lora_memory_terms(cls, cfg, generator, batch, side, prec):
+    "`LoraTraining.memory_terms`: trainable adapters and tokens, merged weights, the text encoder's activations."
+    from cascade_nb.models.blocks import AttnBlock
+    lc, rows = cfg.lora, {}
+    targets = lora_targets(generator, lc.module_filters) if lc.module_filters else []
+    shapes = [generator.get_parameter(t).shape for t in targets]
+    n_train = sum(lc.rank * (s[0] + math.prod(s[1:])) for s in shapes) + 1280 * len(lc.train_tokens or ())
+    adapted = sum(math.prod(s) for s in shapes)
+    if adapted:
+        n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
+        rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing
+                                       else adapted) * prec.compute
+        if lc.train_tokens:
+            rows["text encoder activations (train_tokens)"] = batch * 77 * 1280 * 16 * 32 * prec.compute
+    return MemoryTerms(n_train, 4, "attn" if all(".attention.attn." in t for t in targets) else "all", rows)
+
+# %% ../nbs/60_lora.ipynb #e7d8a9d7
+def _lora_build(mode, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype):
+    "`LoraTraining.__init__`: freeze the generator, attach fp32 adapters, add the train tokens, build `net`."
+    lc = cfg.lora
+    mode.cfg, mode.tokenizer, mode.text_model, mode.image_model = cfg, tokenizer, text_model, image_model
+    mode.space, mode.compute_dtype = space, compute_dtype
+    mode.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
+    if cfg.train.ema_start_iters is not None: warnings.warn("LoRA training keeps no EMA (ema_* keys are ignored)")
+    generator.requires_grad_(False)
+    alpha = 1.0 if lc.lora_alpha is None else lc.lora_alpha
+    mode.targets = apply_lora(generator, lc.module_filters, lc.rank, alpha, lc.lora_dropout,
+                              init=lc.lora_init) if lc.module_filters else []
+    for l in lora_layers(generator).values(): l.float()            # fp32 adapters even on bf16 weights
+    mode.tokens = add_train_tokens(tokenizer, text_model, lc.train_tokens) if lc.train_tokens else {}
+    if lc.lora_checkpoint_path: mode._load(lc.lora_checkpoint_path, generator)
+    mode.net = LoraNet(generator, text_model if mode.tokens else None)
+
+# %% ../nbs/60_lora.ipynb #bdb8ea17
+def _lora_load(mode, path, generator):
+    "`LoraTraining._load`: the adapters and token rows of a released LoRA file (either layout) into the run."
+    from safetensors.torch import load_file
+    sd = load_file(str(path))
+    ref = is_reference_lora(sd)
+    load_lora(generator, from_reference(sd, generator, mode.cfg.lora.module_filters or ()) if ref
+              else {k: v for k, v in sd.items() if not k.startswith("tokens.")})
+    ids, rows = ((sd.get("embeddings.indices"), sd.get("embeddings.embeddings")) if ref
+                 else (sd.get("tokens.ids"), sd.get("tokens.embeddings")))
+    if ids is None or not len(ids): return
+    emb = mode.text_model.get_input_embeddings()
+    if not isinstance(emb, TokenDeltas):
+        raise ValueError(f"{path} trains tokens {ids.tolist()}: set the train_tokens it was trained with")
+    if sorted(ids.tolist()) != emb.ids.tolist():
+        raise ValueError(f"{path}: its tokens {sorted(ids.tolist())} differ from train_tokens' {emb.ids.tolist()}")
+    slots, ids = emb.slot[ids.to(emb.slot.device)], ids.to(emb.slot.device)
+    with torch.no_grad(): emb.delta[slots] = rows.to(emb.delta) - (0. if ref else emb.base.weight[ids].float())
+
+# %% ../nbs/60_lora.ipynb #5c1ee0f4
+def _lora_token_encode(mode, batch, device, training, rng):
+    "`LoraTraining.encode` with trained tokens: x0 and the captions as token ids (+ attention mask, image embedding)."
+    if "text" in batch or "captions" not in batch:
+        raise ValueError("train_tokens needs the captions of each batch (not cached text embeddings): "
+                         "the text encoder runs inside the training step")
+    from cascade_nb.models.clip import drop_captions, encode_image
+    d = mode.cfg.data
+    with torch.no_grad():
+        x0 = (batch["latents"].to(device).float() if "latents" in batch else
+              mode.space.encode(images_to_device(batch["images"], device, mode.compute_dtype)).float())
+        captions = list(batch["captions"])
+        if training and d.caption_dropout: captions = drop_captions(captions, d.caption_dropout, generator=rng)
+        clip_img = x0.new_zeros(len(x0), 1, mode.full.c_clip_img)
+        if training and mode.image_model is not None and "images" in batch and d.image_embed_prob:
+            mask = seeded_rand(len(x0), rng) < d.image_embed_prob
+            if mask.any():
+                clip_img[mask.to(device)] = encode_image(
+                    mode.image_model, images_to_device(batch["images"][mask], device)).float()
+    return x0, {**mode._token_conds(captions, device), "clip_img": clip_img}
+
+# %% ../nbs/60_lora.ipynb #ed489831
+def _lora_released(mode, accelerator, net):
+    "`LoraTraining.released`: the adapters of the unwrapped generator and the trained tokens, as `lora.safetensors`."
+    net = accelerator.unwrap_model(net)
+    net = getattr(net, "_orig_mod", net)
+    sd = lora_state_dict(net.generator)
+    if net.text_model is not None: sd.update(token_state_dict(mode.tokenizer, net.text_model))
+    return {"lora": sd}
+
+# %% ../nbs/60_lora.ipynb #3717c5b9
+def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model):
+    "`LoraTraining.add_released_tokens`: the trained tokens of `run`'s `lora.safetensors` into a text encoder."
+    from safetensors.torch import load_file
+    path = Path(run)/"lora.safetensors"
+    if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
+    return load_tokens(tokenizer, text_model, load_file(str(path)))
+
 # %% ../nbs/60_lora.ipynb #96e9b7f7
 @training_mode("lora")
 class LoraTraining(TrainingMode):
@@ -575,52 +666,15 @@ class LoraTraining(TrainingMode):
     @classmethod
     def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
         "fp32 adapters (+ token deltas) train; each forward merges W + up@down; trained tokens run CLIP with gradients."
-        from cascade_nb.models.blocks import AttnBlock
-        lc, rows = cfg.lora, {}
-        targets = lora_targets(generator, lc.module_filters) if lc.module_filters else []
-        shapes = [generator.get_parameter(t).shape for t in targets]
-        n_train = sum(lc.rank * (s[0] + math.prod(s[1:])) for s in shapes) + 1280 * len(lc.train_tokens or ())
-        adapted = sum(math.prod(s) for s in shapes)
-        if adapted:
-            n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
-            rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing
-                                           else adapted) * prec.compute
-            if lc.train_tokens:
-                rows["text encoder activations (train_tokens)"] = batch * 77 * 1280 * 16 * 32 * prec.compute
-        return MemoryTerms(n_train, 4, "attn" if all(".attention.attn." in t for t in targets) else "all", rows)
+        return _lora_memory_terms(cls, cfg=cfg, generator=generator, batch=batch, side=side, prec=prec)
 
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        lc = cfg.lora
-        self.cfg, self.tokenizer, self.text_model, self.image_model = cfg, tokenizer, text_model, image_model
-        self.space, self.compute_dtype = space, compute_dtype
-        self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-        if cfg.train.ema_start_iters is not None: warnings.warn("LoRA training keeps no EMA (ema_* keys are ignored)")
-        generator.requires_grad_(False)
-        alpha = 1.0 if lc.lora_alpha is None else lc.lora_alpha
-        self.targets = apply_lora(generator, lc.module_filters, lc.rank, alpha, lc.lora_dropout,
-                                  init=lc.lora_init) if lc.module_filters else []
-        for l in lora_layers(generator).values(): l.float()            # fp32 adapters even on bf16 weights
-        self.tokens = add_train_tokens(tokenizer, text_model, lc.train_tokens) if lc.train_tokens else {}
-        if lc.lora_checkpoint_path: self._load(lc.lora_checkpoint_path, generator)
-        self.net = LoraNet(generator, text_model if self.tokens else None)
+        _lora_build(self, cfg=cfg, generator=generator, tokenizer=tokenizer, text_model=text_model,
+                    image_model=image_model, space=space, compute_dtype=compute_dtype)
 
     def _load(self, path, generator):
         "Continue from a released LoRA file (same targets and tokens), in cascade_nb's layout or the reference's."
-        from safetensors.torch import load_file
-        sd = load_file(str(path))
-        ref = is_reference_lora(sd)
-        load_lora(generator, from_reference(sd, generator, self.cfg.lora.module_filters or ()) if ref
-                  else {k: v for k, v in sd.items() if not k.startswith("tokens.")})
-        ids, rows = ((sd.get("embeddings.indices"), sd.get("embeddings.embeddings")) if ref
-                     else (sd.get("tokens.ids"), sd.get("tokens.embeddings")))
-        if ids is None or not len(ids): return
-        emb = self.text_model.get_input_embeddings()
-        if not isinstance(emb, TokenDeltas):
-            raise ValueError(f"{path} trains tokens {ids.tolist()}: set the train_tokens it was trained with")
-        if sorted(ids.tolist()) != emb.ids.tolist():
-            raise ValueError(f"{path}: its tokens {sorted(ids.tolist())} differ from train_tokens' {emb.ids.tolist()}")
-        slots, ids = emb.slot[ids.to(emb.slot.device)], ids.to(emb.slot.device)
-        with torch.no_grad(): emb.delta[slots] = rows.to(emb.delta) - (0. if ref else emb.base.weight[ids].float())
+        return _lora_load(self, path=path, generator=generator)
 
     def _token_conds(self, captions, device):
         t = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=77, return_tensors="pt")
@@ -630,23 +684,7 @@ class LoraTraining(TrainingMode):
         "Batch → (x0, conds); with trained tokens the conds hold token ids that `net` encodes with gradients."
         if training: self._count_micro_step()
         if not self.tokens: return self.full.encode(batch, device, training, rng)
-        if "text" in batch or "captions" not in batch:
-            raise ValueError("train_tokens needs the captions of each batch (not cached text embeddings): "
-                             "the text encoder runs inside the training step")
-        from cascade_nb.models.clip import drop_captions, encode_image
-        d = self.cfg.data
-        with torch.no_grad():
-            x0 = (batch["latents"].to(device).float() if "latents" in batch else
-                  self.space.encode(images_to_device(batch["images"], device, self.compute_dtype)).float())
-            captions = list(batch["captions"])
-            if training and d.caption_dropout: captions = drop_captions(captions, d.caption_dropout, generator=rng)
-            clip_img = x0.new_zeros(len(x0), 1, self.full.c_clip_img)
-            if training and self.image_model is not None and "images" in batch and d.image_embed_prob:
-                mask = seeded_rand(len(x0), rng) < d.image_embed_prob
-                if mask.any():
-                    clip_img[mask.to(device)] = encode_image(
-                        self.image_model, images_to_device(batch["images"][mask], device)).float()
-        return x0, {**self._token_conds(captions, device), "clip_img": clip_img}
+        return _lora_token_encode(self, batch=batch, device=device, training=training, rng=rng)
 
     def trainable_modules(self, net) -> list:
         "The adapters (their dropout) and token deltas; the frozen generator and text encoder stay in eval mode."
@@ -662,7 +700,7 @@ class LoraTraining(TrainingMode):
         "train_c_lora.py's first sample() (after micro-step 1) leaves the generator in eval: from micro-step 2 on here."
         if self.cfg.train.frozen_dropout != "reference": return
         self.micro_steps += 1
-        if self.micro_steps == 2: self.train_mode(self.net)
+        if self.micro_steps == 2: self.set_training(self.net)
 
     def uncond(self, conds: dict) -> dict:
         "Unconditional inputs for CFG: the empty caption (as ids when tokens train), zero image embedding."
@@ -672,11 +710,7 @@ class LoraTraining(TrainingMode):
 
     def released(self, accelerator, net) -> dict:
         "`lora.safetensors`: the adapters in cascade_nb's layout plus the trained tokens."
-        net = accelerator.unwrap_model(net)
-        net = getattr(net, "_orig_mod", net)
-        sd = lora_state_dict(net.generator)
-        if net.text_model is not None: sd.update(token_state_dict(self.tokenizer, net.text_model))
-        return {"lora": sd}
+        return _lora_released(self, accelerator=accelerator, net=net)
 
     @classmethod
     def released_generator(cls, cfg, run, ema: bool = True):
@@ -686,10 +720,7 @@ class LoraTraining(TrainingMode):
     @classmethod
     def add_released_tokens(cls, cfg, run, tokenizer, text_model) -> list[str]:
         "The run's trained tokens (`lora.safetensors`) added to `tokenizer`, written into `text_model` (`load_tokens`)."
-        from safetensors.torch import load_file
-        path = Path(run)/"lora.safetensors"
-        if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
-        return load_tokens(tokenizer, text_model, load_file(str(path)))
+        return _lora_add_released_tokens(cls, cfg=cfg, run=run, tokenizer=tokenizer, text_model=text_model)
 
     @classmethod
     def inference(cls, cfg, *models, **kw):

@@ -15,7 +15,8 @@ from .config import Config, ConfigError, load_config
 from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .modes import TRAINING_MODES
 from .run_state import OPTIMIZERS
-from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet   # declared with the ControlNet; measured here
+# declared with the ControlNet; measured here
+from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet
 from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
 
 
@@ -69,26 +70,32 @@ class BlockShape(NamedTuple):
     dropout: float = 0.0
     params: int = 0
 
+# %% ../nbs/70_memory.ipynb #edeb91fa
 def stage_c_blocks(model: nn.Module) -> list[BlockShape]:
-    "The blocks of a StageC in execution order (down levels, then up levels), each as it declares itself (`memory_shape`)."
+    """The blocks of a StageC in execution order (down levels, then up levels), each as it declares itself
+    (`memory_shape`)."""
     return [BlockShape(**b.memory_shape(), params=sum(p.numel() for p in b.parameters()))
             for level in [*model.down_blocks, *model.up_blocks] for b in level]
 
+# %% ../nbs/70_memory.ipynb #ec3bc93c
 def meta_generator(cfg: Config) -> nn.Module:
     "The config's generator (preset + model_overrides) on the meta device: shapes, no memory."
     m = cfg.model
     if m.stage != "c":
-        raise ConfigError(f"the memory planner models Stage C; model_version {m.model_version!r} is Stage {m.stage.upper()}")
+        raise ConfigError(f"the memory planner models Stage C; model_version {m.model_version!r} is "
+                          f"Stage {m.stage.upper()}")
     from cascade_nb.models.stage_c import StageC
     with torch.device("meta"): return StageC.from_preset(m.model_version, **m.model_overrides)
 
 # %% ../nbs/70_memory.ipynb #5763864d
 WEIGHT_GRADS = ("all", "attn", "none")
-"Which generator weights get gradients: all (full fine-tune), attention projections only (LoRA '.attn'), none (ControlNet)."
+("Which generator weights get gradients: all (full fine-tune), attention projections only (LoRA '.attn'), "
+ "none (ControlNet).")
 
 def block_activation_bytes(b: BlockShape, L: int, S: int, prec: Precision, weight_grads: str = "all") -> int:
     "Bytes one sample keeps for backward in block `b` with L image tokens and S conditioning tokens."
-    if weight_grads not in WEIGHT_GRADS: raise ValueError(f"weight_grads {weight_grads!r}: expected one of {WEIGHT_GRADS}")
+    if weight_grads not in WEIGHT_GRADS:
+        raise ValueError(f"weight_grads {weight_grads!r}: expected one of {WEIGHT_GRADS}")
     cd, s, c = prec.compute, prec.stream, b.c
     ln = 4 if prec.amp and prec.ln_fp32 else cd          # CUDA autocast: layer_norm saves an fp32 copy of its input
     mask = prec.mask * 4 * c * L if b.dropout else 0     # dropout mask over the 4c hidden units
@@ -102,6 +109,7 @@ def block_activation_bytes(b: BlockShape, L: int, S: int, prec: Precision, weigh
     if b.kind == "F": return s * c * L + wg * cd * c * L + (3 if wg else 2) * cd * 4 * c * L + mask
     raise ValueError(f"unknown block kind {b.kind!r}")
 
+# %% ../nbs/70_memory.ipynb #ea6beed8
 class Activations(NamedTuple):
     "Activation bytes of one forward+backward: `kept` between forward and backward, `recompute` added in backward."
     kept: int
@@ -109,12 +117,14 @@ class Activations(NamedTuple):
     @property
     def peak(self) -> int: return self.kept + self.recompute
 
+# %% ../nbs/70_memory.ipynb #a43d5a70
 def activation_bytes(model: nn.Module, batch: int, latent_side: int, prec: Precision = Precision(),
                      checkpointing: bool = False, weight_grads: str = "all") -> Activations:
     "Activation memory of a StageC forward+backward at `batch` × (c_in, latent_side, latent_side)."
     cfg = model.config
     if any(cfg["switch_level"] or ()):
-        warnings.warn("activation_bytes assumes every level runs at the latent resolution (switch_level False, Stage C's setting)")
+        warnings.warn("activation_bytes assumes every level runs at the latent resolution (switch_level False, "
+                      "Stage C's setting)")
     p, S, ch = cfg["patch_size"], 77 + 2 * cfg["c_clip_seq"], cfg["c_hidden"]
     L = (latent_side // p) ** 2
     c0, cc, cd, s = ch[0], cfg["c_cond"], prec.compute, prec.stream
@@ -133,6 +143,7 @@ def activation_bytes(model: nn.Module, batch: int, latent_side: int, prec: Preci
     kept = outside + sum(s * b.c * L for b in blocks)             # each checkpointed block keeps its input
     return Activations(batch * kept, batch * max(block_activation_bytes(b, L, S, prec, weight_grads) for b in blocks))
 
+# %% ../nbs/70_memory.ipynb #2ed46ae0
 def weight_copy_bytes(model: nn.Module, prec: Precision, checkpointing: bool = False) -> int:
     "bf16 copies autocast makes of fp32 matrix weights (kept for backward; one block at a time when checkpointing)."
     if not prec.casts_weights: return 0
@@ -141,7 +152,8 @@ def weight_copy_bytes(model: nn.Module, prec: Precision, checkpointing: bool = F
 
 # %% ../nbs/70_memory.ipynb #2193de8b
 def saved_bytes(fn, module: nn.Module | None = None) -> int:
-    "Run `fn()` and return the bytes of the distinct storages autograd saves for backward, `module`'s parameters excluded."
+    """Run `fn()` and return the bytes of the distinct storages autograd saves for backward, `module`'s parameters
+    excluded."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()} if module is not None else set()
     seen = {}
     def pack(t):
@@ -151,15 +163,18 @@ def saved_bytes(fn, module: nn.Module | None = None) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): fn()
     return sum(seen.values())
 
+# %% ../nbs/70_memory.ipynb #48037bbe
 def measure_saved_bytes(model: nn.Module, batch: int, latent_side: int, autocast: bool = False,
                         checkpointing: bool = False, control: bool = False, seed: int = 0) -> int:
-    "Bytes of the distinct non-parameter storages autograd saves in one StageC forward (CPU or GPU), then runs backward."
+    """Bytes of the distinct non-parameter storages autograd saves in one StageC forward (CPU or GPU), then runs
+    backward."""
     cfg, dev = model.config, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: seeded_randn(shape, g).to(dev, dtype)
     x, r = rnd(batch, cfg["c_in"], latent_side, latent_side), seeded_rand(batch, g, dev)
-    conds = dict(clip_text=rnd(batch, 77, cfg["c_clip_text"]), clip_text_pooled=rnd(batch, 1, cfg["c_clip_text_pooled"]),
+    conds = dict(clip_text=rnd(batch, 77, cfg["c_clip_text"]),
+                 clip_text_pooled=rnd(batch, 1, cfg["c_clip_text_pooled"]),
                  clip_img=rnd(batch, 1, cfg["c_clip_img"]))
     if control:   # a ControlNet hint into the first ResBlock: gradients flow back through the frozen generator
         side = latent_side // cfg["patch_size"]
@@ -189,6 +204,7 @@ def calibration_models() -> dict[str, nn.Module]:
             if isinstance(mod, nn.MultiheadAttention): mod.dropout = 0.0
     return models
 
+# %% ../nbs/70_memory.ipynb #55c3430d
 def _case_model(model: nn.Module, case: str) -> nn.Module:
     import copy
     m = copy.deepcopy(model)
@@ -199,6 +215,7 @@ def _case_model(model: nn.Module, case: str) -> nn.Module:
         apply_lora(m, [".attn"], rank=4)
     return m
 
+# %% ../nbs/70_memory.ipynb #f1113a2c
 CALIBRATION_CASES = {  # case: (precision on CPU, autocast, checkpointing, weight_grads)
     "fp32": (Precision(4, device="cpu"), False, False, "all"),
     "bf16 autocast": (Precision(4, True, device="cpu"), True, False, "all"),
@@ -208,6 +225,7 @@ CALIBRATION_CASES = {  # case: (precision on CPU, autocast, checkpointing, weigh
     "LoRA r4 '.attn'": (Precision(4, device="cpu"), False, False, "attn"),
 }
 
+# %% ../nbs/70_memory.ipynb #68277964
 def calibration_rows(batch: int = 2, latent_side: int = 16, cases=tuple(CALIBRATION_CASES), models=None) -> list[dict]:
     "Estimated vs measured activation bytes (CPU) for `calibration_models()` (or the named `models`) × `cases`."
     rows = []
@@ -251,32 +269,39 @@ class MemoryPlan:
         return "\n".join(lines + [f"peak per GPU ≈ {self.peak_gb:.1f} GB"] * peak_line)
     def __str__(self): return self.table()
 
+# %% ../nbs/70_memory.ipynb #d8270892
 def fsdp_refusal(name: str) -> str | None:
     "Why optimizer `name` cannot run under FSDP (the planner's one-line error), or None when it can."
     why = OPTIMIZERS.choose(name).fsdp_refusal
-    return why and f"optimizer {name!r} cannot run under FSDP: {why}; use optimizer: adamw (its state is sharded too) or drop FSDP"
+    return why and (f"optimizer {name!r} cannot run under FSDP: {why}; use optimizer: adamw (its state is sharded "
+                    "too) or drop FSDP")
 
+# %% ../nbs/70_memory.ipynb #d9f80c6e
 def _encoder_params(cfg: Config) -> dict[str, int]:
     "Parameters of the frozen models `train(cfg)` loads next to the generator."
     m, out = cfg.model, {}
     if m.clip_text_model_name == "tiny":
         from cascade_nb.models.clip import tiny_clip_text_model
         w = m.model_overrides.get("c_clip_text", 64)
-        out["clip_text"] = sum(p.numel() for p in tiny_clip_text_model(hidden=w, proj=m.model_overrides.get("c_clip_text_pooled", w)).parameters())
+        out["clip_text"] = sum(p.numel() for p in tiny_clip_text_model(
+            hidden=w, proj=m.model_overrides.get("c_clip_text_pooled", w)).parameters())
     else: out["clip_text"] = FROZEN_PARAMS["clip_text"]
     if m.clip_image_model_name and cfg.data.image_embed_prob > 0:
         if m.clip_image_model_name == "tiny":
             from cascade_nb.models.clip import tiny_clip_vision_model
-            out["clip_image"] = sum(p.numel() for p in tiny_clip_vision_model(proj=m.model_overrides.get("c_clip_img", 64)).parameters())
+            out["clip_image"] = sum(p.numel() for p in
+                                    tiny_clip_vision_model(proj=m.model_overrides.get("c_clip_img", 64)).parameters())
         else: out["clip_image"] = FROZEN_PARAMS["clip_image"]
     if m.latent_space == "effnet": out["effnet"] = FROZEN_PARAMS["effnet"]
     if m.previewer_checkpoint_path and m.latent_space != "pixels": out["previewer"] = FROZEN_PARAMS["previewer"]
     return out
 
+# %% ../nbs/70_memory.ipynb #052ba160
 def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offload: bool = False,
                 shard_size: int | None = None) -> MemoryPlan:
-    """Estimate the peak memory per GPU of `train(cfg)` on `world_size` GPUs (FSDP sharding if `fsdp`), without allocating
-    the model. HSDP: `shard_size` GPUs (a node) share one sharded copy, replicated across the `world_size / shard_size` groups."""
+    """Estimate the peak memory per GPU of `train(cfg)` on `world_size` GPUs (FSDP sharding if `fsdp`), without
+    allocating the model. HSDP: `shard_size` GPUs (a node) share one sharded copy, replicated across the
+    `world_size / shard_size` groups."""
     from cascade_nb.train import per_process_batch
     m, t, d = cfg.model, cfg.train, cfg.data
     if fsdp and (why := fsdp_refusal(t.optimizer)): raise ConfigError(why)
@@ -297,25 +322,29 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     # what trains, as the registered mode declares it: the generator (full), adapters (LoRA), a ControlNet ...
     mode = TRAINING_MODES[t.mode]
     n_train, train_b, wgrads, mode_rows = mode.memory_terms(cfg, gen, batch=batch, side=side, prec=prec)
-    if upcast: train_b = max(train_b, 4)                        # trained parameters are fp32 master weights under FSDP2 + bf16
+    if upcast: train_b = max(train_b, 4)   # trained parameters are fp32 master weights under FSDP2 + bf16
     gen_label = "generator weights" if mode.trains_generator else "generator weights (frozen)"
     offload = fsdp and cpu_offload
     rows[gen_label] = 0 if offload else n_gen * (train_b if mode.trains_generator else wb) // shard
     if not mode.trains_generator: rows[f"{t.mode} weights"] = 0 if offload else n_train * train_b // shard
     rows["gradients"] = 0 if offload else n_train * train_b // shard
     if upcast and mode.trains_generator and wb == 2:
-        notes.append("FSDP with bf16 mixed precision: accelerate upcasts the trained weights to fp32 before sharding, so "
-                     "dtype=bfloat16 saves nothing here and the released weights are fp32")
+        notes.append("FSDP with bf16 mixed precision: accelerate upcasts the trained weights to fp32 before "
+                     "sharding, so dtype=bfloat16 saves nothing here and the released weights are fp32")
     if fsdp and t.grad_accum_steps > 1:   # no_sync: FSDP2 keeps each block's full gradient in the compute dtype
         rows["gradients"] = n_train * (2 if amp else train_b)
         notes.append(f"grad_accum_steps={t.grad_accum_steps} under FSDP: gradients stay unsharded (full size) between "
                      "micro-steps and are reduce-scattered only at the last one")
-    opt_b = OPTIMIZERS.choose(t.optimizer).state_bytes(train_b)
-    rows[f"optimizer state ({t.optimizer})"] = 0 if offload else n_train * opt_b // shard
+    # the state of the trained tensors (a factored optimizer's depends on their shapes; adapters: counted as vectors)
+    spec = OPTIMIZERS.choose(t.optimizer)
+    shapes = [p.shape for p in gen.parameters()] if mode.trains_generator else [(n_train,)]
+    state_b = spec.state_bytes_of(shapes, train_b, spec.args(t))
+    rows[f"optimizer state ({t.optimizer})"] = 0 if offload else state_b // shard
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
     if fsdp: rows["FSDP gathered blocks"] = 2 * max(b.params for b in stage_c_blocks(gen)) * (2 if amp else wb)
     if t.ema_start_iters is not None and mode.supports_ema:
-        rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else n_gen * wb // shard   # FSDP: this GPU's shards
+        # FSDP: this GPU's shards
+        rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else n_gen * wb // shard
     enc = _encoder_params(cfg)
     rows["frozen encoders (" + ", ".join(enc) + ")"] = sum(enc.values()) * frozen_b
 
@@ -325,9 +354,10 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     if not fsdp:
         copies = weight_copy_bytes(gen, prec, ck)
         if copies: rows["bf16 weight copies (fp32 weights, autocast)"] = copies
-    rows.update(mode_rows or {})                                    # e.g. LoRA's merged weights, a ControlNet's backbone
+    rows.update(mode_rows or {})   # e.g. LoRA's merged weights, a ControlNet's backbone
     rows["CUDA context"] = CUDA_CONTEXT
-    if t.mixed_precision is None: notes.append("mixed_precision unset: assuming bf16 autocast, as configs/accelerate/*.yaml launch")
+    if t.mixed_precision is None:
+        notes.append("mixed_precision unset: assuming bf16 autocast, as configs/accelerate/*.yaml launch")
     parts = [f"{t.mode} {m.model_version} ({human_count(n_gen)} generator, {human_count(n_train)} trainable)",
              f"weights {m.dtype or 'float32'}", "bf16 autocast" if amp else "no autocast", t.optimizer,
              f"batch {batch}/GPU @{d.image_size}", f"{world_size} GPU{'s' if world_size > 1 else ''}"
@@ -354,24 +384,35 @@ class Suggestion(NamedTuple):
     fsdp: bool
     plan: MemoryPlan
 
+# %% ../nbs/70_memory.ipynb #99e969a2
 def _options(cfg: Config, world_size: int, fsdp: bool):
     "The memory options in order of cost: (label, config overrides, world_size, fsdp)."
     m, t = cfg.model, cfg.train
     mode = TRAINING_MODES[t.mode]
-    if t.mixed_precision == "no": yield "bf16 autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
-    if not mode.trains_generator and m.dtype != "bfloat16": yield "frozen generator in bf16 (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
-    if not m.gradient_checkpointing: yield "gradient checkpointing", {"gradient_checkpointing": True}, world_size, fsdp
-    if t.optimizer != "adamw8bit" and not fsdp: yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
-    if m.frozen_dtype != "bfloat16": yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
-    if t.ema_start_iters is not None and mode.supports_ema and not t.ema_on_cpu: yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
+    if t.mixed_precision == "no":
+        yield "bf16 autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
+    if not mode.trains_generator and m.dtype != "bfloat16":
+        yield "frozen generator in bf16 (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
+    if not m.gradient_checkpointing:
+        yield "gradient checkpointing", {"gradient_checkpointing": True}, world_size, fsdp
+    if t.optimizer != "adamw8bit" and not fsdp:
+        yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
+    if m.frozen_dtype != "bfloat16":
+        yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
+    if t.ema_start_iters is not None and mode.supports_ema and not t.ema_on_cpu:
+        yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
     upcast = fsdp and t.mixed_precision != "no"   # FSDP2 keeps trained weights in fp32 under mixed precision
-    if mode.trains_generator and m.dtype != "bfloat16" and not upcast: yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
+    if mode.trains_generator and m.dtype != "bfloat16" and not upcast:
+        yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     for n in (2, 4, 8):   # FSDP takes plain AdamW: bitsandbytes' 8-bit AdamW cannot step DTensor shards
-        if n > world_size or (n == world_size and not fsdp): yield f"FSDP over {n} GPUs (AdamW)", {"optimizer": "adamw"}, n, True
+        if n > world_size or (n == world_size and not fsdp):
+            yield f"FSDP over {n} GPUs (AdamW)", {"optimizer": "adamw"}, n, True
 
+# %% ../nbs/70_memory.ipynb #209aaad4
 def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = False) -> list[Suggestion]:
-    """Options applied cumulatively in order of cost until the plan fits `budget_gb`; the last step fits unless none does.
-    An option that would not lower the peak is skipped; FSDP steps switch to plain AdamW (8-bit AdamW cannot run under FSDP)."""
+    """Options applied cumulatively in order of cost until the plan fits `budget_gb`; the last step fits unless none
+    does. An option that would not lower the peak is skipped; FSDP steps switch to plain AdamW (8-bit AdamW cannot
+    run under FSDP)."""
     from cascade_nb.config import config_from_dict
     from cascade_nb.train import per_process_batch
     micro = per_process_batch(cfg.data.batch_size, world_size, cfg.train.grad_accum_steps)
@@ -382,7 +423,8 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
         return c, plan_memory(c, ws, fs)
     if fsdp and fsdp_refusal(cfg.train.optimizer):   # not a memory option: the trainer refuses the combination
         overrides = {"optimizer": "adamw"}
-        steps.append(Suggestion("AdamW (8-bit AdamW cannot run under FSDP)", dict(overrides), ws, fs, plan_for(overrides, ws, fs)[1]))
+        steps.append(Suggestion("AdamW (8-bit AdamW cannot run under FSDP)", dict(overrides), ws, fs,
+                                plan_for(overrides, ws, fs)[1]))
     c, plan = plan_for(overrides, ws, fs)
     if plan.peak_gb <= budget_gb: return steps or [Suggestion("fits as is", {}, ws, fs, plan)]
     for label, ov, n, f in _options(cfg, world_size, fsdp):
@@ -394,7 +436,8 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
         steps.append(Suggestion(label, dict(overrides), ws, fs, plan))
         if plan.peak_gb <= budget_gb: return steps
     accum = c.train.grad_accum_steps
-    while micro > 1:   # last resort: a smaller batch per GPU, same global batch (under FSDP it costs full-size gradients)
+    # last resort: a smaller batch per GPU, same global batch (under FSDP it costs full-size gradients)
+    while micro > 1:
         micro, accum = micro // 2, accum * 2
         ov = {**overrides, "grad_accum_steps": accum, "batch_size": micro * ws * accum}
         c_new, plan_new = plan_for(ov, ws, fs)
@@ -404,6 +447,7 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
         if plan.peak_gb <= budget_gb: return steps
     return steps
 
+# %% ../nbs/70_memory.ipynb #6c5b0f18
 def format_suggestions(steps: list[Suggestion], budget_gb: float) -> str:
     "One line per step with the peak after it, and the command-line form of the step that fits."
     lines = [f"{i + 1}. {s.label:<52} → {s.plan.peak_gb:6.1f} GB" for i, s in enumerate(steps)]
@@ -434,17 +478,22 @@ RECOMMENDED = {
 def main(argv=None):
     """Estimate the peak GPU memory of a training run, and what to change to fit a budget.
 
-    python -m cascade_nb.memory CONFIG.yaml [key=value ...] [--budget 24] [--world-size N] [--fsdp] [--shard-size G] [--cpu-offload]
+    python -m cascade_nb.memory CONFIG.yaml [key=value ...] [--budget 24] [--world-size N] [--fsdp]
+        [--shard-size G] [--cpu-offload]
     """
-    p = cli_parser("cascade_nb.memory", main.__doc__, config="training YAML (official StableCascade keys or cascade_nb's)")
+    p = cli_parser("cascade_nb.memory", main.__doc__,
+                   config="training YAML (official StableCascade keys or cascade_nb's)")
     p.add_argument("--budget", type=float, default=None, help="GB per GPU to fit; prints the cheapest changes that fit")
     p.add_argument("--world-size", type=at_least(1), default=1, help="number of GPUs (processes)")
     p.add_argument("--fsdp", action="store_true", help="FSDP sharding of weights, gradients and optimizer state")
-    p.add_argument("--shard-size", type=int, default=None, help="with --fsdp: HSDP, sharded over G GPUs (a node), replicated across groups")
-    p.add_argument("--cpu-offload", action="store_true", help="with --fsdp: weights, gradients and optimizer state on CPU")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="with --fsdp: HSDP, sharded over G GPUs (a node), replicated across groups")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="with --fsdp: weights, gradients and optimizer state on CPU")
     args = parse_cli(p, argv)
     with cli_errors():
-        if args.budget is not None and not args.budget > 0: raise ConfigError(f"--budget {args.budget:g}: expected GB > 0")
+        if args.budget is not None and not args.budget > 0:
+            raise ConfigError(f"--budget {args.budget:g}: expected GB > 0")
         cfg = load_config(args.config, args.overrides, training=False)
         plan = plan_memory(cfg, args.world_size, args.fsdp, args.cpu_offload, args.shard_size)
     print(plan.table(peak_line=args.budget is None))
@@ -452,14 +501,16 @@ def main(argv=None):
         steps = suggest(cfg, args.budget, args.world_size, args.fsdp)
         print(f"\nbudget {args.budget:g} GB per GPU:\n{format_suggestions(steps, args.budget)}")
         fits = steps[-1].plan.peak_gb <= args.budget and steps[-1].label != "fits as is"
-        print(f"peak per GPU ≈ {plan.peak_gb:.1f} GB" + (f" (≈ {steps[-1].plan.peak_gb:.1f} GB with the changes above)" if fits else ""))
+        print(f"peak per GPU ≈ {plan.peak_gb:.1f} GB"
+              + (f" (≈ {steps[-1].plan.peak_gb:.1f} GB with the changes above)" if fits else ""))
     return plan
 
 if __name__ == "__main__" and "__file__" in globals(): main()
 
 # %% ../nbs/70_memory.ipynb #d09133dd
 def stage_c_flops(model: nn.Module, batch: int, latent_side: int) -> int:
-    "Forward FLOPs of a StageC on `batch` × (c_in, latent_side, latent_side): 2 per multiply-add (×3 for a training step)."
+    """Forward FLOPs of a StageC on `batch` × (c_in, latent_side, latent_side): 2 per multiply-add (×3 for a training
+    step)."""
     cfg = model.config
     p, S = cfg["patch_size"], 77 + 2 * cfg["c_clip_seq"]
     L, ch, cc = (latent_side // p) ** 2, cfg["c_hidden"], cfg["c_cond"]

@@ -20,149 +20,11 @@ from .registry import registry, UnknownChoice
 from .gdf.presets import training_shift
 
 # %% auto #0
-__all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'build_generator', 'check_model_overrides', 'build_text_encoder',
+__all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage',
+           'load_released_generator', 'TrainingMode', 'build_generator', 'check_model_overrides', 'build_text_encoder',
            'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen',
-           'build_latent_space', 'diffusion_loss', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'TrainingMode',
-           'training_mode', 'build_training_mode', 'resolve_mode', 'check_mode_sections', 'ModeHook', 'FullTraining',
-           'StageBTraining']
-
-# %% ../nbs/40b_modes.ipynb #a59c23d0
-def build_generator(cfg: Config) -> nn.Module:
-    "The trainable generator the config describes, with pretrained weights when `generator_checkpoint_path` is set."
-    m = cfg.model
-    if m.stage == "c":
-        from cascade_nb.models.stage_c import StageC, load_stage_c
-        if m.generator_checkpoint_path:
-            model = load_stage_c(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype, **m.model_overrides)
-        else: model = StageC.from_preset(m.model_version, **m.model_overrides)
-    else:
-        from cascade_nb.models.stage_b import StageB, load_stage_b
-        if m.generator_checkpoint_path:
-            model = load_stage_b(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype, **m.model_overrides)
-        else: model = StageB.from_preset(m.model_version, **m.model_overrides)
-    if m.gradient_checkpointing: model.gradient_checkpointing = True
-    return model.to(resolve_dtype(m.dtype))
-
-# %% ../nbs/40b_modes.ipynb #05a81fdb
-def check_model_overrides(cfg: Config):
-    "Build the config's generator on the meta device (no memory): bad `model_overrides` give one ConfigError."
-    import difflib, inspect
-    from cascade_nb.cli import error_line
-    m = cfg.model
-    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls
-    else: from cascade_nb.models.stage_c import StageC as cls
-    args = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
-    for k in m.model_overrides:
-        if k in args: continue
-        close = difflib.get_close_matches(k, args, n=3)
-        raise ConfigError(f"key 'model_overrides': {k!r} is not an argument of {cls.__name__}"
-                          + (f"; did you mean {', '.join(map(repr, close))}?" if close else f" (its arguments: {', '.join(args)})"))
-    try:
-        with torch.device("meta"): cls.from_preset(m.model_version, **m.model_overrides)
-    except Exception as e:
-        raise ConfigError(f"key 'model_overrides': {m.model_overrides} does not build a {cls.__name__} "
-                          f"{m.model_version!r}: {error_line(e)}") from None
-
-# %% ../nbs/40b_modes.ipynb #a0c5feb5
-def build_text_encoder(cfg: Config, device=None, dtype=torch.float32):
-    "(tokenizer, frozen CLIPTextModelWithProjection) from `clip_text_model_name` ('tiny' = small random model)."
-    from cascade_nb.models.clip import load_clip_tokenizer, load_clip_text_model, tiny_clip_text_model, sample_tokenizer_dir
-    name = cfg.model.clip_text_model_name
-    if name == "tiny":
-        tok = load_clip_tokenizer(cfg.model.tokenizer_path or sample_tokenizer_dir())
-        width = cfg.model.model_overrides.get("c_clip_text", 64)
-        text_model = tiny_clip_text_model(hidden=width, proj=cfg.model.model_overrides.get("c_clip_text_pooled", width))
-        text_model = frozen(text_model, device, dtype)
-    else:
-        tok = load_clip_tokenizer(cfg.model.tokenizer_path or name)
-        text_model = load_clip_text_model(name, device=device, dtype=dtype)
-    # eager attention: transformers' SDPA path asks the device whether the padding mask is all ones before every call
-    # (a host sync per batch); the numbers agree to ~1e-6 and 77 tokens cost nothing extra
-    text_model.set_attn_implementation("eager")
-    return tok, text_model
-
-def build_image_encoder(cfg: Config, device=None, dtype=torch.float32):
-    "Frozen CLIPVisionModelWithProjection for `clip_img`, or None when unused (no name, or image_embed_prob = 0)."
-    name = cfg.model.clip_image_model_name
-    if not name or cfg.data.image_embed_prob == 0: return None
-    from cascade_nb.models.clip import load_clip_image_model, tiny_clip_vision_model
-    if name == "tiny":
-        return frozen(tiny_clip_vision_model(proj=cfg.model.model_overrides.get("c_clip_img", 64)), device, dtype)
-    return load_clip_image_model(name, device=device, dtype=dtype)
-
-# %% ../nbs/40b_modes.ipynb #ccee6b2e
-@torch.no_grad()
-def conditions(captions, tokenizer, text_model, c_clip_img: int, image_model=None, images01=None, caption_dropout=0.,
-               image_embed_prob=0., rng: torch.Generator | None = None) -> dict:
-    "Stage C conditions {clip_text, clip_text_pooled, clip_img} for a batch, with caption dropout and image-embedding sampling."
-    from cascade_nb.models.clip import clip_conditions, drop_captions
-    if caption_dropout: captions = drop_captions(captions, caption_dropout, generator=rng)
-    mask = None
-    if image_model is not None and images01 is not None:
-        mask = seeded_rand(len(captions), rng) < image_embed_prob
-    return clip_conditions(tokenizer, text_model, list(captions), image_model=image_model,
-                           images01=images01 if mask is not None else None, image_mask=mask, c_clip_img=c_clip_img)
-
-# %% ../nbs/40b_modes.ipynb #82ac9428
-class PixelSpace(nn.Module):
-    "Identity 'latent space' for small pixel-space models: images in [0, 1] ↔ [-1, 1]."
-    def encode(self, images01): return images01 * 2 - 1
-    def decode(self, x): return ((x + 1) / 2).clamp(0, 1)
-
-class EffnetSpace(nn.Module):
-    "Stage C's latent space: EfficientNet encoder for training, Previewer for looking at latents."
-    def __init__(self, effnet, previewer=None):
-        super().__init__()
-        self.effnet, self.previewer = effnet, previewer
-    def encode(self, images01): return self.effnet.encode(images01)
-    def decode(self, x):
-        if self.previewer is None: return None
-        return self.previewer(x.to(next(self.previewer.parameters()).dtype)).float().clamp(0, 1)
-
-class StageASpace(nn.Module):
-    "Stage B's latent space: the Stage A VQGAN's unquantised encoder latents and its decoder."
-    def __init__(self, stage_a):
-        super().__init__()
-        self.stage_a = stage_a
-    def encode(self, images01): return self.stage_a.encode(images01).latent
-    def decode(self, x): return self.stage_a.decode(x.to(next(self.stage_a.parameters()).dtype)).float().clamp(0, 1)
-
-def load_frozen(kind: str, path):
-    "A frozen helper network from an official safetensors file, or 'tiny' for a small random one (tests, CPU demos)."
-    from cascade_nb.models.effnet import load_effnet_encoder, EfficientNetEncoder
-    from cascade_nb.models.previewer import load_previewer, Previewer
-    from cascade_nb.models.stage_a import load_stage_a, StageA
-    tiny = {"effnet": lambda: EfficientNetEncoder.from_preset("tiny"), "previewer": lambda: Previewer(c_hidden=32),
-            "stage_a": lambda: StageA.from_preset("tiny")}
-    load = {"effnet": load_effnet_encoder, "previewer": load_previewer, "stage_a": load_stage_a}
-    return frozen(seeded(tiny[kind]) if path == "tiny" else load[kind](path))   # 'tiny': same weights in every process
-
-def build_latent_space(cfg: Config, device=None, dtype=torch.float32) -> nn.Module:
-    "The frozen encoder/decoder pair between images and the generator's input space."
-    m = cfg.model
-    if m.stage == "b":
-        if not m.stage_a_checkpoint_path:
-            raise ConfigError("Stage B training needs 'stage_a_checkpoint_path' (models/stage_a.safetensors, or 'tiny')")
-        space = StageASpace(load_frozen("stage_a", m.stage_a_checkpoint_path))
-    elif m.latent_space == "pixels": space = PixelSpace()
-    else:
-        if m.latent_space == "effnet" and not m.effnet_checkpoint_path:
-            raise ConfigError("latent_space 'effnet' needs 'effnet_checkpoint_path' (models/effnet_encoder.safetensors, or 'tiny'), "
-                              "or use latent_space: pixels / cached")
-        space = EffnetSpace(load_frozen("effnet", m.effnet_checkpoint_path) if m.effnet_checkpoint_path else None,
-                            load_frozen("previewer", m.previewer_checkpoint_path) if m.previewer_checkpoint_path else None)
-    return frozen(space, device, dtype)
-
-# %% ../nbs/40b_modes.ipynb #8fc91b8c
-def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None = None, shift: float = 1.,
-                   epsilon=None, t=None, weight: torch.Tensor | None = None):
-    "(weighted mean loss, per-sample raw loss, Diffused); `weight`: per-element, broadcast; `epsilon`/`t` fix the noise."
-    d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
-    pred = generator(d.noised, d.noise_cond, **conds)
-    squared = F.mse_loss(pred.float(), d.target.float(), reduction="none")
-    if weight is not None: squared = squared * weight.to(squared.device, torch.float32)
-    raw = squared.mean(dim=tuple(range(1, pred.ndim)))   # (B,)
-    return (raw * d.loss_weight).mean(), raw, d
+           'build_latent_space', 'diffusion_loss', 'training_mode', 'build_training_mode', 'resolve_mode',
+           'check_mode_sections', 'ModeHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -170,24 +32,30 @@ def stage_c_inputs(mode, batch, device, training=True, rng=None):
     d = mode.cfg.data
     images = images_to_device(batch["images"], device) if "images" in batch else None   # uint8 → float on the device
     with torch.no_grad():
-        x0 = batch["latents"].to(device).float() if "latents" in batch else mode.space.encode(images.to(mode.compute_dtype)).float()
+        x0 = (batch["latents"].to(device).float() if "latents" in batch
+              else mode.space.encode(images.to(mode.compute_dtype)).float())
     # only training draws from the run's random stream, so sampling/validation never shift it (exact resume)
     if "text" in batch:   # cached text embeddings: dropped captions get the embedding of ""
         conds = {k: batch["text"][k].to(device).float() for k in ("clip_text", "clip_text_pooled")}
         if training and d.caption_dropout:
             drop = seeded_rand(len(x0), rng, device) < d.caption_dropout
             empty = conditions([""], mode.tokenizer, mode.text_model, mode.c_clip_img)
-            for k in conds: conds[k] = torch.where(drop.view(-1, 1, 1), empty[k].to(conds[k]), conds[k])   # no boolean index: no host sync
+            # no boolean index: no host sync
+            for k in conds: conds[k] = torch.where(drop.view(-1, 1, 1), empty[k].to(conds[k]), conds[k])
         conds["clip_img"] = x0.new_zeros(len(x0), 1, mode.c_clip_img)
-        if training and d.image_embed_prob and "clip_img" in batch["text"]:   # cached CLIP image embeddings, as `conditions` samples them
+        # cached CLIP image embeddings, as `conditions` samples them
+        if training and d.image_embed_prob and "clip_img" in batch["text"]:
             keep = seeded_rand(len(x0), rng, device) < d.image_embed_prob
-            conds["clip_img"] = torch.where(keep.view(-1, 1, 1), batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1), conds["clip_img"])
+            conds["clip_img"] = torch.where(keep.view(-1, 1, 1),
+                                            batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1),
+                                            conds["clip_img"])
         return x0, conds
     conds = conditions(batch["captions"], mode.tokenizer, mode.text_model, mode.c_clip_img,
                        mode.image_model if training else None, images, d.caption_dropout if training else 0.,
                        d.image_embed_prob, rng if training else None)
     return x0, conds
 
+# %% ../nbs/40b_modes.ipynb #2e51aa6f
 def unwrap_state_dict(accelerator, model) -> dict:
     "Full state dict of a prepared model in the official layout (no DDP/FSDP/compile prefixes)."
     sd = accelerator.get_state_dict(model)
@@ -200,6 +68,30 @@ class MemoryTerms(NamedTuple):
     train_bytes: int             # bytes per trainable parameter (weights, gradients; Adam keeps 2 of these)
     weight_grads: str = "all"    # which generator weights get gradients: 'all', 'attn' (LoRA on attention), 'none'
     rows: dict | None = None     # extra rows: name → bytes (may use `batch`, `side`, `prec` the planner passes)
+
+# %% ../nbs/40b_modes.ipynb #43cbd572
+def wrong_stage(mode: type, stage: str) -> str:
+    "Why `mode` cannot train `stage`, and what to subclass instead."
+    base = {"b": "StageBTraining", "c": "FullTraining"}.get(stage, "TrainingMode")
+    trains = "/".join(s.upper() for s in mode.stages)
+    return (f"mode {mode.name!r} ({mode.__module__}.{mode.__qualname__}) trains Stage {trains} only "
+            f"(its `stages` is {mode.stages}), but this config trains Stage {stage.upper()}: subclass "
+            f"cascade_nb.modes.{base}, which makes Stage {stage.upper()}'s inputs, or set `stages` "
+            "and override `encode`/`uncond`/`epsilon`")
+
+
+# %% ../nbs/40b_modes.ipynb #eea855de
+def load_released_generator(cfg: Config, run, ema: bool = True) -> tuple[nn.Module, Path]:
+    "(generator, weights file) of a finished run: its released `generator_ema` (with `ema`) or `generator.safetensors`."
+    from safetensors.torch import load_file
+    from cascade_nb.cli import readable_weights
+    names = (["generator_ema.safetensors"] if ema else []) + ["generator.safetensors"]
+    weights = next((Path(run)/f for f in names if (Path(run)/f).exists()), None)
+    if weights is None: raise FileNotFoundError(f"{run} has no {' or '.join(names)} yet")
+    generator = build_generator(cfg)
+    generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
+    return generator, weights
+
 
 # %% ../nbs/40b_modes.ipynb #619e7e79
 class TrainingMode:
@@ -217,45 +109,36 @@ class TrainingMode:
 
     # --- the config: which keys select the mode, its own rules, and what it costs in memory
     @classmethod
-    def selected_by(cls, cfg: Config) -> bool: return False   # True: `mode` unset and this mode's keys are set
+    def selected_by(cls, cfg: Config) -> bool:
+        "True: `mode` is unset and this mode's keys are set."
+        return False
     @classmethod
-    def check_config(cls, cfg: Config): pass                  # raise ConfigError; may fill defaults (e.g. LoRA rank)
+    def check_config(cls, cfg: Config):
+        "Raise ConfigError on what this mode cannot train; may fill defaults (e.g. LoRA rank)."
     @classmethod
     def for_stage(cls, stage: str) -> type:
         "The class that trains `stage`: this one if it is in `stages`, else a ConfigError that says what to do."
         if stage in cls.stages: return cls
-        base = {"b": "StageBTraining", "c": "FullTraining"}.get(stage, "TrainingMode")
-        trains = "/".join(s.upper() for s in cls.stages)
-        raise ConfigError(f"mode {cls.name!r} ({cls.__module__}.{cls.__qualname__}) trains Stage {trains} only "
-                          f"(its `stages` is {cls.stages}), but this config trains Stage {stage.upper()}: subclass "
-                          f"cascade_nb.modes.{base}, which makes Stage {stage.upper()}'s inputs, or set `stages` "
-                          "and override `encode`/`uncond`/`epsilon`")
+        raise ConfigError(wrong_stage(cls, stage))
     @classmethod
     def build(cls, cfg: Config, *models, **kw) -> "TrainingMode":
         return cls.for_stage(cfg.model.stage)(cfg, *models, **kw)
     @classmethod
     def inference(cls, cfg: Config, *models, **kw) -> "TrainingMode":
-        "The mode that samples a released run (e.g. a distilled student samples as a plain generator); default: `build`."
+        "The mode that samples a released run (a distilled student samples as a plain generator); default: `build`."
         return cls.build(cfg, *models, **kw)
     @classmethod
-    def released_generator(cls, cfg: Config, run, ema: bool = True) -> tuple[nn.Module, "Path"]:
+    def released_generator(cls, cfg: Config, run, ema: bool = True) -> tuple[nn.Module, Path]:
         "(generator, weights file) a finished run samples with: its released `generator_ema`/`generator.safetensors`."
-        from pathlib import Path
-        from safetensors.torch import load_file
-        from cascade_nb.cli import readable_weights
-        names = (["generator_ema.safetensors"] if ema else []) + ["generator.safetensors"]
-        weights = next((Path(run)/f for f in names if (Path(run)/f).exists()), None)
-        if weights is None: raise FileNotFoundError(f"{run} has no {' or '.join(names)} yet")
-        generator = build_generator(cfg)
-        generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
-        return generator, weights
+        return load_released_generator(cfg, run, ema)
     @classmethod
     def add_released_tokens(cls, cfg: Config, run, tokenizer, text_model) -> list[str]:
-        "Add what a finished run trained in the text encoder to `tokenizer`, `text_model` (LoRA: tokens); their names."
+        "Add what a finished run trained in the text encoder to `tokenizer`, `text_model` (LoRA: tokens): their names."
         return []
     @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
-        return MemoryTerms(sum(p.numel() for p in generator.parameters()), resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize)
+        itemsize = resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize
+        return MemoryTerms(sum(p.numel() for p in generator.parameters()), itemsize)
 
     # --- the data: a batch → the network's inputs, and per-sample extras for `loss` (e.g. `weight`: a loss mask)
     def encode(self, batch, device, training=True, rng=None): return stage_c_inputs(self, batch, device, training, rng)
@@ -274,9 +157,10 @@ class TrainingMode:
     def trainable_modules(self, net) -> list[nn.Module]: return [net]
     def frozen_train_modules(self, net) -> list[nn.Module]:
         "Frozen modules also in train mode: none; with `frozen_dropout: reference` the frozen `net.generator`, all run."
-        frozen = getattr(self.net, "generator", None)   # LoRA's and ControlNet's nets hold the frozen generator there
+        # LoRA's and ControlNet's nets hold the frozen generator there
+        frozen = getattr(self.net, "generator", None)
         return [frozen] if frozen is not None and self.cfg.train.frozen_dropout == "reference" else []
-    def train_mode(self, net, training: bool = True):
+    def set_training(self, net, training: bool = True):
         "Everything in `net` in eval mode, then the trainable (and `frozen_train_modules`) in train mode."
         net.train(False)
         if training:
@@ -284,12 +168,163 @@ class TrainingMode:
         return net
     def after_update(self, state): pass                        # after each optimizer update, e.g. a teacher's EMA
     def evaluated(self, net):
-        "A context giving what in-training evaluation samples with when there is no EMA: `net` (lcm: its target network)."
+        "A context giving what in-training evaluation samples with when there is no EMA: `net` (lcm: its target net)."
         return contextlib.nullcontext(net)
 
     # --- what the run shows and writes
     def preview_rows(self, batch, n: int = 8, size=None) -> dict: return {}
     def released(self, accelerator, net) -> dict: return {"generator": unwrap_state_dict(accelerator, net)}
+
+# %% ../nbs/40b_modes.ipynb #a59c23d0
+def build_generator(cfg: Config) -> nn.Module:
+    "The trainable generator the config describes, with pretrained weights when `generator_checkpoint_path` is set."
+    m = cfg.model
+    if m.stage == "c":
+        from cascade_nb.models.stage_c import StageC, load_stage_c
+        if m.generator_checkpoint_path:
+            model = load_stage_c(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype,
+                                 **m.model_overrides)
+        else: model = StageC.from_preset(m.model_version, **m.model_overrides)
+    else:
+        from cascade_nb.models.stage_b import StageB, load_stage_b
+        if m.generator_checkpoint_path:
+            model = load_stage_b(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype,
+                                 **m.model_overrides)
+        else: model = StageB.from_preset(m.model_version, **m.model_overrides)
+    if m.gradient_checkpointing: model.gradient_checkpointing = True
+    return model.to(resolve_dtype(m.dtype))
+
+# %% ../nbs/40b_modes.ipynb #05a81fdb
+def check_model_overrides(cfg: Config):
+    "Build the config's generator on the meta device (no memory): bad `model_overrides` give one ConfigError."
+    import difflib, inspect
+    from cascade_nb.cli import error_line
+    m = cfg.model
+    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls
+    else: from cascade_nb.models.stage_c import StageC as cls
+    args = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+    for k in m.model_overrides:
+        if k in args: continue
+        close = difflib.get_close_matches(k, args, n=3)
+        raise ConfigError(f"key 'model_overrides': {k!r} is not an argument of {cls.__name__}"
+                          + (f"; did you mean {', '.join(map(repr, close))}?" if close
+                             else f" (its arguments: {', '.join(args)})"))
+    try:
+        with torch.device("meta"): cls.from_preset(m.model_version, **m.model_overrides)
+    except Exception as e:
+        raise ConfigError(f"key 'model_overrides': {m.model_overrides} does not build a {cls.__name__} "
+                          f"{m.model_version!r}: {error_line(e)}") from None
+
+# %% ../nbs/40b_modes.ipynb #a0c5feb5
+def build_text_encoder(cfg: Config, device=None, dtype=torch.float32):
+    "(tokenizer, frozen CLIPTextModelWithProjection) from `clip_text_model_name` ('tiny' = small random model)."
+    from cascade_nb.models.clip import (load_clip_tokenizer, load_clip_text_model, tiny_clip_text_model,
+                                        sample_tokenizer_dir)
+    name = cfg.model.clip_text_model_name
+    if name == "tiny":
+        tok = load_clip_tokenizer(cfg.model.tokenizer_path or sample_tokenizer_dir())
+        width = cfg.model.model_overrides.get("c_clip_text", 64)
+        text_model = tiny_clip_text_model(hidden=width, proj=cfg.model.model_overrides.get("c_clip_text_pooled", width))
+        text_model = frozen(text_model, device, dtype)
+    else:
+        tok = load_clip_tokenizer(cfg.model.tokenizer_path or name)
+        text_model = load_clip_text_model(name, device=device, dtype=dtype)
+    # eager attention: transformers' SDPA path asks the device whether the padding mask is all ones before every call
+    # (a host sync per batch); the numbers agree to ~1e-6 and 77 tokens cost nothing extra
+    text_model.set_attn_implementation("eager")
+    return tok, text_model
+
+# %% ../nbs/40b_modes.ipynb #bd477cd2
+def build_image_encoder(cfg: Config, device=None, dtype=torch.float32):
+    "Frozen CLIPVisionModelWithProjection for `clip_img`, or None when unused (no name, or image_embed_prob = 0)."
+    name = cfg.model.clip_image_model_name
+    if not name or cfg.data.image_embed_prob == 0: return None
+    from cascade_nb.models.clip import load_clip_image_model, tiny_clip_vision_model
+    if name == "tiny":
+        return frozen(tiny_clip_vision_model(proj=cfg.model.model_overrides.get("c_clip_img", 64)), device, dtype)
+    return load_clip_image_model(name, device=device, dtype=dtype)
+
+# %% ../nbs/40b_modes.ipynb #ccee6b2e
+@torch.no_grad()
+def conditions(captions, tokenizer, text_model, c_clip_img: int, image_model=None, images01=None, caption_dropout=0.,
+               image_embed_prob=0., rng: torch.Generator | None = None) -> dict:
+    """Stage C conditions {clip_text, clip_text_pooled, clip_img} for a batch, with caption dropout and
+    image-embedding sampling."""
+    from cascade_nb.models.clip import clip_conditions, drop_captions
+    if caption_dropout: captions = drop_captions(captions, caption_dropout, generator=rng)
+    mask = None
+    if image_model is not None and images01 is not None:
+        mask = seeded_rand(len(captions), rng) < image_embed_prob
+    return clip_conditions(tokenizer, text_model, list(captions), image_model=image_model,
+                           images01=images01 if mask is not None else None, image_mask=mask, c_clip_img=c_clip_img)
+
+# %% ../nbs/40b_modes.ipynb #82ac9428
+class PixelSpace(nn.Module):
+    "Identity 'latent space' for small pixel-space models: images in [0, 1] ↔ [-1, 1]."
+    def encode(self, images01): return images01 * 2 - 1
+    def decode(self, x): return ((x + 1) / 2).clamp(0, 1)
+
+# %% ../nbs/40b_modes.ipynb #babe2219
+class EffnetSpace(nn.Module):
+    "Stage C's latent space: EfficientNet encoder for training, Previewer for looking at latents."
+    def __init__(self, effnet, previewer=None):
+        super().__init__()
+        self.effnet, self.previewer = effnet, previewer
+    def encode(self, images01): return self.effnet.encode(images01)
+    def decode(self, x):
+        if self.previewer is None: return None
+        return self.previewer(x.to(next(self.previewer.parameters()).dtype)).float().clamp(0, 1)
+
+# %% ../nbs/40b_modes.ipynb #f85d65b9
+class StageASpace(nn.Module):
+    "Stage B's latent space: the Stage A VQGAN's unquantised encoder latents and its decoder."
+    def __init__(self, stage_a):
+        super().__init__()
+        self.stage_a = stage_a
+    def encode(self, images01): return self.stage_a.encode(images01).latent
+    def decode(self, x): return self.stage_a.decode(x.to(next(self.stage_a.parameters()).dtype)).float().clamp(0, 1)
+
+# %% ../nbs/40b_modes.ipynb #7e7ba788
+def load_frozen(kind: str, path):
+    "A frozen helper network from an official safetensors file, or 'tiny' for a small random one (tests, CPU demos)."
+    from cascade_nb.models.effnet import load_effnet_encoder, EfficientNetEncoder
+    from cascade_nb.models.previewer import load_previewer, Previewer
+    from cascade_nb.models.stage_a import load_stage_a, StageA
+    tiny = {"effnet": lambda: EfficientNetEncoder.from_preset("tiny"), "previewer": lambda: Previewer(c_hidden=32),
+            "stage_a": lambda: StageA.from_preset("tiny")}
+    load = {"effnet": load_effnet_encoder, "previewer": load_previewer, "stage_a": load_stage_a}
+    return frozen(seeded(tiny[kind]) if path == "tiny" else load[kind](path))   # 'tiny': same weights in every process
+
+# %% ../nbs/40b_modes.ipynb #81e5d908
+def build_latent_space(cfg: Config, device=None, dtype=torch.float32) -> nn.Module:
+    "The frozen encoder/decoder pair between images and the generator's input space."
+    m = cfg.model
+    if m.stage == "b":
+        if not m.stage_a_checkpoint_path:
+            raise ConfigError("Stage B training needs 'stage_a_checkpoint_path' "
+                              "(models/stage_a.safetensors, or 'tiny')")
+        space = StageASpace(load_frozen("stage_a", m.stage_a_checkpoint_path))
+    elif m.latent_space == "pixels": space = PixelSpace()
+    else:
+        if m.latent_space == "effnet" and not m.effnet_checkpoint_path:
+            raise ConfigError("latent_space 'effnet' needs 'effnet_checkpoint_path' "
+                              "(models/effnet_encoder.safetensors, or 'tiny'), or use latent_space: pixels / cached")
+        space = EffnetSpace(load_frozen("effnet", m.effnet_checkpoint_path) if m.effnet_checkpoint_path else None,
+                            load_frozen("previewer", m.previewer_checkpoint_path)
+                            if m.previewer_checkpoint_path else None)
+    return frozen(space, device, dtype)
+
+# %% ../nbs/40b_modes.ipynb #8fc91b8c
+def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None = None, shift: float = 1.,
+                   epsilon=None, t=None, weight: torch.Tensor | None = None):
+    """(weighted mean loss, per-sample raw loss, Diffused); `weight`: per-element, broadcast; `epsilon`/`t` fix the
+    noise."""
+    d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
+    pred = generator(d.noised, d.noise_cond, **conds)
+    squared = F.mse_loss(pred.float(), d.target.float(), reduction="none")
+    if weight is not None: squared = squared * weight.to(squared.device, torch.float32)
+    raw = squared.mean(dim=tuple(range(1, pred.ndim)))   # (B,)
+    return (raw * d.loss_weight).mean(), raw, d
 
 # %% ../nbs/40b_modes.ipynb #891820f1
 TRAINING_MODES = registry("training_mode", how="@training_mode('name') in a module the config lists in 'imports'")
@@ -305,9 +340,11 @@ def training_mode(name: str):
         return cls
     return register
 
+# %% ../nbs/40b_modes.ipynb #b196f27f
 def build_training_mode(cfg: Config, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
     "The registered mode `cfg.train.mode` names, wrapping the models `train` built."
-    return resolve_mode(cfg).build(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=compute_dtype)
+    return resolve_mode(cfg).build(cfg, generator, tokenizer, text_model, image_model, space,
+                                   compute_dtype=compute_dtype)
 
 # %% ../nbs/40b_modes.ipynb #c6a088f8
 PLUGIN_MODULES = ("cascade_nb.lora", "cascade_nb.controlnet", "cascade_nb.distill")
@@ -356,7 +393,8 @@ register_config_hook("training_mode", ModeHook())
 # %% ../nbs/40b_modes.ipynb #05cfc65c
 @training_mode("full")
 class FullTraining(TrainingMode):
-    "Stage C full fine-tuning: frozen CLIP conditioning, the whole generator trains, `generator.safetensors` is released."
+    """Stage C full fine-tuning: frozen CLIP conditioning, the whole generator trains, `generator.safetensors` is
+    released."""
     @classmethod
     def for_stage(cls, stage: str) -> type:
         "`full` trains Stage B with StageBTraining; a subclass keeps its own class and `stages` (Stage C's by default)."
@@ -373,7 +411,8 @@ class StageBTraining(FullTraining):
         self.cfg, self.net, self.tokenizer, self.text_model, self.space = cfg, generator, tokenizer, text_model, space
         self.compute_dtype, self.image_model = compute_dtype, None
         if not cfg.model.effnet_checkpoint_path:
-            raise ConfigError("Stage B training needs 'effnet_checkpoint_path' (its condition is the EfficientNet latent), or 'tiny'")
+            raise ConfigError("Stage B training needs 'effnet_checkpoint_path' (its condition is the EfficientNet "
+                              "latent), or 'tiny'")
         device = next(space.parameters()).device
         self.effnet = load_frozen("effnet", cfg.model.effnet_checkpoint_path).to(device=device, dtype=compute_dtype)
 
@@ -381,7 +420,8 @@ class StageBTraining(FullTraining):
         from cascade_nb.models.stage_b import effnet_condition
         from cascade_nb.models.clip import encode_text, drop_captions
         images = images_to_device(batch["images"], device)
-        captions = drop_captions(batch["captions"], self.cfg.data.caption_dropout, rng) if training else list(batch["captions"])
+        captions = (drop_captions(batch["captions"], self.cfg.data.caption_dropout, rng) if training
+                    else list(batch["captions"]))
         with torch.no_grad():
             x0 = self.space.encode(images.to(self.compute_dtype)).float()
             effnet = (effnet_condition(self.effnet.encode, images.to(self.compute_dtype), generator=rng) if training

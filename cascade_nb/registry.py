@@ -16,8 +16,8 @@ class UnknownChoice(ValueError):
     "A name its registry does not hold (config validation reports it as a `ConfigError` naming the key)."
 
 REGISTRIES: dict[str, "Registry"] = {}
-("Every registry by kind ('loss_weight', 'sampler', 'timestep_sampling', 'optimizer', 'lr_schedule', 'training_mode', "
- "'caption_getter').")
+("Every registry by kind ('loss_weight', 'sampler', 'timestep_sampling', 'optimizer', 'lr_schedule', 'warmup_shape', "
+ "'training_mode', 'caption_getter', 'config_hook', ...).")
 
 # %% ../nbs/00a_registry.ipynb #1db3210e
 class ConfigError(ValueError):

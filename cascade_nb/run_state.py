@@ -6,47 +6,101 @@ Docs: https://cascade-nb.github.io/cascade_nb/run_state.html.md"""
 
 # %% ../nbs/40_run_state.ipynb #8296e4f2
 from __future__ import annotations
-import contextlib, copy, hashlib, json, math, os, pickle, re, shutil, signal, socket, sys, time, warnings
+import contextlib, copy, difflib, functools, hashlib, importlib.util, inspect, json, math, os, pickle, re, shutil
+import io, signal, socket, sys, time, warnings
+from typing import Any, Optional
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import nn
 from .core import atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header
-from .registry import registry
+from .registry import registry, ConfigError
+from .config import Config, ConfigHook, Range, register_config_hook
 
 # %% auto #0
-__all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'OPTIMIZERS', 'register_optimizer', 'TRAINING_HOOKS', 'RESUME_KEYS',
-           'constant_decay', 'cosine_decay', 'LRSchedule', 'set_lr', 'OptimizerSpec', 'FusedAdamW', 'AdamW8bit',
-           'local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights',
-           'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
-           'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
-           'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
-           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid', 'StopWaiting',
-           'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
+__all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS', 'register_optimizer', 'TRAINING_HOOKS',
+           'RESUME_KEYS', 'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay',
+           'polynomial_decay', 'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec',
+           'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
+           'OptimizerArgsHook', 'local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA',
+           'gather_ema', 'ema_weights', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite',
+           'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums',
+           'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state',
+           'write_weights', 'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files',
+           'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
     "1 after the warm-up (the official trainer's schedule)."
     return 1.0
 
+# %% ../nbs/40_run_state.ipynb #ef4054e8
+def linear_decay(progress: float) -> float:
+    "A straight line from 1 after the warm-up to 0 at the last update."
+    return 1.0 - progress
+
+# %% ../nbs/40_run_state.ipynb #5791a228
 def cosine_decay(progress: float) -> float:
     "Half a cosine from 1 after the warm-up to 0 at the last update."
     return 0.5 * (1 + math.cos(math.pi * progress))
 
+# %% ../nbs/40_run_state.ipynb #45fdfd1f
+def cosine_with_restarts_decay(progress: float, cycles: int = 1) -> float:
+    "`cycles` half cosines from 1 to 0, each restarting at 1; 0 at the last update."
+    if progress >= 1: return 0.0
+    return 0.5 * (1 + math.cos(math.pi * ((cycles * progress) % 1.0)))
+
+# %% ../nbs/40_run_state.ipynb #be109766
+def polynomial_decay(progress: float, power: float = 1.0) -> float:
+    "(1 - progress) ** power: `power` 1 is `linear`, larger drops faster at first, smaller holds the LR longer."
+    return (1.0 - progress) ** power
+
+# %% ../nbs/40_run_state.ipynb #23a5061d
+def rex_decay(progress: float) -> float:
+    "REX, the reflected exponential: near 1 for longer than `linear`, then down to 0 at the last update."
+    return (1.0 - progress) / (1.0 - progress / 2)
+
 # %% ../nbs/40_run_state.ipynb #8c733ae3
-LR_SCHEDULES = registry("lr_schedule", {"constant": constant_decay, "cosine": cosine_decay})
+LR_SCHEDULES = registry("lr_schedule", {"constant": constant_decay, "linear": linear_decay, "cosine": cosine_decay,
+                                        "cosine_with_restarts": cosine_with_restarts_decay,
+                                        "polynomial": polynomial_decay, "rex": rex_decay})
 register_lr_schedule = LR_SCHEDULES.register
 "`@register_lr_schedule('name')` on a function of the progress after the warm-up (0 → 1) to the LR multiplier."
 
+# %% ../nbs/40_run_state.ipynb #6151a081
+def linear_warmup(x: float) -> float:
+    "The LR rises in a straight line."
+    return x
+
+def cosine_warmup(x: float) -> float:
+    "The LR rises along half a cosine: gently at first, as the weights move most then."
+    return 0.5 * (1 - math.cos(math.pi * x))
+
+WARMUP_SHAPES = registry("warmup_shape", {"linear": linear_warmup, "cosine": cosine_warmup})
+"The warm-up ramps (`warmup_shape`): the LR multiplier at the fraction `x` of the warm-up done (1 at its end)."
+
+# %% ../nbs/40_run_state.ipynb #9ec82294
 class LRSchedule:
-    """LR multiplier for `torch.optim.lr_scheduler.LambdaLR`: linear warm-up, then the decay `kind` names in
-    `LR_SCHEDULES`."""
-    def __init__(self, warmup_updates: int, updates: int, kind: str = "constant"):
-        self.warmup, self.total, self.kind = max(1, warmup_updates), updates, kind
-        self.decay = LR_SCHEDULES.choose(kind)
+    """LR multiplier of update `k` for `set_lr` (or `torch.optim.lr_scheduler.LambdaLR`): a warm-up of `warmup` shape,
+    then the decay `kind` names in `LR_SCHEDULES`, from 1 down to `floor` (a fraction of the LR)."""
+    def __init__(self, warmup_updates: int, updates: int, kind: str = "constant", *, cycles: int = 1,
+                 power: float = 1.0, floor: float = 0.0, warmup: str = "linear"):
+        self.warmup, self.total, self.kind, self.floor = max(1, warmup_updates), updates, kind, floor
+        decay, options = LR_SCHEDULES.choose(kind), {"cycles": cycles, "power": power}
+        takes = inspect.signature(decay).parameters
+        self.decay = functools.partial(decay, **{k: v for k, v in options.items() if k in takes})
+        self.ramp = WARMUP_SHAPES.choose(warmup)
+
+    @classmethod
+    def of(cls, t) -> "LRSchedule":
+        "The schedule of a config's `train` keys (`min_lr` as a fraction of `lr`)."
+        return cls(t.warmup_updates, t.updates, t.lr_schedule, cycles=t.lr_cycles, power=t.lr_power,
+                   floor=t.min_lr / t.lr if t.lr else 0.0, warmup=t.warmup_shape)
+
     def __call__(self, k: int) -> float:
-        if k < self.warmup: return (k + 1) / self.warmup
-        return self.decay(min(1.0, (k - self.warmup) / max(1, self.total - self.warmup)))
+        if k < self.warmup: return self.ramp((k + 1) / self.warmup)
+        progress = min(1.0, (k - self.warmup) / max(1, self.total - self.warmup))
+        return self.floor + (1 - self.floor) * self.decay(progress)
 
 # %% ../nbs/40_run_state.ipynb #00944fab
 def set_lr(optimizer, base_lrs: list[float], schedule, update: int) -> float:
@@ -57,15 +111,26 @@ def set_lr(optimizer, base_lrs: list[float], schedule, update: int) -> float:
 
 # %% ../nbs/40_run_state.ipynb #29f78889
 class OptimizerSpec:
-    "A registered optimizer: `build` from the config's `train` keys, its state bytes per parameter, what it needs."
-    package: str | None = None      # the package `build` imports, e.g. 'bitsandbytes'
+    "A registered optimizer: `build` from the config's `train` keys, its options, its state bytes, what it needs."
+    package: str | None = None      # the module `build` imports, e.g. 'bitsandbytes'
+    install: str | None = None      # what installs it, e.g. "bitsandbytes" or "cascade_nb[optimizers]"
     fsdp_refusal: str | None = None  # why it cannot step FSDP2's sharded (DTensor) parameters; None: it can
+    options: dict[str, tuple] = {}  # the `optimizer_args` it takes: name -> (type, default, Range or None)
     @staticmethod
-    def build(params, t, lr: float) -> torch.optim.Optimizer: raise NotImplementedError
+    def build(params, t, lr: float, **args) -> torch.optim.Optimizer: raise NotImplementedError
     @staticmethod
     def state_bytes(param_bytes: int) -> float:
         "Bytes of optimizer state per trained parameter of `param_bytes` bytes (Adam: two moments of its dtype)."
         return 2 * param_bytes
+    @classmethod
+    def state_bytes_of(cls, shapes, param_bytes: int, args: dict | None = None) -> int:
+        "Bytes of state for trained parameters of these `shapes` (default: `state_bytes` per element)."
+        return int(sum(math.prod(s) for s in shapes) * cls.state_bytes(param_bytes))
+    @classmethod
+    def args(cls, t) -> dict:
+        "The options' values: their defaults, updated by the config's `optimizer_args`."
+        return {**{k: default for k, (_, default, _) in cls.options.items()}, **(t.optimizer_args or {})}
+
 
 # %% ../nbs/40_run_state.ipynb #84a18a90
 OPTIMIZERS = registry("optimizer")
@@ -80,11 +145,31 @@ class FusedAdamW(OptimizerSpec):
         return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
                                  fused=True)
 
+# %% ../nbs/40_run_state.ipynb #e6e225ab
+def check_optimizer_args(name: str, given: dict, where: str = "config") -> dict:
+    "`optimizer_args` checked against optimizer `name`'s options (name, type, range); the values, converted."
+    from cascade_nb.config import coerce
+    spec, out = OPTIMIZERS.choose(name), {}
+    for k, v in (given or {}).items():
+        if k not in spec.options:
+            close = difflib.get_close_matches(str(k), spec.options, n=1)
+            takes = ", ".join(spec.options) or "none"
+            raise ConfigError(f"{where}: key 'optimizer_args': {k!r} is not an option of optimizer {name!r}"
+                              + (f"; did you mean {close[0]!r}?" if close else "") + f" (its options: {takes})")
+        tp, _, rng = spec.options[k]
+        try: out[k] = coerce(v, tp, f"optimizer_args.{k}")
+        except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
+        values = out[k] if isinstance(out[k], (tuple, list)) else (out[k],)
+        if rng is not None and any(x is not None and x not in rng for x in values):
+            raise ConfigError(f"{where}: key 'optimizer_args.{k}': {v!r} is out of range; expected {rng}")
+    return out
+
+
 # %% ../nbs/40_run_state.ipynb #6d9d193b
 @register_optimizer("adamw8bit")
 class AdamW8bit(OptimizerSpec):
     "bitsandbytes' 8-bit AdamW: each moment in one byte (block-wise quantised)."
-    package = "bitsandbytes"
+    package, install = "bitsandbytes", "bitsandbytes"
     fsdp_refusal = "bitsandbytes' 8-bit AdamW cannot update FSDP2's sharded (DTensor) parameters"
     @staticmethod
     def build(params, t, lr):
@@ -92,6 +177,91 @@ class AdamW8bit(OptimizerSpec):
         return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
     @staticmethod
     def state_bytes(param_bytes): return 2
+
+# %% ../nbs/40_run_state.ipynb #c0405d21
+def factored_numel(shape) -> int:
+    """Elements of a factored second moment of a tensor of `shape`: rows + columns of its last two dimensions for each
+    leading index (as Adafactor and CAME factor it), the whole tensor for a vector."""
+    if len(shape) < 2: return math.prod(shape)
+    return math.prod(shape[:-2]) * (shape[-2] + shape[-1])
+
+# %% ../nbs/40_run_state.ipynb #2542b954
+_FACTORED_FSDP = "it factors each weight matrix by rows and columns, and FSDP2 gives it 1-D shards of them"
+
+@register_optimizer("adafactor")
+class Adafactor(OptimizerSpec):
+    "transformers' Adafactor at a fixed LR: a factored second moment, a first moment only with `beta1`."
+    package, install = "transformers", "transformers"
+    fsdp_refusal = f"Adafactor cannot update FSDP2's shards: {_FACTORED_FSDP}"
+    options = {"beta1": (Optional[float], None, Range(0, 1, hi_open=True)),
+               "clip_threshold": (float, 1.0, Range(0, lo_open=True)), "decay_rate": (float, -0.8, Range(-1, 0))}
+    @staticmethod
+    def build(params, t, lr, **args):
+        from transformers.optimization import Adafactor as Opt
+        return Opt(params, lr=lr, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False,
+                   warmup_init=False, **args)
+    @classmethod
+    def state_bytes_of(cls, shapes, param_bytes, args=None):
+        first = (args or {}).get("beta1") is not None
+        return sum((factored_numel(s) + first * math.prod(s)) * param_bytes for s in shapes)
+
+# %% ../nbs/40_run_state.ipynb #0b436963
+@register_optimizer("came")
+class CAME(OptimizerSpec):
+    "CAME: Adafactor's factored second moment with a factored confidence, and a first moment (`came-pytorch`)."
+    package, install = "came_pytorch", "cascade_nb[optimizers]"
+    fsdp_refusal = f"CAME cannot update FSDP2's shards: {_FACTORED_FSDP}"
+    options = {"beta3": (float, 0.9999, Range(0, 1)), "clip_threshold": (float, 1.0, Range(0, lo_open=True))}
+    @staticmethod
+    def build(params, t, lr, beta3=0.9999, clip_threshold=1.0):
+        from came_pytorch import CAME as Opt
+        return Opt(params, lr=lr, betas=(*t.adam_betas, beta3), weight_decay=t.weight_decay,
+                   clip_threshold=clip_threshold)
+    @classmethod
+    def state_bytes_of(cls, shapes, param_bytes, args=None):
+        # first moment, then the factored second moment and confidence (a vector: one full second moment)
+        return sum((math.prod(s) + (2 * factored_numel(s) if len(s) >= 2 else math.prod(s))) * param_bytes
+                   for s in shapes)
+
+# %% ../nbs/40_run_state.ipynb #0f6ad12e
+@register_optimizer("lion")
+class Lion(OptimizerSpec):
+    "Lion: the sign of a momentum blend as the update, one moment of state (`lion-pytorch`)."
+    package, install = "lion_pytorch", "cascade_nb[optimizers]"
+    options = {"betas": (tuple[float, float], (0.9, 0.99), Range(0, 1, hi_open=True)),
+               "decoupled_weight_decay": (bool, False, None)}
+    @staticmethod
+    def build(params, t, lr, **args):
+        from lion_pytorch import Lion as Opt
+        return Opt(params, lr=lr, weight_decay=t.weight_decay, **args)
+    @staticmethod
+    def state_bytes(param_bytes): return param_bytes
+
+# %% ../nbs/40_run_state.ipynb #c7d2a91e
+@register_optimizer("prodigy")
+class Prodigy(OptimizerSpec):
+    "Prodigy: Adam whose step size `d` it estimates as it trains; `lr` multiplies it (1.0), `d_coef` scales it."
+    package, install = "prodigyopt", "cascade_nb[optimizers]"
+    fsdp_refusal = "Prodigy's step size comes from dot products over whole parameters; FSDP2 gives each process shards"
+    options = {"d_coef": (float, 1.0, Range(0, lo_open=True)), "d0": (float, 1e-6, Range(0, lo_open=True)),
+               "use_bias_correction": (bool, False, None), "safeguard_warmup": (bool, False, None)}
+    @staticmethod
+    def build(params, t, lr, **args):
+        from prodigyopt import Prodigy as Opt
+        with contextlib.redirect_stdout(io.StringIO()):   # it prints a line when weight decay is decoupled
+            return Opt(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, **args)
+    @staticmethod
+    def state_bytes(param_bytes): return 4 * param_bytes   # two moments, the initial weights, the accumulator s
+
+# %% ../nbs/40_run_state.ipynb #8f855b31
+class OptimizerArgsHook(ConfigHook):
+    "Loading a config: its `optimizer_args` checked against the chosen optimizer's options, converted, defaults filled."
+    def after(self, cfg: Config, where: str):
+        t = cfg.train
+        t.optimizer_args = {**OPTIMIZERS.choose(t.optimizer).args(t),
+                            **check_optimizer_args(t.optimizer, t.optimizer_args, where)}
+
+register_config_hook("optimizer_args", OptimizerArgsHook())
 
 # %% ../nbs/40_run_state.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ import argparse, json, os, re, sys
 from pathlib import Path
 import torch
 from .config import config_from_dict, ConfigError, import_modules
-from cascade_nb.cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, add_import_option,
-    cli_choice)
+from .cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights,
+                            add_import_option, cli_choice)
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
 from .train import (build_text_encoder, build_latent_space, build_training_mode,
@@ -28,11 +28,13 @@ def run_config(checkpoint_dir):
     run = Path(checkpoint_dir)
     info_path = run/"info.json"
     if not info_path.exists():
-        raise FileNotFoundError(f"{run} is not a cascade_nb run directory (no info.json); pass {{checkpoint_path}}/{{experiment_id}}")
+        raise FileNotFoundError(f"{run} is not a cascade_nb run directory (no info.json); "
+                                f"pass {{checkpoint_path}}/{{experiment_id}}")
     try: saved = json.loads(info_path.read_text())["config"]
     except (ValueError, KeyError) as e: raise ValueError(f"{info_path} is not a readable run record ({e})") from None
     return config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(info_path))
 
+# %% ../nbs/42_sample.ipynb #98e620a1
 def best_weights(checkpoint_dir) -> tuple[Path, dict]:
     "(file, record) of a run's best weights by its `best_metric`, as its `best.json` names them."
     run = Path(checkpoint_dir)
@@ -42,6 +44,7 @@ def best_weights(checkpoint_dir) -> tuple[Path, dict]:
     record = json.loads((run/"best.json").read_text())
     return run/Path(record["weights"]).name, record
 
+# %% ../nbs/42_sample.ipynb #e34cb45f
 def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
     """(cfg, frozen generator, weights file) of a training run directory: its released generator (EMA when present),
     or with `best` the best one by the run's `best_metric` (a run that releases a whole generator)."""
@@ -53,8 +56,8 @@ def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = F
         weights, _ = best_weights(checkpoint_dir)
         # a whole generator's weights (full and distillation runs); an adapter's best file needs its base
         if not weights.name.startswith("generator"):
-            raise ValueError(f"{checkpoint_dir}: best weights are sampled for runs that release a whole generator; this "
-                             f"'{mode.name}' run's best file is {weights}")
+            raise ValueError(f"{checkpoint_dir}: best weights are sampled for runs that release a whole generator; "
+                             f"this '{mode.name}' run's best file is {weights}")
         from safetensors.torch import load_file
         generator = build_generator(cfg)
         generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
@@ -62,6 +65,7 @@ def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = F
     else: generator, weights = mode.released_generator(cfg, Path(checkpoint_dir), ema)
     return cfg, generator.to(device).eval().requires_grad_(False), weights
 
+# %% ../nbs/42_sample.ipynb #c2be9a69
 def load_run(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
     "(mode, gdf, cfg) of a training run directory, with the run's released generator weights (`run_generator`)."
     from cascade_nb.modes import resolve_mode
@@ -74,19 +78,23 @@ def load_run(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False)
 
 # %% ../nbs/42_sample.ipynb #8356ae43
 @torch.no_grad()
-def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None = None, cfg_scale: float | None = None,
-               sampler: str | None = None, seed: int = 0, size: int | None = None, device="cpu", net=None) -> torch.Tensor:
-    "Images in [0, 1], `n` per prompt, from a run loaded with `load_run` (or from `net`, e.g. an EMA, with its conditioning)."
+def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None = None,
+               cfg_scale: float | None = None, sampler: str | None = None, seed: int = 0, size: int | None = None,
+               device="cpu", net=None) -> torch.Tensor:
+    """Images in [0, 1], `n` per prompt, from a run loaded with `load_run` (or from `net`, e.g. an EMA, with its
+    conditioning)."""
     captions = [p for p in prompts for _ in range(n)]
     size = size or cfg.data.image_size
     probe = torch.zeros(1, 3, size, size, device=device)
     shape = (len(captions), *mode.space.encode(probe).shape[1:])
     batch = {"captions": captions, "images": probe.expand(len(captions), -1, -1, -1)}
     _, conds = mode.encode(batch, device, training=False)
-    overrides = {k: v for k, v in dict(sample_steps=steps, sample_cfg=cfg_scale, sample_sampler=sampler).items() if v is not None}
+    overrides = {k: v for k, v in dict(sample_steps=steps, sample_cfg=cfg_scale, sample_sampler=sampler).items()
+                 if v is not None}
     from dataclasses import replace
     cfg = replace(cfg, gdf=replace(cfg.gdf, **overrides))
-    x0 = sample_latents(net if net is not None else mode.net, gdf, conds, mode.uncond(conds), shape, cfg, seed=seed, device=device)
+    x0 = sample_latents(net if net is not None else mode.net, gdf, conds, mode.uncond(conds), shape, cfg, seed=seed,
+                        device=device)
     return mode.space.decode(x0.float())
 
 # %% ../nbs/42_sample.ipynb #66e02fb3
@@ -96,6 +104,7 @@ def chunk_seed(seed: int, k: int) -> int:
     import numpy as np
     return int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
 
+# %% ../nbs/42_sample.ipynb #3b77d17c
 def sample_chunks(mode, gdf, cfg, prompts: list[str], n: int = 4, batch: int = 16, seed: int = 0, **kw):
     "(index of the first image, images in [0, 1]) for `n` images per prompt, `batch` at a time (`sample_run`'s `kw`)."
     captions = [p for p in prompts for _ in range(n)]
@@ -105,6 +114,7 @@ def sample_chunks(mode, gdf, cfg, prompts: list[str], n: int = 4, batch: int = 1
 # %% ../nbs/42_sample.ipynb #1f0b96b6
 def _slug(s: str) -> str: return re.sub(r"[^a-z0-9]+", "_", s.lower()).strip("_")[:40] or "empty"
 
+# %% ../nbs/42_sample.ipynb #cc2929fd
 GRID_MAX = 16
 "The most prompts (rows) and images per prompt (columns) the sample grid shows."
 
@@ -118,6 +128,7 @@ def unused_paths(out: Path, names: list[str], overwrite: bool = False) -> list[P
                                   "another --out or --seed", str(out/taken[0]))
     return [out/name for name in names]
 
+# %% ../nbs/42_sample.ipynb #6c1bd710
 def save_png(img, path: Path, overwrite: bool = False):
     "Write `img` (PIL, or (3, H, W) in [0, 1]) to `path` atomically; unless `overwrite`, refuse a `path` that exists."
     from PIL import Image
@@ -135,7 +146,8 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", required=True, help="caption (repeat for several)")
     p.add_argument("--n", type=at_least(1), default=4, help="images per prompt")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
-    p.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale (default: the run's sample_cfg)")
+    p.add_argument("--cfg", type=float, default=None,
+                   help="classifier-free guidance scale (default: the run's sample_cfg)")
     p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
                    "(default: the run's sample_sampler)")
     # torch's CPU generator keeps a seed's low 32 bits: a larger one would repeat a smaller one's images
@@ -148,6 +160,7 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     return add_import_option(p)
 
+# %% ../nbs/42_sample.ipynb #957bccdb
 def main(argv=None):
     a = parse_cli(sample_parser(), argv)
     captions = [q for q in a.prompt for _ in range(a.n)]

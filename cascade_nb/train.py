@@ -26,11 +26,15 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr, ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir, RunDirError, TRAINING_HOOKS,
-                                 training_generator, save_training_state, load_training_state, check_checkpoint_files,
-                                 save_sample_grid)
-from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover, LATENT_COMPRESSION, size_rule,
-    check_resolution_schedule, at_resolution)
+from .data.sources import format_skips
+from fastprogress.fastprogress import progress_bar
+from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
+                                  ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
+                                  NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
+                                  RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
+                                  load_training_state, check_checkpoint_files, save_sample_grid)
+from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover, LATENT_COMPRESSION,
+                                     size_rule, check_resolution_schedule, at_resolution)
 
 # %% auto #0
 __all__ = ['QUIET_ON_RESUME', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss', 'per_process_batch',
@@ -43,16 +47,19 @@ __all__ = ['QUIET_ON_RESUME', 'sample_latents', 'sample_rows', 'validation_noise
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
 
+# %% ../nbs/41_train.ipynb #34872506
 @torch.no_grad()
 def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):
     "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
     rng = torch.Generator().manual_seed(seed)   # on the CPU: the same noise on every device
-    scale = None if cfg.gdf.sample_cfg == 1 else cfg.gdf.sample_cfg   # CFG 1 is the conditional prediction: one pass, not two
-    *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond, sampler=SAMPLERS[cfg.gdf.sample_sampler](),
-                          timesteps=cfg.gdf.sample_steps, cfg=scale, shift=training_shift(cfg), device=device,
-                          generator=rng)
+    # CFG 1 is the conditional prediction: one pass, not two
+    scale = None if cfg.gdf.sample_cfg == 1 else cfg.gdf.sample_cfg
+    *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond,
+                          sampler=SAMPLERS[cfg.gdf.sample_sampler](), timesteps=cfg.gdf.sample_steps, cfg=scale,
+                          shift=training_shift(cfg), device=device, generator=rng)
     return last.x0
 
+# %% ../nbs/41_train.ipynb #d4713aee
 def _to(conds: dict, device) -> dict: return {k: v.to(device) for k, v in conds.items()}
 
 @torch.no_grad()
@@ -66,16 +73,20 @@ def sample_rows(generator, ema, gdf, space, x0, conds, uncond, cfg: Config, n: i
     one_step, _ = gdf.undiffuse(d.noised.float(), d.logsnr, pred.float())
     rows = {"original": x0, "noised": d.noised, "one-step x0": one_step,
             "sampled": sample_latents(generator, gdf, conds, uncond, x0.shape, cfg, device=x0.device)}
-    if ema is not None:   # an `EMA`: its module, or under FSDP `generator` with the EMA's shards swapped in (all processes)
-        with ema_weights(ema, generator) as m:   # it may live elsewhere (`ema_on_cpu`): inputs go to its device, the sample comes back
+    # an `EMA`: its module, or under FSDP `generator` with the EMA's shards swapped in (all processes)
+    if ema is not None:
+        # it may live elsewhere (`ema_on_cpu`): inputs go to its device, the sample comes back
+        with ema_weights(ema, generator) as m:
             dev = next(m.parameters()).device
-            rows["sampled (EMA)"] = sample_latents(m, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg, device=dev).to(x0.device)
+            rows["sampled (EMA)"] = sample_latents(m, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg,
+                                                   device=dev).to(x0.device)
     decoded = {k: space.decode(v.float()) for k, v in rows.items()}
     return {k: v for k, v in decoded.items() if v is not None}
 
 # %% ../nbs/41_train.ipynb #0f7befc1
 def validation_noise(mode, x0, seed: int, level: int, first: int) -> torch.Tensor:
-    "The mode's noise for each sample of `x0` (sample `first` + i), from its own stream: the same however the set is batched."
+    """The mode's noise for each sample of `x0` (sample `first` + i), from its own stream: the same however the set
+    is batched."""
     eps = []
     for i in range(len(x0)):
         g = torch.Generator().manual_seed(((seed * 1009 + level) << 32) + first + i)
@@ -83,18 +94,19 @@ def validation_noise(mode, x0, seed: int, level: int, first: int) -> torch.Tenso
         eps.append(e if e is not None else seeded_randn(x0[i:i + 1].shape, g, x0.device))
     return torch.cat(eps)
 
+# %% ../nbs/41_train.ipynb #19d42537
 @torch.no_grad()
 def validation_loss(mode, net, gdf, chunks, levels: int = 8, seed: int = 0) -> float:
-    """Mean of the mode's raw loss over held-out `chunks` of (first sample index, x0, conds[, extras]), each sample at `levels`
-    fixed noise levels with its own fixed noise (a mode that draws its own levels, like a distillation, draws them
-    from a fixed stream)."""
+    """Mean of the mode's raw loss over held-out `chunks` of (first sample index, x0, conds[, extras]), each sample
+    at `levels` fixed noise levels with its own fixed noise (a mode that draws its own levels, like a distillation,
+    draws them from a fixed stream)."""
     total, count = 0.0, 0
     for level, t in enumerate(torch.linspace(0.05, 0.95, levels)):
         for first, x0, conds, *extras in chunks:
             eps = validation_noise(mode, x0, seed, level, first)
             rng = torch.Generator().manual_seed(((seed * 1009 + level) << 32) + first)
-            _, raw, _ = mode.loss(net, gdf, x0.float(), conds, rng=rng, epsilon=eps, t=torch.full((len(x0),), float(t)),
-                                  **(extras[0] if extras else {}))
+            _, raw, _ = mode.loss(net, gdf, x0.float(), conds, rng=rng, epsilon=eps,
+                                  t=torch.full((len(x0),), float(t)), **(extras[0] if extras else {}))
             total, count = total + raw.float().sum().item(), count + len(raw)
     return total / max(count, 1)
 
@@ -103,8 +115,8 @@ def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
     "The micro-batch of one process: global batch / (processes × accumulation steps), which must divide evenly."
     b, rem = divmod(global_batch, processes * accum)
     if b == 0 or rem:
-        raise ConfigError(f"batch_size {global_batch} is not divisible by processes ({processes}) × grad_accum_steps ({accum}); "
-                          f"use a multiple of {processes * accum}")
+        raise ConfigError(f"batch_size {global_batch} is not divisible by processes ({processes}) × grad_accum_steps "
+                          f"({accum}); use a multiple of {processes * accum}")
     return b
 
 
@@ -127,8 +139,9 @@ def batch_stream(loader, skip: int = 0):
                     if drawn > skip: yield batch
                 break
             if drawn > skip: yield batch
-        if got == 0: raise RuntimeError("the training data yielded no batch in a whole epoch: check `webdataset_path` "
-                                        "(run `python -m cascade_nb.data inspect SOURCE`) and that batch_size fits the data")
+        if got == 0:
+            raise RuntimeError("the training data yielded no batch in a whole epoch: check `webdataset_path` "
+                               "(run `python -m cascade_nb.data inspect SOURCE`) and that batch_size fits the data")
         epoch += 1
 
 # %% ../nbs/41_train.ipynb #4c6f4d0a
@@ -141,6 +154,7 @@ def whole_source(cfg: Config, source, batch_size: int, **overrides):
                                num_workers=0, bucketeer_random_ratio=0.)
     return dataloader_from_config(data, batch_size, **{"split_by_node": False, "pin_memory": False, **overrides})
 
+# %% ../nbs/41_train.ipynb #3c93d0ce
 def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):
     "(this process's endless batch stream, fast-forwarded past `skip` batches; the fixed validation batches or None)."
     from cascade_nb.data.pipeline import dataloader_from_config
@@ -158,6 +172,7 @@ def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.dev
         val = [b for _, b in zip(range(n), batch_stream(whole_source(cfg, cfg.data.val_webdataset_path, micro_batch)))]
     return batch_stream(loader, skip=skip), val
 
+# %% ../nbs/41_train.ipynb #5f4bb163
 def preview_batch(cfg: Config, n: int = 8) -> dict:
     "The first `n` samples of the held-out source (else of the training data): the sample grid's fixed inputs."
     source = cfg.data.val_webdataset_path or cfg.data.webdataset_path
@@ -168,7 +183,8 @@ def preview_batch(cfg: Config, n: int = 8) -> dict:
 # %% ../nbs/41_train.ipynb #6f3c84c3
 @dataclass
 class Run:
-    "What the loop's helpers share: the accelerator, the config, the mode and its prepared `net`, EMA, GDF, counters, folders."
+    """What the loop's helpers share: the accelerator, the config, the mode and its prepared `net`, EMA, GDF, counters,
+    folders."""
     acc: Any
     cfg: Config
     mode: TrainingMode
@@ -182,9 +198,12 @@ class Run:
     @property
     def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
 
+# %% ../nbs/41_train.ipynb #b82b6e63
 def build_optimizer(t, params, lr: float, device):
-    "The registered optimizer `t.optimizer` names (`OPTIMIZERS`: fused AdamW, bitsandbytes' 8-bit AdamW...) over `params`."
-    return OPTIMIZERS.choose(t.optimizer).build(params, t, lr)
+    """The registered optimizer `t.optimizer` names (`OPTIMIZERS`: fused AdamW, bitsandbytes' 8-bit AdamW...) over
+    `params`."""
+    spec = OPTIMIZERS.choose(t.optimizer)
+    return spec.build(params, t, lr, **spec.args(t))
 
 # %% ../nbs/41_train.ipynb #3016ac91
 def last_checkpoint(run: Run) -> str:
@@ -195,26 +214,30 @@ def last_checkpoint(run: Run) -> str:
 
 def stop_message(run: Run, stop: StopFlag, saved: bool) -> str:
     "The line a stop by signal ends with: what was saved, or kept."
-    return (f"received {stop.signal or 'a stop signal'}: " + (f"saved update {run.state.update} to {run.run_dir.path}" if saved
-            else f"kept {last_checkpoint(run)}") + "; exiting")
+    return (f"received {stop.signal or 'a stop signal'}: "
+            + (f"saved update {run.state.update} to {run.run_dir.path}" if saved else f"kept {last_checkpoint(run)}")
+            + "; exiting")
 
+# %% ../nbs/41_train.ipynb #1dff9f5e
 def weights_finite(run: Run) -> bool:
     "Whether the weights and the EMA are free of NaN and inf on every process (their shards under FSDP)."
     acc = run.acc
-    ok = all_finite([*acc.unwrap_model(run.net).state_dict().values(), *(run.ema.state_dict().values() if run.ema else ())])
+    ok = all_finite([*acc.unwrap_model(run.net).state_dict().values(),
+                     *(run.ema.state_dict().values() if run.ema else ())])
     return bool(acc.gather(torch.tensor([float(ok)], device=acc.device)).min() > 0)
 
+# %% ../nbs/41_train.ipynb #3012d85d
 def save(run: Run) -> bool:
     """Checkpoint (all processes; atomic commit), then the released weights and backups (main process); see `_save`.
     Nothing is saved during a streak of non-finite losses (False), and non-finite weights stop the run: the last
     finite checkpoint and its released weights are never replaced by a diverged state."""
     if run.state.nonfinite_streak:
-        run.acc.print(f"update {run.state.update}: not saved: the last {run.state.nonfinite_streak} update(s) had non-finite "
-                      f"losses; kept: {last_checkpoint(run)} and its released weights")
+        run.acc.print(f"update {run.state.update}: not saved: the last {run.state.nonfinite_streak} update(s) had "
+                      f"non-finite losses; kept: {last_checkpoint(run)} and its released weights")
         return False
     if not weights_finite(run):
-        raise NonFiniteWeightsError(f"update {run.state.update}: the weights hold NaN or inf (the run diverged); nothing was "
-                                    f"saved; kept: {last_checkpoint(run)} and its released weights: "
+        raise NonFiniteWeightsError(f"update {run.state.update}: the weights hold NaN or inf (the run diverged); "
+                                    f"nothing was saved; kept: {last_checkpoint(run)} and its released weights: "
                                     "resume from it with a lower `lr`")
     try: _save(run)
     # disk full, quota, I/O error: the committed checkpoint is untouched
@@ -231,6 +254,7 @@ def save(run: Run) -> bool:
         raise RunDirError(f"saving update {run.state.update} to {run.run_dir.path} failed ({why}); {kept}") from None
     return True
 
+# %% ../nbs/41_train.ipynb #b6e5b4ad
 def _save(run: Run):
     """What resume needs first: the accelerate state (sharded under FSDP) and the loop's own, fsynced and committed by
     info.json; only then the released weights (`export_weights`), whose gather and write a pre-emption may cut short."""
@@ -240,52 +264,67 @@ def _save(run: Run):
     acc.wait_for_everyone()
     acc.save_state(str(staging))
     save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema)
-    fsync_tree(staging)   # accelerate's files are not fsynced: on disk before info.json names them (each process, its node)
+    # accelerate's files are not fsynced: on disk before info.json names them (each process, its node)
+    fsync_tree(staging)
     acc.wait_for_everyone()
     if is_main: run_dir.commit(staging, run_info(run))          # from here a SIGKILL resumes from this update
     acc.wait_for_everyone()
     export_weights(run)
 
+# %% ../nbs/41_train.ipynb #0c1c00e7
 def report_nonfinite(run: Run, guard: NonFiniteGuard):
-    "Read the non-finite counts back (the one sync for them; raises on a diverged run) and say how many updates were skipped."
+    """Read the non-finite counts back (the one sync for them; raises on a diverged run) and say how many updates
+    were skipped."""
     try: n = guard.check()
     except NonFiniteLossError as e:
-        raise NonFiniteLossError(f"{e} Kept: {last_checkpoint(run)} (nothing is saved while losses are not finite)") from None
+        raise NonFiniteLossError(f"{e} Kept: {last_checkpoint(run)} "
+                                 "(nothing is saved while losses are not finite)") from None
     if n:
-        run.acc.print(f"update {run.state.update}: non-finite loss/gradients, {n} update{'s' if n > 1 else ''} skipped ({run.state.nonfinite_total} so far)")
+        run.acc.print(f"update {run.state.update}: non-finite loss/gradients, {n} update{'s' if n > 1 else ''} "
+                      f"skipped ({run.state.nonfinite_total} so far)")
 
+# %% ../nbs/41_train.ipynb #f2b5e072
 def export_weights(run: Run):
-    "The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the main process."
+    """The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the
+    main process."""
     acc, state = run.acc, run.state
     released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
-    if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.saved or gather_ema(run.ema)   # the state's file, or gathered
+    # the state's file, or gathered
+    if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.saved or gather_ema(run.ema)
     if acc.is_main_process:
         ck = run.cfg.checkpoint
         backup = state.update % ck.backup_every == 0 and state.update > 0
         sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
         for name, sd in released.items():
-            write_weights(sd, run.run_dir.path/f"{name}.safetensors")   # a file (the EMA just saved): hard-linked, one copy on disk
+            # a file (the EMA just saved): hard-linked, one copy on disk
+            write_weights(sd, run.run_dir.path/f"{name}.safetensors")
             if sfx: write_weights(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
     acc.wait_for_everyone()
 
+# %% ../nbs/41_train.ipynb #4122e579
 def load_checkpoint(run: Run, state_dir):
     """Load one state dir (`resume` has checked that no file in it could run code): accelerate's state and the loop's
-    own (counters, streams, EMA, buckets); refuse weights that hold NaN or inf (the caller falls back to the previous state)."""
+    own (counters, streams, EMA, buckets); refuse weights that hold NaN or inf (the caller falls back to the previous
+    state)."""
     run.acc.load_state(str(state_dir))
-    load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema)   # False (no stream of this rank): a fresh one
+    # False (no stream of this rank): a fresh one
+    load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema)
     if not weights_finite(run): raise ValueError("its weights hold NaN or inf")
 
 def resume(run: Run) -> Path:
-    "Load the latest committed state, or (with a warning) the previous one when the latest is unreadable; the same on every process."
+    """Load the latest committed state, or (with a warning) the previous one when the latest is unreadable; the same
+    on every process."""
     # a run directory may come from anywhere: nothing in it runs (checked before the checksums, to name what it refuses)
     state_dir = run.run_dir.resume(lambda d: load_checkpoint(run, d), check=check_checkpoint_files)
     if run.acc.num_processes > 1:   # a file only one rank reads (its rng_N) may have sent it to the fallback alone
         from accelerate.utils import gather_object
         picked = sorted(set(gather_object([state_dir.name])))
-        if len(picked) > 1: raise RunDirError(f"{run.run_dir.path}: the processes resumed from different states ({', '.join(picked)}); "
-                                              "restore the damaged files or remove the latest state")
+        if len(picked) > 1:
+            raise RunDirError(f"{run.run_dir.path}: the processes resumed from different states ({', '.join(picked)}); "
+                              "restore the damaged files or remove the latest state")
     return state_dir
 
+# %% ../nbs/41_train.ipynb #7205deae
 # keys a relaunch may change without a word: how long, how often, where, with how many readers
 QUIET_ON_RESUME = {"updates", "save_every", "backup_every", "log_every", "eval_every", "val_every", "checkpoint_path",
                    "output_path", "num_workers", "prefetch_factor", "tracker", "wandb_project"}
@@ -294,12 +333,15 @@ def resume_changes(saved: dict, now: dict) -> list[str]:
     "The settings a resumed run changes ('lr 0.004 -> 0.001'), except `QUIET_ON_RESUME`'s."
     return [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if k not in QUIET_ON_RESUME and saved.get(k) != v]
 
+# %% ../nbs/41_train.ipynb #b0b8dcb2
 def run_info(run: Run) -> dict:
-    "What info.json records next to each checkpoint: counters, process count, resolved config, adaptive buckets, versions."
+    """What info.json records next to each checkpoint: counters, process count, resolved config, adaptive buckets,
+    versions."""
     import cascade_nb, accelerate
     return {**run.state.state_dict(), "num_processes": run.acc.num_processes, "config": run.cfg.to_yaml_dict(),
             "adaptive_loss": {k: {n: v.tolist() for n, v in part.items()} for k, part in run.gdf.state_dict().items()},
-            "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__, "accelerate": accelerate.__version__}}
+            "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__,
+                         "accelerate": accelerate.__version__}}
 
 # %% ../nbs/41_train.ipynb #ac5d393d
 def tracker_image(acc, tag: str, path, step: int):
@@ -307,16 +349,19 @@ def tracker_image(acc, tag: str, path, step: int):
     import numpy as np
     from PIL import Image
     for tr in acc.trackers:
-        if tr.name == "tensorboard": tr.writer.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
+        if tr.name == "tensorboard":
+            tr.writer.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
 
+# %% ../nbs/41_train.ipynb #1537a69c
 def log_samples(run: Run, batch):
-    "The sample grid of the current weights (and EMA) on the first images of `batch` (the fixed preview), plus the mode's rows."
+    """The sample grid of the current weights (and EMA) on the first images of `batch` (the fixed preview), plus the
+    mode's rows."""
     acc, mode, net = run.acc, run.mode, run.net
     x0, conds = mode.encode(batch, acc.device, training=False)
-    mode.train_mode(net, False)
+    mode.set_training(net, False)
     with acc.autocast():
         rows = sample_rows(acc.unwrap_model(net), run.ema, run.gdf, mode.space, x0, conds, mode.uncond(conds), run.cfg)
-    mode.train_mode(net, True)
+    mode.set_training(net, True)
     # a latent space with no decoder (EfficientNet latents without a previewer): no picture to draw
     if not rows: return
     # e.g. a ControlNet's control row
@@ -327,15 +372,18 @@ def log_samples(run: Run, batch):
         tracker_image(acc, "samples", path, run.state.update)
         acc.print(f"update {run.state.update}: sample grid {path}")
 
+# %% ../nbs/41_train.ipynb #0d77a6ab
 def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped: dict, seconds: float) -> dict:
-    "Loss (mean over the micro-batches since the last log and over processes), speed and memory: tracker + metrics.jsonl."
+    """Loss (mean over the micro-batches since the last log and over processes), speed and memory: tracker +
+    metrics.jsonl."""
     acc, cfg = run.acc, run.cfg
     updates = len(losses) / cfg.train.grad_accum_steps
     m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
          "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr, "ema_beta": ema_beta,
          "samples_seen": run.state.samples_seen,
          "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
-         "peak_memory_gb": _peak_memory_gb(acc.device), **({"compile_time_s": compile_seconds()} if cfg.model.compile else {}),
+         "peak_memory_gb": _peak_memory_gb(acc.device),
+         **({"compile_time_s": compile_seconds()} if cfg.model.compile else {}),
          **{f"skipped/{k}": v for k, v in skipped.items()},
          # the side of the last update
          **({"image_size": resolution_at(cfg.data.resolution_schedule, run.state.update - 1, cfg.data.image_size)}
@@ -345,16 +393,18 @@ def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": run.state.update, **m}) + "\n")
     return m
 
+# %% ../nbs/41_train.ipynb #2cf82423
 def validate(run: Run, val_batches) -> float:
-    "Validation loss of the current weights, through the mode (`validation_loss`); a new best writes `{name}_best.safetensors`."
+    """Validation loss of the current weights, through the mode (`validation_loss`); a new best writes
+    `{name}_best.safetensors`."""
     acc, state, mode, net = run.acc, run.state, run.mode, run.net
     chunks, first = [], 0
     for b in val_batches:
         x0, conds = mode.encode(b, acc.device, training=False)
         chunks.append((first, x0, conds, mode.extras(b, x0))); first += len(x0)
-    mode.train_mode(net, False)
+    mode.set_training(net, False)
     with acc.autocast(): vl = validation_loss(mode, acc.unwrap_model(net), run.gdf, chunks)
-    mode.train_mode(net, True)
+    mode.set_training(net, True)
     # every process scored the same set: one value, so that every process agrees on "best"
     vl = acc.reduce(torch.tensor(vl, device=acc.device), "mean").item()
     acc.log({"val_loss": vl}, step=state.update)
@@ -376,6 +426,7 @@ def _trackers(cfg: Config):
         warnings.warn("wandb is configured but not installed: logging to tensorboard instead (pip install wandb)")
     return "tensorboard"
 
+# %% ../nbs/41_train.ipynb #bbdc8375
 def _hparams(cfg: Config) -> dict:
     "The flat config with values tensorboard's hparams accept."
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_yaml_dict().items()}
@@ -389,6 +440,7 @@ def init_trackers(acc, cfg: Config):
                           init_kwargs={"wandb": {"name": cfg.checkpoint.experiment_id}})
     else: acc.init_trackers("tensorboard", config=_hparams(cfg))
 
+# %% ../nbs/41_train.ipynb #cf11b3a2
 def _peak_memory_gb(device) -> float:
     "Peak memory in GB (10^9 bytes, the planner's unit): allocated on the GPU, or the process's peak RSS on CPU."
     if device.type == "cuda": return torch.cuda.max_memory_allocated(device) / 1e9
@@ -403,6 +455,7 @@ def duration(seconds: float) -> str:
     if s < 3600: return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
+# %% ../nbs/41_train.ipynb #e2f573e7
 class Clock:
     "Elapsed time of this launch and the estimated time left, from the updates done since it started (for log files)."
     def __init__(self, start: int, end: int): self.start, self.end, self.t0 = start, end, time.time()
@@ -424,14 +477,17 @@ def _on_main(acc, check):
     if acc.num_processes > 1: broadcast_object_list(problem)
     if problem[0]: raise RunDirError(problem[0])
 
+# %% ../nbs/41_train.ipynb #2adb3c15
 def report_partial_states(run_dir: RunDir):
     "Remove the state dirs no commit names (a save that failed or was killed midway), and say so."
     if gone := run_dir.remove_partial_states():
-        print(f"{run_dir.path}: removed {', '.join(gone)}, left by a save that did not finish (the committed checkpoint "
-              "is untouched)")
+        print(f"{run_dir.path}: removed {', '.join(gone)}, left by a save that did not finish (the committed "
+              "checkpoint is untouched)")
 
+# %% ../nbs/41_train.ipynb #8937d129
 def _checkpoint_bytes(net: nn.Module, ema: EMA | None = None) -> int:
-    "About what one more checkpoint takes on disk: the weights twice (state + export), AdamW's two fp32 moments, the EMA (at most twice)."
+    """About what one more checkpoint takes on disk: the weights twice (state + export), AdamW's two fp32 moments,
+    the EMA (at most twice)."""
     size = sum(p.numel() * p.element_size() for p in net.parameters())
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     return 2 * size + 8 * trainable + 2 * (ema.full_bytes if ema is not None else 0)
@@ -445,12 +501,14 @@ def run_summary(run: Run, clock: Clock) -> str:
     # the released weights, without the numbered backups (generator_1k.safetensors ...)
     weights = sorted(p.name for p in run_dir.glob("*.safetensors") if not re.search(r"_\d+k?\.safetensors$", p.name))
     lines = [f"{how} at update {state.update} of {t.updates} ({duration(clock.elapsed)} in this launch)",
-             f"  checkpoint (a relaunch resumes from it) and released weights: {run_dir}/ ({', '.join(weights) or 'none yet'})"]
+             f"  checkpoint (a relaunch resumes from it) and released weights: {run_dir}/ "
+             f"({', '.join(weights) or 'none yet'})"]
     if (best := run_dir/"best.json").exists():
         b = json.loads(best.read_text())
         lines.append(f"  best {b['metric']} {b['value']:.4g} at update {b['update']}: {run_dir/b['weights']}")
     lines.append(f"  sample grids, evaluation grids, loss.png and metrics.jsonl: {out}/")
-    if (out/"tensorboard").is_dir(): lines.append(f"  curves and grids in TensorBoard: tensorboard --logdir {out/'tensorboard'}")
+    if (out/"tensorboard").is_dir():
+        lines.append(f"  curves and grids in TensorBoard: tensorboard --logdir {out/'tensorboard'}")
     if weights: lines.append(f"  samples: python -m cascade_nb.sample --checkpoint {run_dir} --prompt \"...\"")
     return "\n".join(lines)
 
@@ -460,14 +518,16 @@ def check_optimizer(name: str, distributed_type) -> None:
     from accelerate.utils import DistributedType
     spec = OPTIMIZERS.choose(name)
     if distributed_type == DistributedType.FSDP and spec.fsdp_refusal:
-        raise ConfigError(f"optimizer {name!r} does not work with FSDP: {spec.fsdp_refusal}. Use optimizer: adamw, or a "
-                          "DDP / single-GPU launch config")
+        raise ConfigError(f"optimizer {name!r} does not work with FSDP: {spec.fsdp_refusal}. Use optimizer: adamw, "
+                          "or a DDP / single-GPU launch config")
     if spec.package and importlib.util.find_spec(spec.package) is None:
-        raise ConfigError(f"optimizer {name!r} needs {spec.package} (pip install {spec.package}), which is not installed")
+        raise ConfigError(f"optimizer {name!r} needs {spec.package}, which is not installed: "
+                          f"pip install '{spec.install or spec.package}'")
 
 # %% ../nbs/41_train.ipynb #f8d5cda3
 def start_launch(cfg: Config) -> tuple:
-    "(acc, run_dir, out_dir, info): what the model cannot take refused, the processes, devices, precision and tracking set up, the run directory checked and locked."
+    """(acc, run_dir, out_dir, info): what the model cannot take refused, the processes, devices, precision and
+    tracking set up, the run directory checked and locked."""
     from accelerate import Accelerator
     ck, t = cfg.checkpoint, cfg.train
     # what the model cannot take is said before anything is built
@@ -489,8 +549,10 @@ def start_launch(cfg: Config) -> tuple:
     if acc.is_main_process: save_config(cfg, out_dir/"config.yaml")
     return acc, run_dir, out_dir, info
 
+# %% ../nbs/41_train.ipynb #9e202c09
 def build_models(cfg: Config, acc) -> tuple:
-    "(mode, net, gdf, ema): the same initial weights on every process; frozen encoders in `frozen_dtype`; the mode says what trains."
+    """(mode, net, gdf, ema): the same initial weights on every process; frozen encoders in `frozen_dtype`; the mode
+    says what trains."""
     from accelerate.utils import set_seed, DistributedType
     t, device = cfg.train, acc.device
     set_seed(t.seed)
@@ -505,13 +567,15 @@ def build_models(cfg: Config, acc) -> tuple:
         ema = EMA(net, "cpu" if t.ema_on_cpu else device, sharded=acc.distributed_type == DistributedType.FSDP)
     # regional compile: each block type compiled once; the module tree (the state-dict keys) is unchanged
     if cfg.model.compile: compile_blocks(net)
-    acc.print(f"{t.mode} training of {type(generator).__name__} {cfg.model.model_version}: {human_count(count_params(net))} parameters, "
-              f"{human_count(count_params(net, trainable_only=True))} trainable; {acc.num_processes} process(es) on {device}, "
-              f"mixed precision {acc.mixed_precision}")
+    acc.print(f"{t.mode} training of {type(generator).__name__} {cfg.model.model_version}: "
+              f"{human_count(count_params(net))} parameters, {human_count(count_params(net, trainable_only=True))} "
+              f"trainable; {acc.num_processes} process(es) on {device}, mixed precision {acc.mixed_precision}")
     return mode, net, gdf, ema
 
+# %% ../nbs/41_train.ipynb #03c450f2
 def resume_run(run: Run, info: dict):
-    "Restore `run` from its checkpoint (weights, optimizer, RNG states, counters, EMA, adaptive buckets; no pickle runs); say what differs."
+    """Restore `run` from its checkpoint (weights, optimizer, RNG states, counters, EMA, adaptive buckets; no pickle
+    runs); say what differs."""
     acc, state = run.acc, run.state
     # the latest state, or (warned) the previous one when the latest is unreadable
     state_dir = resume(run)
@@ -524,8 +588,10 @@ def resume_run(run: Run, info: dict):
                   "streams and data position go on from there, so this is not the run those settings give from "
                   "the start")
 
+# %% ../nbs/41_train.ipynb #6a89ad93
 def finish_run(run: Run, stream, stop_agreed: StopAgreement) -> nn.Module:
-    "End the launch on every process: the agreement's last round, the data workers, the loss plot, the process group; the unwrapped net."
+    """End the launch on every process: the agreement's last round, the data workers, the loss plot, the process
+    group; the unwrapped net."""
     acc = run.acc
     stop_agreed.close()
     # the DataLoader's workers end now (they ignore SIGTERM, so an interpreter exit could not end them)
@@ -545,8 +611,6 @@ def train(cfg: Config) -> dict:
 
     Returns the run's summary and modules. In a multi-process FSDP run the returned modules are sharded: drop the result
     and `gc.collect()` before the interpreter exits, as `main` does (gloo can abort when they die during shutdown)."""
-    from fastprogress.fastprogress import progress_bar
-    from cascade_nb.data.sources import format_skips
     # first: a signal during setup still ends in a save at the first update boundary
     stop = StopFlag().install()
     ck, t = cfg.checkpoint, cfg.train
@@ -558,7 +622,7 @@ def train(cfg: Config) -> dict:
     micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
     lr = t.lr * (micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1)
     opt = build_optimizer(t, [p for p in net.parameters() if p.requires_grad], lr, device)
-    lr_at, base_lrs = LRSchedule(t.warmup_updates, t.updates, t.lr_schedule), [g["lr"] for g in opt.param_groups]
+    lr_at, base_lrs = LRSchedule.of(t), [g["lr"] for g in opt.param_groups]
 
     # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
     _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
@@ -583,7 +647,7 @@ def train(cfg: Config) -> dict:
 
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches. Only the trainable modules
     # are in train mode (a frozen generator keeps its dropout off); no host sync per update
-    mode.train_mode(net)
+    mode.set_training(net)
     guard, stop_agreed = NonFiniteGuard(opt, state, t.max_nan_steps), StopAgreement(stop, acc.num_processes)
     losses, last_log, skipped = [], time.time(), {}
     # a progress bar, or (log files) a line per log_every
@@ -622,7 +686,8 @@ def train(cfg: Config) -> dict:
         state.update += 1
         state.samples_seen += cfg.data.batch_size
         # under FSDP the EMA steps on the local shards, with no communication
-        beta = ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None else None
+        beta = (ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None
+                else None)
         if beta is not None: ema.update_(acc.unwrap_model(net), beta)
         mode.after_update(state)
 
@@ -630,8 +695,10 @@ def train(cfg: Config) -> dict:
             report_nonfinite(run, guard)
             m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
             losses, last_log = [], time.time()
-            bar.comment = f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s" + (f" | {sk}" if (sk := format_skips(skipped)) else "")
-            if is_main and not interactive: print(f"update {state.update}/{t.updates}: {bar.comment} | {clock(state.update)}", flush=True)
+            bar.comment = (f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
+                           + (f" | {sk}" if (sk := format_skips(skipped)) else ""))
+            if is_main and not interactive:
+                print(f"update {state.update}/{t.updates}: {bar.comment} | {clock(state.update)}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         for hook in hooks: hook.after_update(run)
         stop_now = stop_agreed()
@@ -652,7 +719,8 @@ def train(cfg: Config) -> dict:
 
 # %% ../nbs/41_train.ipynb #e6c402e9
 def plot_metrics(metrics_path, out_png):
-    "Plot the loss curve (and validation loss) from a run's metrics.jsonl into a PNG (no pyplot: notebooks keep their backend)."
+    """Plot the loss curve (and validation loss) from a run's metrics.jsonl into a PNG (no pyplot: notebooks keep
+    their backend)."""
     from matplotlib.figure import Figure
     rows = []
     for line in Path(metrics_path).read_text().splitlines():
@@ -662,7 +730,8 @@ def plot_metrics(metrics_path, out_png):
     train_rows, val_rows = [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
     fig = Figure(figsize=(6, 3.5)); ax = fig.subplots()
     ax.plot([r["update"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss")
-    if val_rows: ax.plot([r["update"] for r in val_rows], [r["val_loss"] for r in val_rows], "o-", label="validation loss")
+    if val_rows:
+        ax.plot([r["update"] for r in val_rows], [r["val_loss"] for r in val_rows], "o-", label="validation loss")
     ax.set_xlabel("update"); ax.set_ylabel("loss"); ax.set_yscale("log"); ax.legend()
     fig.tight_layout(); fig.savefig(out_png, dpi=100)
     return out_png
@@ -675,19 +744,24 @@ def main(argv=None):
     accelerate launch --config_file configs/accelerate/multi_gpu.yaml cascade_nb/train.py CONFIG.yaml   # N GPUs, DDP
     accelerate launch --config_file configs/accelerate/fsdp.yaml cascade_nb/train.py CONFIG.yaml        # N GPUs, FSDP2
     sbatch configs/slurm/train_multinode.sbatch CONFIG.yaml                      # N nodes (SLURM), FSDP2
-    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml cascade_nb/train.py CONFIG.yaml   # 2 CPU processes
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml cascade_nb/train.py CONFIG.yaml  # 2 CPU processes
     python -m cascade_nb.train CONFIG.yaml [key=value ...]                      # one process, no launcher
-    python -m cascade_nb.launch [accelerate launch options] cascade_nb/train.py CONFIG.yaml   # exits 0 on SIGTERM/SIGINT too
+    python -m cascade_nb.launch [accelerate launch options] cascade_nb/train.py CONFIG.yaml
+        # exits 0 on SIGTERM/SIGINT too
 
     Relaunching the same command resumes from {checkpoint_path}/{experiment_id}/.
     """
-    args = parse_cli(cli_parser("cascade_nb.train", main.__doc__, config="training YAML (official StableCascade keys or cascade_nb's)"), argv)
+    args = parse_cli(cli_parser("cascade_nb.train", main.__doc__,
+                                config="training YAML (official StableCascade keys or cascade_nb's)"), argv)
     import os
-    if "ACCELERATE_MIXED_PRECISION" in os.environ: die_with_parent()   # started by `accelerate launch`: never outlive it
+    # started by `accelerate launch`: never outlive it
+    if "ACCELERATE_MIXED_PRECISION" in os.environ: die_with_parent()
     try:
         from cascade_nb.data.sources import DataError
-        with cli_errors(RunDirError, NonFiniteLossError, DataError):   # config and run-directory problems: one line, exit 2
-            train(load_config(args.config, args.overrides))   # the result goes: a console script exits with main()'s value
+        # config and run-directory problems: one line, exit 2
+        with cli_errors(RunDirError, NonFiniteLossError, DataError):
+            # the result goes: a console script exits with main()'s value
+            train(load_config(args.config, args.overrides))
     finally:
         # DataLoader workers ignore SIGTERM (see `_ignore_stop_signals`): after an error, the interpreter's exit would
         # wait for them forever; none is left once train() returns, so this only ends what an exception left running

@@ -26,22 +26,26 @@ def _load_cfg(path):
     import_modules(["cascade_nb.modes"], "data")
     return load_config(path, training=False)
 
+# %% ../../nbs/34_data.cli.ipynb #1f3cca3f
 def format_report(rep: dict) -> str:
     "Human-readable lines for an `inspect_source` report."
     lines = [f"source: {rep['source']} ({rep['shards']} shard(s))", f"usable samples: {rep['samples']}",
              "skipped: " + (", ".join(f"{k} {v}" for k, v in sorted(rep["skipped"].items())) or "none")]
-    if rep.get("filters"): lines.append(f"dataset_filters: keep {rep['filters']['kept']}, exclude {rep['filters']['excluded']}")
+    if rep.get("filters"):
+        lines.append(f"dataset_filters: keep {rep['filters']['kept']}, exclude {rep['filters']['excluded']}")
     for url, skips in rep["bad_shards"]:
         why = rep.get("errors", {}).get(url)
         lines.append(f"  unusable shard: {url} {skips}" + (f": {why}" if why else ""))
     if rep["caption_chars"]:
         c, w = rep["caption_chars"], rep["caption_words"]
-        lines.append(f"caption length: chars min {c['min']} mean {c['mean']} max {c['max']}; words min {w['min']} mean {w['mean']} max {w['max']}")
+        lines.append(f"caption length: chars min {c['min']} mean {c['mean']} max {c['max']}; "
+                     f"words min {w['min']} mean {w['mean']} max {w['max']}")
     lines.append("image sizes (HxW: count -> bucket):")
     lines += [f"  {s}: {n} -> {rep['bucket_of_size'][s]}" for s, n in list(rep["sizes"].items())[:30]]
     if len(rep["sizes"]) > 30: lines.append(f"  ... {len(rep['sizes']) - 30} more sizes")
     return "\n".join(lines)
 
+# %% ../../nbs/34_data.cli.ipynb #54868ac3
 def cmd_pack(args) -> int:
     import warnings
     from cascade_nb.data.sources import pack_folder, SkipCounter
@@ -54,11 +58,13 @@ def cmd_pack(args) -> int:
     print("skipped: " + (", ".join(f"{k} {v}" for k, v in sorted(counter.total.items())) or "none"))
     return 0
 
+# %% ../../nbs/34_data.cli.ipynb #adfec2a0
 def cmd_inspect(args) -> int:
     from cascade_nb.data.pipeline import inspect_source
     cfg = _load_cfg(args.config)
     image_size = args.image_size or (cfg.data.image_size if cfg is not None else 768)
-    kw = dict(captions_getter=cfg.data.captions_getter, dataset_filters=cfg.data.dataset_filters) if cfg is not None else {}
+    kw = (dict(captions_getter=cfg.data.captions_getter, dataset_filters=cfg.data.dataset_filters)
+          if cfg is not None else {})
     allow_pipe = args.allow_pipe_sources or (cfg is not None and cfg.data.allow_pipe_sources)
     rep = inspect_source(args.source, image_size, _ratios(cfg, args), limit=args.limit, allow_pipe=allow_pipe, **kw)
     print(json.dumps(rep, indent=1) if args.json else format_report(rep))
@@ -75,16 +81,20 @@ class ClipTextEncoder:
         from cascade_nb.models.clip import encode_text
         return encode_text(self.tokenizer, self.model, captions)
 
+# %% ../../nbs/34_data.cli.ipynb #0b86d234
 def image_embedder_from_config(cfg, device=None):
-    "images01 → `clip_img` (B, 1, C) with the config's CLIP image model, or None when the config feeds no image embeddings."
+    """images01 → `clip_img` (B, 1, C) with the config's CLIP image model, or None when the config feeds no image
+    embeddings."""
     from functools import partial
     from cascade_nb.models import clip
     name = cfg.model.clip_image_model_name
     if not name or cfg.data.image_embed_prob == 0: return None
-    if name == "tiny": model = clip.tiny_clip_vision_model(proj=cfg.model.model_overrides.get("c_clip_img", 64)).to(device)
+    if name == "tiny":
+        model = clip.tiny_clip_vision_model(proj=cfg.model.model_overrides.get("c_clip_img", 64)).to(device)
     else: model = clip.load_clip_image_model(name, device=device)
     return partial(clip.encode_image, model)
 
+# %% ../../nbs/34_data.cli.ipynb #8e56d177
 def encoders_from_config(cfg, device=None):
     "(image encoder with `.encode`, text encoder callable) named by a config's model section."
     import torch
@@ -105,6 +115,7 @@ def encoders_from_config(cfg, device=None):
         text_model = clip.load_clip_text_model(m.clip_text_model_name, device=device)
     return image_enc, ClipTextEncoder(tok, text_model)
 
+# %% ../../nbs/34_data.cli.ipynb #daf45740
 def cmd_cache(args) -> int:
     from cascade_nb.data.cache import cache_dataset, cache_fingerprint, config_cache_parts
     cfg = _load_cfg(args.config)
@@ -112,13 +123,15 @@ def cmd_cache(args) -> int:
     parts = config_cache_parts(cfg)
     info = cache_dataset(args.source, args.out_dir, image_enc, text_enc, fingerprint=cache_fingerprint(**parts),
                          image_size=cfg.data.image_size, multi_aspect_ratio=cfg.data.multi_aspect_ratio,
-                         batch_size=args.batch_size, shard_size=args.shard_size, captions_getter=cfg.data.captions_getter,
-                         dataset_filters=cfg.data.dataset_filters, device=args.device, encoder_info=parts,
+                         batch_size=args.batch_size, shard_size=args.shard_size,
+                         captions_getter=cfg.data.captions_getter, dataset_filters=cfg.data.dataset_filters,
+                         device=args.device, encoder_info=parts,
                          image_embedder=image_embedder_from_config(cfg, args.device))
     print(f"cached {info['samples']} samples in {len(info['shards'])} shard(s) under {args.out_dir} "
           f"(fingerprint {info['fingerprint']}, skipped {info['skipped'] or 'none'})")
     return 0 if info["samples"] else 1
 
+# %% ../../nbs/34_data.cli.ipynb #7a8619ea
 def make_parser() -> argparse.ArgumentParser:
     p = cli_parser(prog="python -m cascade_nb.data", description="Pack, inspect and cache cascade_nb training data.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -129,7 +142,8 @@ def make_parser() -> argparse.ArgumentParser:
     pk.set_defaults(fn=cmd_pack)
     ins = sub.add_parser("inspect", help="count samples, skips, caption lengths, sizes and buckets")
     ins.add_argument("source", nargs="+", help="folder, tar(s), brace pattern or URL")
-    ins.add_argument("--config", help="take image_size, multi_aspect_ratio, captions_getter and dataset_filters from a config")
+    ins.add_argument("--config",
+                     help="take image_size, multi_aspect_ratio, captions_getter and dataset_filters from a config")
     ins.add_argument("--image-size", type=int, default=None)
     ins.add_argument("--multi-aspect-ratio", nargs="+", default=None, help="e.g. 1/1 1/2 3/4 (reciprocals are added)")
     ins.add_argument("--limit", type=int, default=None, help="stop after this many usable samples")
@@ -145,6 +159,7 @@ def make_parser() -> argparse.ArgumentParser:
     ca.set_defaults(fn=cmd_cache)
     return p
 
+# %% ../../nbs/34_data.cli.ipynb #e25238e7
 def main(argv=None) -> int:
     args = parse_cli(make_parser(), argv)   # options anywhere, as in every cascade_nb command
     if args.command == "inspect" and len(args.source) == 1: args.source = args.source[0]

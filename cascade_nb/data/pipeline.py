@@ -22,10 +22,10 @@ from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resiz
 
 # %% auto #0
 __all__ = ['MAX_CAPTION_CHARS', 'CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'UnsupportedImage', 'to_rgb',
-           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'LazyImage', 'Shuffle', 'find_cache_info',
-           'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset', 'resolve_crop',
-           'build_dataset', 'FilterReportingLoader', 'build_dataloader', 'dataloader_from_config',
-           'default_num_workers', 'sum_skips', 'inspect_source']
+           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'decode_sample', 'no_usable_shard_error',
+           'LazyImage', 'Shuffle', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder',
+           'ImageTextDataset', 'resolve_crop', 'build_dataset', 'FilterReportingLoader', 'build_dataloader',
+           'dataloader_from_config', 'default_num_workers', 'sum_skips', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -76,13 +76,15 @@ def default_max_pixels(image_size: int) -> int:
     side), at least 4096²."""
     return max(64 * image_size ** 2, 4096 ** 2)
 
-# %% ../../nbs/32_data.pipeline.ipynb #4baaae01
+# %% ../../nbs/32_data.pipeline.ipynb #211e9428
 MAX_CAPTION_CHARS = 4096
 "Captions are cut to this many characters when read (counted as `caption_cut`): 10× what CLIP's 77 tokens hold."
 
+# %% ../../nbs/32_data.pipeline.ipynb #c96cb1c0
 _FILTERED_SHARDS: set = set()
 "Shards this process has said `dataset_filters` empty (said once per run, not every epoch or every loader)."
 
+# %% ../../nbs/32_data.pipeline.ipynb #4baaae01
 class SampleDecoder:
     """Pipeline stage: raw samples → `{image (PIL), caption, meta, bucket}`; counts skips; fails on a shard with
     nothing usable."""
@@ -99,43 +101,8 @@ class SampleDecoder:
         self._rng, self._pass = random.Random(seed), 0
 
     def decode(self, s: dict) -> tuple[dict | None, str | None]:
-        "One raw sample → (decoded sample, None) or (None, skip reason)."
-        meta = {}
-        if "json" in s:
-            try: meta = json.loads(s["json"].decode("utf-8"))
-            except (ValueError, UnicodeDecodeError): return None, "bad_json"
-            if not isinstance(meta, dict): return None, "bad_json"
-        if not all(f(meta) for f in self.filters): return None, "filtered"
-        try: caption = self.getter(s)
-        except KeyError: return None, "missing_caption"
-        except UnicodeDecodeError: return None, "bad_text"
-        except ValueError: return None, "bad_json"
-        if not isinstance(caption, str) or not caption.strip(): return None, "empty_caption"
-        ext = next((e for e in IMAGE_EXTS if e in s), None)
-        if ext is None: return None, "missing_image"
-        out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(), "meta": meta}
-        # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
-        if len(out["caption"]) > MAX_CAPTION_CHARS:
-            out["caption"], out["caption_cut"] = out["caption"][:MAX_CAPTION_CHARS], True
-        try:
-            img, draft = Image.open(io.BytesIO(s[ext])), None   # reads the header only
-            h, w = img.height, img.width
-            if min(h, w) < self.min_side: return None, "too_small"
-            if self.buckets:   # choose the bucket now, so a JPEG can be decoded at reduced size (DCT scaling)
-                out["bucket"] = bucket = pick_bucket(h, w, self.buckets, self.p_random_ratio, self._rng)
-                scale = max(bucket[0] / h, bucket[1] / w)
-                if scale < 0.5 and img.format == "JPEG":
-                    img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
-            # before decoding
-            if self.max_pixels and img.width * img.height > self.max_pixels: return None, "too_large"
-            if self.lazy and self.buckets:
-                out["image"], out["original_size"] = LazyImage(s[ext], draft, img.height, img.width), (h, w)
-                return out, None
-            img.load()
-            out["image"], out["original_size"] = to_rgb(img), (h, w)
-        except UnsupportedImage: return None, "unsupported_mode"
-        except Exception: return None, "bad_image"
-        return out, None
+        "One raw sample → (decoded sample, None) or (None, skip reason) (`decode_sample`)."
+        return decode_sample(self, s)
 
     def _end_of_shard(self, marker, stats):
         "A shard is done: forget past failures if it gave something, else count it and stop only when no shard can."
@@ -149,19 +116,7 @@ class SampleDecoder:
         else: warnings.warn(f"data: shard {url} yielded no usable sample ({marker['n']} samples read; skipped: "
                             f"{dict(skips) or 'none'}); skipped, training goes on with the other shards")
         if len(self._unusable) < self.n_shards: return
-        if all(set(s) == {"unreadable_shard"} for s in self._unusable.values()):   # network, permissions, addresses
-            why = "; ".join(f"{u}: {self.shard_errors.get(u, 'cannot be opened')}" for u in list(self._unusable)[-2:])
-            hint = ("check the address, the network and the credentials" if all(map(is_remote, self._unusable))
-                    else "check that the files are whole tar archives")
-            raise DataError(f"data: all {self.n_shards} shard(s) of the source yielded no usable sample, none could be "
-                            f"read ({why}{', ...' if self.n_shards > 2 else ''}); nothing is left to train on: {hint}")
-        raise DataError(
-            f"data: all {self.n_shards} shard(s) of the source yielded no usable sample (skipped: "
-            f"{dict(sum(map(Counter, self._unusable.values()), Counter()))}); nothing is left to train on. "
-            + (f"Every sample was rejected by dataset_filters {[f.to_yaml() for f in self.filters]}."
-               if only_filtered else
-               "Check that they are tars of NNNN.jpg|png + NNNN.txt members (tar --sort=name keeps them together), "
-               "that they can be opened from this machine, and run `python -m cascade_nb.data inspect SOURCE`."))
+        raise no_usable_shard_error(self, only_filtered)
 
     def _filtered_shard(self, url, n: int):
         "A shard whose every sample the filters exclude: the config's choice, said once (first pass, once a process)."
@@ -197,6 +152,65 @@ class SampleDecoder:
         if self.strict and seen and not usable_total and self.counter.total:
             warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: "
                           f"{dict(self.counter.total)}")
+
+# %% ../../nbs/32_data.pipeline.ipynb #99a377e1
+def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]:
+    "One raw sample → (decoded sample, None) or (None, skip reason), with the settings of the decoder `dec`."
+    meta = {}
+    if "json" in s:
+        try: meta = json.loads(s["json"].decode("utf-8"))
+        except (ValueError, UnicodeDecodeError): return None, "bad_json"
+        if not isinstance(meta, dict): return None, "bad_json"
+    if not all(f(meta) for f in dec.filters): return None, "filtered"
+    try: caption = dec.getter(s)
+    except KeyError: return None, "missing_caption"
+    except UnicodeDecodeError: return None, "bad_text"
+    except ValueError: return None, "bad_json"
+    if not isinstance(caption, str) or not caption.strip(): return None, "empty_caption"
+    ext = next((e for e in IMAGE_EXTS if e in s), None)
+    if ext is None: return None, "missing_image"
+    out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(), "meta": meta}
+    # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
+    if len(out["caption"]) > MAX_CAPTION_CHARS:
+        out["caption"], out["caption_cut"] = out["caption"][:MAX_CAPTION_CHARS], True
+    try:
+        img, draft = Image.open(io.BytesIO(s[ext])), None   # reads the header only
+        h, w = img.height, img.width
+        if min(h, w) < dec.min_side: return None, "too_small"
+        if dec.buckets:   # choose the bucket now, so a JPEG can be decoded at reduced size (DCT scaling)
+            out["bucket"] = bucket = pick_bucket(h, w, dec.buckets, dec.p_random_ratio, dec._rng)
+            scale = max(bucket[0] / h, bucket[1] / w)
+            if scale < 0.5 and img.format == "JPEG":
+                img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
+        # before decoding
+        if dec.max_pixels and img.width * img.height > dec.max_pixels: return None, "too_large"
+        if dec.lazy and dec.buckets:
+            out["image"], out["original_size"] = LazyImage(s[ext], draft, img.height, img.width), (h, w)
+            return out, None
+        img.load()
+        out["image"], out["original_size"] = to_rgb(img), (h, w)
+    except UnsupportedImage: return None, "unsupported_mode"
+    except Exception: return None, "bad_image"
+    return out, None
+
+
+# %% ../../nbs/32_data.pipeline.ipynb #2dada9c7
+def no_usable_shard_error(dec: SampleDecoder, only_filtered: bool) -> DataError:
+    "The error when no shard of the source gave a usable sample: why (unreadable, filtered out, bad data), what to do."
+    if all(set(s) == {"unreadable_shard"} for s in dec._unusable.values()):   # network, permissions, addresses
+        why = "; ".join(f"{u}: {dec.shard_errors.get(u, 'cannot be opened')}" for u in list(dec._unusable)[-2:])
+        hint = ("check the address, the network and the credentials" if all(map(is_remote, dec._unusable))
+                else "check that the files are whole tar archives")
+        return DataError(f"data: all {dec.n_shards} shard(s) of the source yielded no usable sample, none could be "
+                         f"read ({why}{', ...' if dec.n_shards > 2 else ''}); nothing is left to train on: {hint}")
+    return DataError(
+        f"data: all {dec.n_shards} shard(s) of the source yielded no usable sample (skipped: "
+        f"{dict(sum(map(Counter, dec._unusable.values()), Counter()))}); nothing is left to train on. "
+        + (f"Every sample was rejected by dataset_filters {[f.to_yaml() for f in dec.filters]}."
+           if only_filtered else
+           "Check that they are tars of NNNN.jpg|png + NNNN.txt members (tar --sort=name keeps them together), "
+           "that they can be opened from this machine, and run `python -m cascade_nb.data inspect SOURCE`."))
+
 
 # %% ../../nbs/32_data.pipeline.ipynb #be6a749c
 class LazyImage:

@@ -107,6 +107,57 @@ def stage_c_init_(model):
             for lin in block.modules():
                 if isinstance(lin, nn.Linear): nn.init.zeros_(lin.weight)
 
+# %% ../../nbs/21_models.stage_c.ipynb #da4592d0
+def _stage_c_build(model, c_in, c_out, c_r, patch_size, c_cond, c_hidden, nhead, blocks, block_repeat,
+                   level_config, c_clip_text, c_clip_text_pooled, c_clip_img, c_clip_seq, kernel_size, dropout,
+                   self_attn, t_conds, switch_level, gradient_checkpointing):
+    "The body of `StageC.__init__` (before `init_weights`): config, conditioning mappers, embedding, paths, head."
+    n = len(c_hidden)
+    dropout, self_attn = _per_level(dropout, n), _per_level(self_attn, n)
+    model.config = dict(c_in=c_in, c_out=c_out, c_r=c_r, patch_size=patch_size, c_cond=c_cond,
+                        c_hidden=tuple(c_hidden), nhead=tuple(nhead), blocks=tuple(map(tuple, blocks)),
+                        block_repeat=tuple(map(tuple, block_repeat)), level_config=tuple(level_config),
+                        c_clip_text=c_clip_text, c_clip_text_pooled=c_clip_text_pooled, c_clip_img=c_clip_img,
+                        c_clip_seq=c_clip_seq, kernel_size=kernel_size, dropout=dropout, self_attn=self_attn,
+                        t_conds=tuple(t_conds), switch_level=None if switch_level is None else tuple(switch_level))
+    for k in ('nhead', 'level_config', 'dropout', 'self_attn'):
+        if len(model.config[k]) != n:
+            raise ValueError(f"StageC: {k} has {len(model.config[k])} entries, c_hidden has {n}")
+    model.c_r, model.t_conds, model.c_clip_seq = c_r, tuple(t_conds), c_clip_seq
+    model.gradient_checkpointing = gradient_checkpointing
+
+    # conditioning: 77 text tokens + 4 pooled-text tokens + 4 image tokens → (B, 85, c_cond)
+    model.clip_txt_mapper = nn.Linear(c_clip_text, c_cond)
+    model.clip_txt_pooled_mapper = nn.Linear(c_clip_text_pooled, c_cond * c_clip_seq)
+    model.clip_img_mapper = nn.Linear(c_clip_img, c_cond * c_clip_seq)
+    model.clip_norm = nn.LayerNorm(c_cond, elementwise_affine=False, eps=1e-6)
+
+    model.embedding = nn.Sequential(nn.PixelUnshuffle(patch_size),
+                                    nn.Conv2d(c_in * patch_size ** 2, c_hidden[0], kernel_size=1),
+                                    LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6))
+
+    make = lambda letter, i, c_skip=0: stage_c_block(letter, c_hidden[i], c_cond, c_r, nhead[i], kernel_size,
+                                                     dropout[i], self_attn[i], t_conds, c_skip, level_config)
+    model.down_blocks, model.down_downscalers, model.down_repeat_mappers = stage_c_down_path(
+        c_hidden, blocks[0], block_repeat[0], level_config, make, switch_level)
+    model.up_blocks, model.up_upscalers, model.up_repeat_mappers = stage_c_up_path(
+        c_hidden, blocks[1], block_repeat[1], level_config, make, switch_level)
+
+    model.clf = nn.Sequential(LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6),
+                              nn.Conv2d(c_hidden[0], c_out * patch_size ** 2, kernel_size=1),
+                              nn.PixelShuffle(patch_size))
+
+# %% ../../nbs/21_models.stage_c.ipynb #e3daa946
+def _stage_c_c_embeddings(model, clip_text, clip_text_pooled, clip_img) -> torch.Tensor:
+    "`StageC.gen_c_embeddings`: the mapped text tokens, then pooled text and image embeddings, c_clip_seq tokens each."
+    B = clip_text.shape[0]
+    pooled = clip_text_pooled.reshape(B, -1, clip_text_pooled.shape[-1])       # (B, 1, C) also from (B, C)
+    img = clip_img.reshape(B, -1, clip_img.shape[-1])
+    seq = [model.clip_txt_mapper(clip_text),
+           model.clip_txt_pooled_mapper(pooled).view(B, pooled.shape[1] * model.c_clip_seq, -1),
+           model.clip_img_mapper(img).view(B, img.shape[1] * model.c_clip_seq, -1)]
+    return model.clip_norm(torch.cat(seq, dim=1))
+
 # %% ../../nbs/21_models.stage_c.ipynb #7aadbdf3
 class StageC(nn.Module):
     "Stable Cascade's Stage C: a text-conditional diffusion prior over 16×24×24 EfficientNet latents (Würstchen v3)."
@@ -116,40 +167,11 @@ class StageC(nn.Module):
                  dropout=(0.1, 0.1), self_attn=True, t_conds=('sca', 'crp'), switch_level=(False,),
                  gradient_checkpointing: bool = False):
         super().__init__()
-        n = len(c_hidden)
-        dropout, self_attn = _per_level(dropout, n), _per_level(self_attn, n)
-        self.config = dict(c_in=c_in, c_out=c_out, c_r=c_r, patch_size=patch_size, c_cond=c_cond,
-                           c_hidden=tuple(c_hidden), nhead=tuple(nhead), blocks=tuple(map(tuple, blocks)),
-                           block_repeat=tuple(map(tuple, block_repeat)), level_config=tuple(level_config),
-                           c_clip_text=c_clip_text, c_clip_text_pooled=c_clip_text_pooled, c_clip_img=c_clip_img,
-                           c_clip_seq=c_clip_seq, kernel_size=kernel_size, dropout=dropout, self_attn=self_attn,
-                           t_conds=tuple(t_conds), switch_level=None if switch_level is None else tuple(switch_level))
-        for k in ('nhead', 'level_config', 'dropout', 'self_attn'):
-            if len(self.config[k]) != n:
-                raise ValueError(f"StageC: {k} has {len(self.config[k])} entries, c_hidden has {n}")
-        self.c_r, self.t_conds, self.c_clip_seq = c_r, tuple(t_conds), c_clip_seq
-        self.gradient_checkpointing = gradient_checkpointing
-
-        # conditioning: 77 text tokens + 4 pooled-text tokens + 4 image tokens → (B, 85, c_cond)
-        self.clip_txt_mapper = nn.Linear(c_clip_text, c_cond)
-        self.clip_txt_pooled_mapper = nn.Linear(c_clip_text_pooled, c_cond * c_clip_seq)
-        self.clip_img_mapper = nn.Linear(c_clip_img, c_cond * c_clip_seq)
-        self.clip_norm = nn.LayerNorm(c_cond, elementwise_affine=False, eps=1e-6)
-
-        self.embedding = nn.Sequential(nn.PixelUnshuffle(patch_size),
-                                       nn.Conv2d(c_in * patch_size ** 2, c_hidden[0], kernel_size=1),
-                                       LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6))
-
-        make = lambda letter, i, c_skip=0: stage_c_block(letter, c_hidden[i], c_cond, c_r, nhead[i], kernel_size,
-                                                         dropout[i], self_attn[i], t_conds, c_skip, level_config)
-        self.down_blocks, self.down_downscalers, self.down_repeat_mappers = stage_c_down_path(
-            c_hidden, blocks[0], block_repeat[0], level_config, make, switch_level)
-        self.up_blocks, self.up_upscalers, self.up_repeat_mappers = stage_c_up_path(
-            c_hidden, blocks[1], block_repeat[1], level_config, make, switch_level)
-
-        self.clf = nn.Sequential(LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6),
-                                 nn.Conv2d(c_hidden[0], c_out * patch_size ** 2, kernel_size=1),
-                                 nn.PixelShuffle(patch_size))
+        _stage_c_build(self, c_in=c_in, c_out=c_out, c_r=c_r, patch_size=patch_size, c_cond=c_cond, c_hidden=c_hidden,
+                       nhead=nhead, blocks=blocks, block_repeat=block_repeat, level_config=level_config,
+                       c_clip_text=c_clip_text, c_clip_text_pooled=c_clip_text_pooled, c_clip_img=c_clip_img,
+                       c_clip_seq=c_clip_seq, kernel_size=kernel_size, dropout=dropout, self_attn=self_attn,
+                       t_conds=t_conds, switch_level=switch_level, gradient_checkpointing=gradient_checkpointing)
         self.init_weights()
 
     def init_weights(self):
@@ -176,13 +198,7 @@ class StageC(nn.Module):
     def gen_c_embeddings(self, clip_text, clip_text_pooled, clip_img) -> torch.Tensor:
         """(B, 77 + 2·c_clip_seq, c_cond): mapped text tokens, pooled text and image embeddings as c_clip_seq tokens
         each."""
-        B = clip_text.shape[0]
-        pooled = clip_text_pooled.reshape(B, -1, clip_text_pooled.shape[-1])       # (B, 1, C) also from (B, C)
-        img = clip_img.reshape(B, -1, clip_img.shape[-1])
-        seq = [self.clip_txt_mapper(clip_text),
-               self.clip_txt_pooled_mapper(pooled).view(B, pooled.shape[1] * self.c_clip_seq, -1),
-               self.clip_img_mapper(img).view(B, img.shape[1] * self.c_clip_seq, -1)]
-        return self.clip_norm(torch.cat(seq, dim=1))
+        return _stage_c_c_embeddings(self, clip_text, clip_text_pooled, clip_img)
 
     def _run(self, block, *args):
         if self.gradient_checkpointing and torch.is_grad_enabled():

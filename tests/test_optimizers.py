@@ -1,0 +1,80 @@
+"""The optimizers beyond AdamW (adafactor, came, lion, prodigy) and the LR schedules through the trainer's paths:
+each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes to the same
+weights as one that was never stopped; Prodigy's step-size estimate is the same on two DDP processes; FSDP2 refuses
+the optimizers that cannot step its shards, before anything is built; the schedules' options are checked."""
+import copy, io, pytest, torch
+from torch import nn
+from types import SimpleNamespace
+from conftest import run_cli
+from test_train import DRIVER, demo_args, info, weights, assert_identical, _launch_2proc
+from cascade_nb.config import ConfigError, load_config
+from cascade_nb.run_state import OPTIMIZERS
+import cascade_nb.modes   # noqa: F401 -- configs load as every command loads them
+
+NEW = ("adafactor", "came", "lion", "prodigy")
+DEMO = str(__import__("conftest").ROOT / "configs" / "demo.yaml")
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+def _steps(net, opt, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        net(torch.randn(2, 3, 8, 8, generator=g)).square().mean().backward()
+        opt.step(); opt.zero_grad(set_to_none=True)
+
+@pytest.mark.parametrize("name", NEW)
+def test_optimizer_state_round_trips_exactly(name):
+    "Two steps, the state saved and loaded into a fresh optimizer on a copy, two more steps: bit-identical weights."
+    t = SimpleNamespace(adam_betas=(0.9, 0.999), adam_eps=1e-8, weight_decay=0.01, optimizer_args={})
+    spec = OPTIMIZERS.choose(name)
+    build = lambda net: spec.build(list(net.parameters()), t, 1.0 if name == "prodigy" else 1e-3, **spec.args(t))
+    a = _net(); opt_a = build(a)
+    _steps(a, opt_a, 2, 1)
+    buf = io.BytesIO(); torch.save(opt_a.state_dict(), buf); buf.seek(0)
+    b = copy.deepcopy(a); opt_b = build(b); opt_b.load_state_dict(torch.load(buf, weights_only=True))
+    _steps(a, opt_a, 2, 2); _steps(b, opt_b, 2, 2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), _net().parameters()))   # it did train
+
+@pytest.mark.parametrize("name, extra", [("prodigy", ["lr=1.0", "lr_schedule=cosine", "warmup_shape=cosine"]),
+                                         ("adafactor", ["optimizer_args={beta1: 0.9}", "lr_schedule=rex"])])
+def test_killed_in_its_commit_resumes_to_the_same_weights(tmp_path, name, extra):
+    run = ["updates=4", "save_every=2", f"optimizer={name}", *extra]
+    run_cli(DRIVER, *demo_args(tmp_path, "ref", *run))
+    killed = run_cli(DRIVER, "--kill-in-commit", "4", *demo_args(tmp_path, "res", *run), check=False)
+    assert killed.returncode != 0 and info(tmp_path, "res")["update"] == 2
+    run_cli(DRIVER, *demo_args(tmp_path, "res", *run))
+    assert info(tmp_path, "res")["update"] == 4
+    assert_identical(weights(tmp_path, "res"), weights(tmp_path, "ref"))
+
+def test_prodigy_on_two_ddp_processes_agrees(tmp_path):
+    "Every process computes the same step size from the same all-reduced gradients: identical weights on both."
+    res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=3", "save_every=3", "batch_size=8",
+                                                       "optimizer=prodigy", "lr=1.0"))
+    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
+
+def test_fsdp_refuses_the_optimizers_that_cannot_step_shards():
+    from cascade_nb.memory import plan_memory
+    for name in ("adafactor", "came", "prodigy"):
+        cfg = load_config(DEMO, ["webdataset_path=x", f"optimizer={name}"])
+        with pytest.raises(ConfigError, match=f"optimizer '{name}'|{OPTIMIZERS[name].__name__}"):
+            plan_memory(cfg, world_size=2, fsdp=True)
+    plan_memory(load_config(DEMO, ["webdataset_path=x", "optimizer=lion"]), world_size=2, fsdp=True)
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer_args={d_coef: 2}", "'d_coef' is not an option of optimizer 'adamw'"),
+    ("lr_cycles=0", "key 'lr_cycles': 0 is out of range; expected >= 1"),
+    ("lr_power=-1", "key 'lr_power': -1.0 is out of range; expected > 0"),
+    ("min_lr=1", "key 'min_lr': 1 is not below lr"),
+    ("warmup_shape=cosin", "did you mean 'cosine'"),
+    ("lr_scheduler_num_cycles=2", "did you mean 'lr_cycles'")])
+def test_schedule_and_optimizer_options_are_checked(override, message):
+    with pytest.raises(ConfigError, match=None) as e: load_config(DEMO, ["webdataset_path=x", override])
+    assert message in str(e.value), str(e.value)
+
+def test_optimizer_options_load_with_their_defaults():
+    cfg = load_config(DEMO, ["webdataset_path=x", "optimizer=prodigy", "optimizer_args={d_coef: '0.5'}"])
+    assert cfg.train.optimizer_args == {"d_coef": 0.5, "d0": 1e-6, "use_bias_correction": False,
+                                        "safeguard_warmup": False}
