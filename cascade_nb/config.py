@@ -80,6 +80,8 @@ class GDFConfig:
     stage_b_shift: Literal["reference", "config"] = "reference"
     offset_noise: Optional[float] = 0.0   # per-channel offset noise strength (ControlNet configs use 0.1)
     edm_objective: bool = False           # official key (finetune_c_3b_v.yaml): train with the v-objective
+    # the noise schedule (gdf.schedules.SCHEDULES): cosine (the reference), rectified_flow, sqrt... or a registered one
+    noise_schedule: Choice["schedule"] = "cosine"
     timestep_sampling: Choice["timestep_sampling"] = "default"  # 'logit_normal' = SD3's t ~ sigmoid(N(0,1))
     sample_cfg: float = 5.0               # CFG scale of the in-training sample grids (reference: 5 for C, 1.5 for B)
     sample_steps: int = 20                # sampler steps of the in-training sample grids

@@ -7,7 +7,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/gdf.presets.html.md"""
 # %% ../../nbs/17_gdf.presets.ipynb #f075c54f
 from __future__ import annotations
 import torch
-from .schedules import CosineSchedule, LogitNormalSchedule
+from .schedules import BaseSchedule, CosineSchedule, LogitNormalSchedule, SCHEDULES
 from .scalers import VPScaler
 from .targets import EpsilonTarget, VTarget
 from .noise_conditions import CosineTNoiseCond
@@ -34,12 +34,12 @@ register_loss_weight = LOSS_WEIGHTS.register
 TARGETS = {"epsilon": EpsilonTarget, "v": VTarget}
 
 # %% ../../nbs/17_gdf.presets.ipynb #f82e4462
-def _default_t(cosine: CosineSchedule):
-    "Uniform t on Stable Cascade's clamped cosine schedule (the reference)."
-    return cosine
-def _logit_normal_t(cosine: CosineSchedule):
-    "SD3's logit-normal t, logSNR ~ N(0, 2^2) kept inside the cosine schedule's range."
-    return LogitNormalSchedule(logsnr_range=(cosine.limits[0], cosine.limits[1]))
+def _default_t(schedule: BaseSchedule):
+    "Uniform t on the noise schedule (the reference: Stable Cascade's clamped cosine)."
+    return schedule
+def _logit_normal_t(schedule: BaseSchedule):
+    "SD3's logit-normal t, logSNR ~ N(0, 2^2) kept inside the noise schedule's range (the samplers' grid too)."
+    return LogitNormalSchedule(logsnr_range=(schedule.limits[0], schedule.limits[1]))
 
 # %% ../../nbs/17_gdf.presets.ipynb #37b514ac
 TIMESTEP_SAMPLINGS = registry("timestep_sampling", {"default": _default_t, "logit_normal": _logit_normal_t})
@@ -57,11 +57,12 @@ def make_loss_weight(name: str, target: str = "epsilon") -> BaseLossWeight:
 
 # %% ../../nbs/17_gdf.presets.ipynb #3b135758
 def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling: str = "default",
-             offset_noise: float = 0.) -> GDF:
-    "Stable Cascade's GDF (cosine, VP, CosineT) with a chosen loss weight, target, timestep sampling and offset noise."
+             offset_noise: float = 0., schedule: str = "cosine") -> GDF:
+    """Stable Cascade's GDF (VP, CosineT) with a chosen loss weight, target, timestep sampling, offset noise and noise
+    schedule (`SCHEDULES`; the reference: `cosine`, clamped to abar in [1e-4, 0.9999])."""
     if target not in TARGETS: raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
-    cosine = CosineSchedule(clamp_range=(1e-4, 0.9999))
-    schedule = TIMESTEP_SAMPLINGS.choose(timestep_sampling)(cosine)
+    base = SCHEDULES.choose(schedule)()
+    schedule = TIMESTEP_SAMPLINGS.choose(timestep_sampling)(base)
     return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS[target](), noise_cond=CosineTNoiseCond(),
                loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise)
 
@@ -77,10 +78,11 @@ def stage_b_gdf(adaptive_loss_weight: bool = False, target: str = "epsilon") -> 
 # %% ../../nbs/17_gdf.presets.ipynb #4b670a1e
 def gdf_from_config(gdf_cfg) -> GDF:
     """Build the GDF a `cascade_nb.config.GDFConfig` describes (loss_weight, edm_objective -> v target,
-    timestep_sampling, offset_noise)."""
+    timestep_sampling, offset_noise, noise_schedule)."""
     loss_weight = gdf_cfg.loss_weight or ("adaptive" if gdf_cfg.adaptive_loss_weight else "p2")
     return make_gdf(loss_weight, "v" if gdf_cfg.edm_objective else "epsilon",
-                    getattr(gdf_cfg, "timestep_sampling", "default"), gdf_cfg.offset_noise or 0.)
+                    getattr(gdf_cfg, "timestep_sampling", "default"), gdf_cfg.offset_noise or 0.,
+                    getattr(gdf_cfg, "noise_schedule", "cosine"))
 
 # %% ../../nbs/17_gdf.presets.ipynb #f2df1077
 def training_shift(cfg) -> float:

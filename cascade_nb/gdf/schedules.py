@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 import torch
 from ..core import seeded_rand, seeded_randn, seeded_multinomial
+from ..registry import registry
 
 # %% auto #0
-__all__ = ['BaseSchedule', 'abar_to_logsnr', 'CosineSchedule', 'CosineSchedule2', 'SqrtSchedule', 'RectifiedFlowsSchedule',
-           'EDMSampleSchedule', 'LinearSchedule', 'interp1d', 'sd_abar_table', 'PiecewiseLinearSchedule',
-           'StableDiffusionSchedule', 'bucket_ema_', 'EDMTrainSchedule', 'LogitNormalSchedule', 'AdaptiveTrainSchedule',
-           'InterpolatedSchedule']
+__all__ = ['SCHEDULES', 'register_schedule', 'BaseSchedule', 'abar_to_logsnr', 'CosineSchedule', 'CosineSchedule2',
+           'SqrtSchedule', 'RectifiedFlowsSchedule', 'EDMSampleSchedule', 'LinearSchedule', 'interp1d', 'sd_abar_table',
+           'PiecewiseLinearSchedule', 'StableDiffusionSchedule', 'bucket_ema_', 'EDMTrainSchedule',
+           'LogitNormalSchedule', 'AdaptiveTrainSchedule', 'InterpolatedSchedule']
 
 # %% ../../nbs/10_gdf.schedules.ipynb #63e586fc
 class BaseSchedule:
@@ -238,3 +239,10 @@ class InterpolatedSchedule(BaseSchedule):
     def logsnr(self, t):
         t = t.clamp(1e-7, 1 - 1e-7)  # keeps inf * 0 out of the blend
         return self.schedule1(t, shift=self.shifts[0]) * t + self.schedule2(t, shift=self.shifts[1]) * (1 - t)
+
+# %% ../../nbs/10_gdf.schedules.ipynb #abe6f2f2
+SCHEDULES = registry("schedule", {"cosine": CosineSchedule, "cosine_logsnr": CosineSchedule2, "sqrt": SqrtSchedule,
+                                  "linear": LinearSchedule, "rectified_flow": RectifiedFlowsSchedule,
+                                  "stable_diffusion": StableDiffusionSchedule})
+"Noise schedules by name (`noise_schedule` in configs): classes built with their defaults."
+register_schedule = SCHEDULES.register

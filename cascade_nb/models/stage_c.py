@@ -14,10 +14,12 @@ from torch.utils.checkpoint import checkpoint
 from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config
 from .blocks import (LayerNorm2d, ResBlock, AttnBlock, FeedForwardBlock, TimestepBlock,
                                       UpDownBlock2d)
+from ..registry import registry, UnknownChoice
 
 # %% auto #0
-__all__ = ['STAGE_C_PRESETS', 'r_embedding', 'stage_c_block', 'level_switch', 'stage_c_down_path', 'stage_c_up_path',
-           'stage_c_init_', 'StageC', 'run_level', 'unet_levels', 'save_stage_c', 'load_stage_c']
+__all__ = ['BLOCKS', 'register_block', 'STAGE_C_PRESETS', 'r_embedding', 'res_block', 'attn_block', 'feed_forward_block',
+           'timestep_block', 'stage_c_block', 'level_switch', 'stage_c_down_path', 'stage_c_up_path', 'stage_c_init_',
+           'StageC', 'run_level', 'unet_levels', 'save_stage_c', 'load_stage_c']
 
 # %% ../../nbs/21_models.stage_c.ipynb #dccfa4b4
 def r_embedding(r: torch.Tensor, c_r: int = 64, max_positions: int = 10000) -> torch.Tensor:
@@ -38,14 +40,45 @@ def _as_batch(v, like: torch.Tensor) -> torch.Tensor:
     return v.expand(like.shape[0]) if v.ndim == 0 else v.reshape(like.shape[0])
 
 # %% ../../nbs/21_models.stage_c.ipynb #5999f619
+BLOCKS = registry("block", how="@register_block('X') on a function of the block's settings (see `stage_c_block`)")
+"The blocks a level is made of, by their letter in `level_config`: C, T, A, F, and any you register."
+register_block = BLOCKS.register
+
+# %% ../../nbs/21_models.stage_c.ipynb #3855abe0
+@register_block("C")
+def res_block(c: int, c_skip: int = 0, kernel_size: int = 3, dropout: float = 0.0, **_) -> nn.Module:
+    "A ResBlock: depthwise conv, LayerNorm, channel MLP; the first of an up level also takes the skip."
+    return ResBlock(c, c_skip, kernel_size=kernel_size, dropout=dropout)
+
+# %% ../../nbs/21_models.stage_c.ipynb #7964d813
+@register_block("A")
+def attn_block(c: int, c_cond: int, nhead: int, self_attn: bool = True, dropout: float = 0.0, **_) -> nn.Module:
+    "An AttnBlock: attention over the image tokens and the text and image conditioning."
+    return AttnBlock(c, c_cond, nhead, self_attn=self_attn, dropout=dropout)
+
+# %% ../../nbs/21_models.stage_c.ipynb #8db19700
+@register_block("F")
+def feed_forward_block(c: int, dropout: float = 0.0, **_) -> nn.Module:
+    "A FeedForwardBlock: a channel MLP (Stage B)."
+    return FeedForwardBlock(c, dropout=dropout)
+
+# %% ../../nbs/21_models.stage_c.ipynb #eca52498
+@register_block("T")
+def timestep_block(c: int, c_r: int, t_conds=("sca",), **_) -> nn.Module:
+    "A TimestepBlock: the noise level (and the `t_conds`) as a scale and shift of the features."
+    return TimestepBlock(c, c_r, conds=t_conds)
+
+# %% ../../nbs/21_models.stage_c.ipynb #9f2156da
 def stage_c_block(letter: str, c: int, c_cond: int, c_r: int, nhead: int, kernel_size: int, dropout: float,
                   self_attn: bool, t_conds, c_skip: int = 0, level_config=None) -> nn.Module:
-    "One block of a level from its letter: C ResBlock, T TimestepBlock, A AttnBlock, F FeedForwardBlock."
-    if letter == 'C': return ResBlock(c, c_skip, kernel_size=kernel_size, dropout=dropout)
-    if letter == 'A': return AttnBlock(c, c_cond, nhead, self_attn=self_attn, dropout=dropout)
-    if letter == 'F': return FeedForwardBlock(c, dropout=dropout)
-    if letter == 'T': return TimestepBlock(c, c_r, conds=t_conds)
-    raise ValueError(f"StageC: unknown block letter {letter!r} in level_config {level_config}; use C, T, A or F")
+    """One block of a level from its letter in `BLOCKS`; the block's function takes the settings it needs by name.
+    The level runs a block on its input alone, or with what its `level_input` attribute names ('skip', 'clip',
+    'r_embed'), and adds a ControlNet hint before it when it has `takes_control`."""
+    try: make = BLOCKS.choose(letter)
+    except UnknownChoice as e:
+        raise ValueError(f"StageC: unknown block letter in level_config {level_config}: {e}") from None
+    return make(c=c, c_cond=c_cond, c_r=c_r, nhead=nhead, kernel_size=kernel_size, dropout=dropout,
+                self_attn=self_attn, t_conds=t_conds, c_skip=c_skip)
 
 # %% ../../nbs/21_models.stage_c.ipynb #b3477ada
 def level_switch(c_from: int, c_to: int, mode: str, switch_level, i: int) -> nn.Module:
