@@ -132,6 +132,9 @@ class TrainConfig:
     # adamw, adamw8bit, adafactor, came, lion, prodigy (cascade_nb.run_state.OPTIMIZERS) or a registered one
     optimizer: Choice["optimizer"] = "adamw"
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # the optimizer's own options, e.g. {d_coef: 0.5}
+    # one GPU: step each weight inside backward and free its gradient at once (no full-size gradients in memory)
+    fused_backward: bool = False
+    stochastic_rounding: bool = False     # with fused_backward and dtype bfloat16: bf16 weights, no fp32 master copy
     weight_decay: float = 0.01
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -668,6 +671,14 @@ def _check(cfg: Config, where: str, training: bool):
     # what later modules check (the training mode, `ConfigHook`), then the rules that need several keys
     for hook in list(CONFIG_HOOKS.values()): hook.after(cfg, where)
     if d.resolution_schedule is not None: _check_resolution_schedule(cfg, need)
+    if t.stochastic_rounding:
+        need(t.fused_backward, "key 'stochastic_rounding' needs fused_backward: true (each weight's step runs on an "
+                               "fp32 copy of that one tensor, inside backward)")
+        need(m.dtype == "bfloat16", f"key 'stochastic_rounding' rounds into bf16 weights, but dtype is "
+                                    f"{m.dtype or 'float32'}; set dtype: bfloat16")
+    need(not t.fused_backward or t.grad_accum_steps == 1,
+         f"key 'fused_backward' updates each weight inside backward, so gradients cannot be accumulated over "
+         f"grad_accum_steps: {t.grad_accum_steps}; set grad_accum_steps: 1")
     need(t.min_lr < t.lr, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends at must be "
                           "lower than the LR it starts from")
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0

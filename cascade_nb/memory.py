@@ -305,6 +305,9 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     from cascade_nb.train import per_process_batch
     m, t, d = cfg.model, cfg.train, cfg.data
     if fsdp and (why := fsdp_refusal(t.optimizer)): raise ConfigError(why)
+    if t.fused_backward and world_size > 1:
+        raise ConfigError("fused_backward trains on one process: it steps each weight before DDP or FSDP could "
+                          "reduce its gradient")
     gen = meta_generator(cfg)
     n_gen = sum(p.numel() for p in gen.parameters())
     amp = (t.mixed_precision or "bf16") == "bf16"
@@ -328,6 +331,9 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     rows[gen_label] = 0 if offload else n_gen * (train_b if mode.trains_generator else wb) // shard
     if not mode.trains_generator: rows[f"{t.mode} weights"] = 0 if offload else n_train * train_b // shard
     rows["gradients"] = 0 if offload else n_train * train_b // shard
+    if mode.trains_generator and wb == 2 and not upcast and not t.stochastic_rounding:
+        notes.append("bf16 trained weights and no fp32 master copy: an update smaller than about 1/256 of a weight "
+                     "rounds to nothing, so small LRs late in a long run stop moving the weights")
     if upcast and mode.trains_generator and wb == 2:
         notes.append("FSDP with bf16 mixed precision: accelerate upcasts the trained weights to fp32 before "
                      "sharding, so dtype=bfloat16 saves nothing here and the released weights are fp32")
@@ -338,8 +344,13 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     # the state of the trained tensors (a factored optimizer's depends on their shapes; adapters: counted as vectors)
     spec = OPTIMIZERS.choose(t.optimizer)
     shapes = [p.shape for p in gen.parameters()] if mode.trains_generator else [(n_train,)]
-    state_b = spec.state_bytes_of(shapes, train_b, spec.args(t))
+    # stochastic rounding: each step runs on an fp32 copy of one tensor, so the optimizer's state is fp32
+    state_b = spec.state_bytes_of(shapes, 4 if t.stochastic_rounding else train_b, spec.args(t))
     rows[f"optimizer state ({t.optimizer})"] = 0 if offload else state_b // shard
+    if t.fused_backward:   # one tensor's gradient at a time (the largest bounds it), freed after its step
+        largest = max(math.prod(s) for s in shapes)
+        rows["gradients"] = largest * train_b
+        if t.stochastic_rounding: rows["fp32 copy of one weight and its gradient (stochastic rounding)"] = 8 * largest
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
     if fsdp: rows["FSDP gathered blocks"] = 2 * max(b.params for b in stage_c_blocks(gen)) * (2 if amp else wb)
     if t.ema_start_iters is not None and mode.supports_ema:
@@ -404,9 +415,18 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
     upcast = fsdp and t.mixed_precision != "no"   # FSDP2 keeps trained weights in fp32 under mixed precision
     if mode.trains_generator and m.dtype != "bfloat16" and not upcast:
         yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
+    if mode.trains_generator and not t.stochastic_rounding and world_size == 1 and not fsdp and t.grad_accum_steps == 1:
+        yield ("fused backward, bf16 weights with stochastic rounding",
+               {"fused_backward": True, "stochastic_rounding": True, "dtype": "bfloat16"}, world_size, fsdp)
+    if mode.trains_generator and world_size == 1 and not fsdp and not t.fused_backward and t.grad_accum_steps == 1:
+        yield "fused backward (each weight stepped in backward)", {"fused_backward": True}, world_size, fsdp
+    # a factored second moment (rows + columns per matrix): a change of recipe (its own LR), so after the others
+    if t.optimizer not in ("adafactor", "came") and not fsdp and mode.trains_generator:
+        yield "Adafactor (factored second moment)", {"optimizer": "adafactor"}, world_size, fsdp
     for n in (2, 4, 8):   # FSDP takes plain AdamW: bitsandbytes' 8-bit AdamW cannot step DTensor shards
         if n > world_size or (n == world_size and not fsdp):
-            yield f"FSDP over {n} GPUs (AdamW)", {"optimizer": "adamw"}, n, True
+            yield (f"FSDP over {n} GPUs (AdamW)", {"optimizer": "adamw", "fused_backward": False,
+                                                   "stochastic_rounding": False}, n, True)
 
 # %% ../nbs/70_memory.ipynb #209aaad4
 def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = False) -> list[Suggestion]:
@@ -437,7 +457,7 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
         if plan.peak_gb <= budget_gb: return steps
     accum = c.train.grad_accum_steps
     # last resort: a smaller batch per GPU, same global batch (under FSDP it costs full-size gradients)
-    while micro > 1:
+    while micro > 1 and not c.train.fused_backward:   # fused_backward cannot accumulate gradients
         micro, accum = micro // 2, accum * 2
         ov = {**overrides, "grad_accum_steps": accum, "batch_size": micro * ws * accum}
         c_new, plan_new = plan_for(ov, ws, fs)
@@ -463,6 +483,9 @@ def format_suggestions(steps: list[Suggestion], budget_gb: float) -> str:
 RECOMMENDED = {
     "3.6B full fine-tune, batch 8 @768, one 80 GB GPU":
         (80, dict(batch_size=8, dtype="bfloat16", optimizer="adamw8bit", gradient_checkpointing=True)),
+    "3.6B full fine-tune, batch 1 @768, one 24 GB GPU (fused backward, bf16 weights with stochastic rounding)":
+        (24, dict(batch_size=1, dtype="bfloat16", frozen_dtype="bfloat16", optimizer="adafactor",
+                  gradient_checkpointing=True, fused_backward=True, stochastic_rounding=True)),
     "3.6B full fine-tune, batch 8 @768, one 80 GB GPU, fp32 master weights":
         (80, dict(batch_size=8, optimizer="adamw8bit", gradient_checkpointing=True)),
     "3.6B LoRA rank 4 '.attn', batch 4 @768, 24 GB":

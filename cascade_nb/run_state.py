@@ -22,12 +22,13 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'RESUME_KEYS', 'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay',
            'polynomial_decay', 'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec',
            'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
-           'OptimizerArgsHook', 'local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA',
-           'gather_ema', 'ema_weights', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite',
-           'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums',
-           'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state',
-           'write_weights', 'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files',
-           'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
+           'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'local_shard', 'ema_lerp_', 'ema_update_',
+           'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'TrainState', 'training_hook',
+           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError',
+           'file_checksums', 'verify_checksums', 'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator',
+           'save_ema', 'save_training_state', 'write_weights', 'fsync_tree', 'load_ema', 'load_training_state',
+           'check_checkpoint_files', 'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent',
+           'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -262,6 +263,73 @@ class OptimizerArgsHook(ConfigHook):
                             **check_optimizer_args(t.optimizer, t.optimizer_args, where)}
 
 register_config_hook("optimizer_args", OptimizerArgsHook())
+
+# %% ../nbs/40_run_state.ipynb #6f1111a5
+def stochastic_round_(out: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    "In place: bf16 `out` ← fp32 `x` rounded up or down at random, unbiased; non-finite values as they are."
+    bits = x.detach().float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator, device="cpu")
+    rounded = ((bits + noise.to(bits.device)) & -65536).view(torch.float32)   # -65536: 0xFFFF0000, the bf16 bits
+    return out.copy_(torch.where(torch.isfinite(x), rounded, x.float()))
+
+# %% ../nbs/40_run_state.ipynb #19b38b2d
+class FusedBackward:
+    """One optimizer per trained tensor, stepped inside backward as soon as the tensor's gradient is complete, the
+    gradient freed right after; `step`/`zero_grad` are no-ops, `param_groups` and the state dicts span all tensors."""
+    def __init__(self, params, build, grad_clip: float | None = None, stochastic_rounding: bool = False,
+                 seed: int = 0):
+        self.params = [p for p in params if p.requires_grad]
+        self.opts = [build([p]) for p in self.params]
+        self.grad_clip, self.stochastic_rounding, self.seed, self.update = grad_clip, stochastic_rounding, seed, 0
+        self.sq_norm = None   # the sum of squared gradient norms of this update, on the device (no sync)
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self._step, i))
+                        for i, p in enumerate(self.params)]
+
+    def _step(self, i: int, p: torch.Tensor):
+        g = p.grad
+        norm = g.detach().float().norm()
+        self.sq_norm = norm ** 2 if self.sq_norm is None else self.sq_norm + norm ** 2
+        if bool(torch.isfinite(norm)):   # one sync per tensor: a non-finite gradient must not reach the weight
+            if self.grad_clip is not None: g.mul_((self.grad_clip / (norm + 1e-6)).clamp(max=1.0).to(g.dtype))
+            if self.stochastic_rounding and p.dtype == torch.bfloat16: self._rounded_step(i, p)
+            else: self.opts[i].step()
+        p.grad = None
+
+    def _rounded_step(self, i: int, p: torch.Tensor):
+        "The step on an fp32 copy of this one tensor, rounded back into the bf16 weight stochastically."
+        bf16 = p.data
+        p.data, p.grad = bf16.float(), p.grad.float()
+        self.opts[i].step()
+        gen = torch.Generator().manual_seed(hash((self.seed, self.update, i)) % 2 ** 63)   # the same on a resume
+        p.data = stochastic_round_(bf16, p.data, gen)
+
+    def grad_norm(self) -> torch.Tensor:
+        "The global gradient norm of the last backward (before clipping); starts the next update's count."
+        norm, self.sq_norm = (self.sq_norm if self.sq_norm is not None else torch.zeros(())).sqrt(), None
+        self.update += 1
+        return norm
+
+    def close(self):
+        "Remove the hooks: a later backward through these parameters leaves them alone."
+        for h in self.handles: h.remove()
+        self.handles = []
+
+    @property
+    def param_groups(self): return [g for o in self.opts for g in o.param_groups]
+    def step(self): pass
+    def zero_grad(self, set_to_none: bool = True): pass
+    def state_dict(self) -> dict: return {"update": self.update, "optimizers": [o.state_dict() for o in self.opts]}
+    def load_state_dict(self, sd: dict):
+        if len(sd["optimizers"]) != len(self.opts):
+            raise ValueError(f"fused_backward state of {len(sd['optimizers'])} tensors; "
+                             f"this model trains {len(self.opts)}")
+        self.update = sd["update"]
+        for p, o, s in zip(self.params, self.opts, sd["optimizers"]):
+            if not (self.stochastic_rounding and p.dtype == torch.bfloat16): o.load_state_dict(s); continue
+            # torch casts a loaded state to its parameter's dtype: here the fp32 the steps run in, not the bf16 weight
+            bf16, p.data = p.data, p.data.float()
+            o.load_state_dict(s)
+            p.data = bf16
 
 # %% ../nbs/40_run_state.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -716,7 +784,7 @@ def save_ema(ema: EMA, state_dir, is_main: bool):
 
 # %% ../nbs/40_run_state.ipynb #2e0581fc
 def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, rng: torch.Generator, gdf,
-                        ema: EMA | None = None):
+                        ema: EMA | None = None, fused: FusedBackward | None = None):
     "Write the loop's own state into `state_dir` (every process calls it): JSON and safetensors, no pickle."
     d = Path(state_dir)
     save_safetensors_atomic({"state": rng.get_state()}, d/f"rng_{rank}.safetensors")   # each rank its own stream
@@ -725,6 +793,8 @@ def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, 
     save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()},
                             d/"gdf.safetensors")
     atomic_write_json(d/"train_state.json", state.state_dict())
+    # tensors and plain data only: a resume reads it with `weights_only=True` (`check_checkpoint_files`)
+    if fused is not None: torch.save(fused.state_dict(), d/"fused_optimizer.pt")
 
 # %% ../nbs/40_run_state.ipynb #8e16ea60
 def write_weights(weights, path):
@@ -784,7 +854,7 @@ def load_ema(ema: EMA, state_dir):
 
 # %% ../nbs/40_run_state.ipynb #24651bed
 def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Generator, gdf,
-                        ema: EMA | None = None) -> bool:
+                        ema: EMA | None = None, fused: FusedBackward | None = None) -> bool:
     "Restore what `save_training_state` wrote; False when this rank has no saved stream (the process count changed)."
     from safetensors.torch import load_file
     d = Path(state_dir)
@@ -794,6 +864,8 @@ def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Gene
     for key, v in flat.items(): part, name = key.split("/", 1); parts.setdefault(part, {})[name] = v
     gdf.load_state_dict(parts)
     if ema is not None: load_ema(ema, d)
+    if fused is not None:
+        fused.load_state_dict(_read(d/"fused_optimizer.pt", lambda p: torch.load(p, weights_only=True)))
     if not (d/f"rng_{rank}.safetensors").exists(): return False
     rng.set_state(_read(d/f"rng_{rank}.safetensors", lambda p: load_file(str(p))["state"]))
     return True

@@ -29,6 +29,7 @@ from .gdf.samplers import SAMPLERS
 from .data.sources import format_skips
 from fastprogress.fastprogress import progress_bar
 from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
+                                  FusedBackward,
                                   ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
                                   NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
                                   RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
@@ -38,7 +39,7 @@ from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover,
 
 # %% auto #0
 __all__ = ['QUIET_ON_RESUME', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss', 'per_process_batch',
-           'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run', 'build_optimizer',
+           'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run', 'build_optimizer', 'gradient_norm',
            'last_checkpoint', 'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights',
            'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'tracker_image', 'log_samples', 'log_metrics',
            'validate', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
@@ -195,6 +196,7 @@ class Run:
     rng: torch.Generator         # this process's random stream (noise, timesteps, caption dropout)
     run_dir: RunDir
     out_dir: Path
+    fused: FusedBackward | None = None   # the optimizer stepped inside backward (`fused_backward`), if any
     @property
     def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
 
@@ -203,7 +205,14 @@ def build_optimizer(t, params, lr: float, device):
     """The registered optimizer `t.optimizer` names (`OPTIMIZERS`: fused AdamW, bitsandbytes' 8-bit AdamW...) over
     `params`."""
     spec = OPTIMIZERS.choose(t.optimizer)
-    return spec.build(params, t, lr, **spec.args(t))
+    build = lambda ps: spec.build(ps, t, lr, **spec.args(t))
+    if not t.fused_backward: return build(params)
+    return FusedBackward(params, build, t.grad_clip, t.stochastic_rounding, t.seed)
+
+def gradient_norm(acc, opt, params, clip: float):
+    """The global gradient norm of the update, clipped to `clip`; with `fused_backward` measured inside backward (each
+    tensor clipped alone there)."""
+    return opt.grad_norm() if isinstance(opt, FusedBackward) else acc.clip_grad_norm_(params, clip)
 
 # %% ../nbs/41_train.ipynb #3016ac91
 def last_checkpoint(run: Run) -> str:
@@ -263,7 +272,7 @@ def _save(run: Run):
     staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
     acc.wait_for_everyone()
     acc.save_state(str(staging))
-    save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema)
+    save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema, run.fused)
     # accelerate's files are not fsynced: on disk before info.json names them (each process, its node)
     fsync_tree(staging)
     acc.wait_for_everyone()
@@ -308,7 +317,7 @@ def load_checkpoint(run: Run, state_dir):
     state)."""
     run.acc.load_state(str(state_dir))
     # False (no stream of this rank): a fresh one
-    load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema)
+    load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema, run.fused)
     if not weights_finite(run): raise ValueError("its weights hold NaN or inf")
 
 def resume(run: Run) -> Path:
@@ -513,16 +522,20 @@ def run_summary(run: Run, clock: Clock) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/41_train.ipynb #2f1407ed
-def check_optimizer(name: str, distributed_type) -> None:
+def check_optimizer(name: str, distributed_type, fused: bool = False) -> None:
     "Raise a ConfigError if optimizer `name` cannot run under accelerate's `distributed_type` or is not installed."
     from accelerate.utils import DistributedType
     spec = OPTIMIZERS.choose(name)
     if distributed_type == DistributedType.FSDP and spec.fsdp_refusal:
         raise ConfigError(f"optimizer {name!r} does not work with FSDP: {spec.fsdp_refusal}. Use optimizer: adamw, "
                           "or a DDP / single-GPU launch config")
+    if fused and distributed_type != DistributedType.NO:
+        raise ConfigError("fused_backward steps each weight inside backward, before DDP or FSDP has reduced its "
+                          "gradient across processes: train on one process, or set fused_backward: false")
     if spec.package and importlib.util.find_spec(spec.package) is None:
-        raise ConfigError(f"optimizer {name!r} needs {spec.package}, which is not installed: "
-                          f"pip install '{spec.install or spec.package}'")
+        pip = spec.install or spec.package
+        raise ConfigError(f"optimizer {name!r} needs {spec.package} (pip install {repr(pip) if '[' in pip else pip}), "
+                          "which is not installed")
 
 # %% ../nbs/41_train.ipynb #f8d5cda3
 def start_launch(cfg: Config) -> tuple:
@@ -538,7 +551,7 @@ def start_launch(cfg: Config) -> tuple:
     acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=t.grad_accum_steps,
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
-    check_optimizer(t.optimizer, acc.distributed_type)
+    check_optimizer(t.optimizer, acc.distributed_type, t.fused_backward)
     # TF32 matmuls and convolutions on CUDA tensor cores (no effect on CPU)
     enable_tf32()
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
@@ -599,6 +612,7 @@ def finish_run(run: Run, stream, stop_agreed: StopAgreement) -> nn.Module:
     if acc.is_main_process and run.metrics_path.exists(): plot_metrics(run.metrics_path, run.out_dir/"loss.png")
     acc.wait_for_everyone()
     net = acc.unwrap_model(run.net)
+    if run.fused is not None: run.fused.close()   # a later backward through the returned net updates nothing
     # drop the DDP wrapper before the process group: a live DDP reducer makes gloo abort at exit (~1 in 10)
     acc.free_memory()
     acc.end_training()
@@ -632,7 +646,7 @@ def train(cfg: Config) -> dict:
     params = [p for p in net.parameters() if p.requires_grad]
     # a CPU generator, one stream per process: noise, timesteps, caption dropout
     state, rng = TrainState(), training_generator(t.seed, acc.process_index)
-    run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir)
+    run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir, opt if t.fused_backward else None)
     # e.g. cascade_nb.eval's evaluation; built before training
     hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]
     if info is not None: resume_run(run, info)
@@ -677,7 +691,7 @@ def train(cfg: Config) -> dict:
                                    shift=training_shift(cfg), loss_shift=training_shift(cfg))
                 acc.backward(loss)
                 # a non-finite update is skipped on the device and counted in `guard`; accumulating, the optimizer waits
-                grad_norm = acc.clip_grad_norm_(params, t.grad_clip) if acc.sync_gradients else None
+                grad_norm = gradient_norm(acc, opt, params, t.grad_clip) if acc.sync_gradients else None
                 if grad_norm is not None: guard.step(grad_norm)
                 else: opt.step()
                 opt.zero_grad(set_to_none=True)

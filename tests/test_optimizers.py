@@ -1,4 +1,5 @@
-"""The optimizers beyond AdamW (adafactor, came, lion, prodigy) and the LR schedules through the trainer's paths:
+"""The optimizers beyond AdamW (adafactor, came, lion, prodigy), the LR schedules and the fused backward pass through
+the trainer's paths:
 each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes to the same
 weights as one that was never stopped; Prodigy's step-size estimate is the same on two DDP processes; FSDP2 refuses
 the optimizers that cannot step its shards, before anything is built; the schedules' options are checked."""
@@ -38,8 +39,11 @@ def test_optimizer_state_round_trips_exactly(name):
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), _net().parameters()))   # it did train
 
-@pytest.mark.parametrize("name, extra", [("prodigy", ["lr=1.0", "lr_schedule=cosine", "warmup_shape=cosine"]),
-                                         ("adafactor", ["optimizer_args={beta1: 0.9}", "lr_schedule=rex"])])
+@pytest.mark.parametrize("name, extra", [
+    ("prodigy", ["lr=1.0", "lr_schedule=cosine", "warmup_shape=cosine"]),
+    # fused backward with bf16 weights and stochastic rounding: the per-tensor states and the roundings resume too
+    ("adafactor", ["optimizer_args={beta1: 0.9}", "lr_schedule=rex", "fused_backward=true", "stochastic_rounding=true",
+                   "dtype=bfloat16"])])
 def test_killed_in_its_commit_resumes_to_the_same_weights(tmp_path, name, extra):
     run = ["updates=4", "save_every=2", f"optimizer={name}", *extra]
     run_cli(DRIVER, *demo_args(tmp_path, "ref", *run))
@@ -78,3 +82,40 @@ def test_optimizer_options_load_with_their_defaults():
     cfg = load_config(DEMO, ["webdataset_path=x", "optimizer=prodigy", "optimizer_args={d_coef: '0.5'}"])
     assert cfg.train.optimizer_args == {"d_coef": 0.5, "d0": 1e-6, "use_bias_correction": False,
                                         "safeguard_warmup": False}
+
+def test_planned_state_bytes_match_the_trainer(tmp_path):
+    "The planner's 'optimizer state' row against the bytes the trainer's optimizer holds after a run (a factored one)."
+    import json, re
+    from cascade_nb.memory import plan_memory
+    # fused backward with stochastic rounding: the states are fp32 (the steps run on fp32 copies of the bf16 weights)
+    args = demo_args(tmp_path, "mem", "updates=2", "save_every=2", "optimizer=adafactor", "optimizer_args={beta1: 0.9}",
+                     "fused_backward=true", "stochastic_rounding=true", "dtype=bfloat16")
+    res = run_cli(DRIVER, "--report-memory", *args)
+    got = [json.loads(m) for m in re.findall(r"memory-report (\{.*?\})", res.stdout)]
+    plan = plan_memory(load_config(args[0], args[1:])).rows
+    assert len(got) == 1 and got[0]["optimizer"] == pytest.approx(plan["optimizer state (adafactor)"], rel=0.01), (got, plan)
+    assert got[0]["gradients"] <= plan["gradients"], (got, plan)   # at most one tensor's gradient alive
+
+def test_fused_backward_trains_the_same_weights_as_the_plain_step(tmp_path):
+    "fp32, no clipping at work, no accumulation: stepping each weight inside backward changes nothing in the result."
+    run = ["updates=3", "save_every=3", "grad_clip=1e9", "ema_start_iters=null"]
+    run_cli(DRIVER, *demo_args(tmp_path, "plain", *run))
+    run_cli(DRIVER, *demo_args(tmp_path, "fused", *run, "fused_backward=true"))
+    assert_identical(weights(tmp_path, "fused"), weights(tmp_path, "plain"))
+
+@pytest.mark.parametrize("override, message", [
+    (["stochastic_rounding=true", "dtype=bfloat16"], "'stochastic_rounding' needs fused_backward: true"),
+    (["stochastic_rounding=true", "fused_backward=true"], "rounds into bf16 weights, but dtype is float32"),
+    (["fused_backward=true", "grad_accum_steps=2"], "gradients cannot be accumulated over grad_accum_steps: 2")])
+def test_fused_backward_combinations_that_cannot_work_are_refused(override, message):
+    with pytest.raises(ConfigError) as e: load_config(DEMO, ["webdataset_path=x", *override])
+    assert message in str(e.value), str(e.value)
+
+def test_fused_backward_is_refused_on_several_processes(tmp_path):
+    from accelerate.utils import DistributedType
+    from cascade_nb.memory import plan_memory
+    from cascade_nb.train import check_optimizer
+    with pytest.raises(ConfigError, match="before DDP or FSDP has reduced"):
+        check_optimizer("adamw", DistributedType.MULTI_CPU, fused=True)
+    with pytest.raises(ConfigError, match="fused_backward trains on one process"):
+        plan_memory(load_config(DEMO, ["webdataset_path=x", "fused_backward=true"]), world_size=2)

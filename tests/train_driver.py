@@ -146,10 +146,11 @@ if args.report_memory:
     T.Run = lambda *a, **kw: runs.append(r := _Run(*a, **kw)) or r
     _free1 = Accelerator.free_memory
     def free_memory(self, *objects):
-        opt = self._optimizers[0].optimizer
+        fused = runs[-1].fused if runs else None   # fused_backward: one optimizer per tensor, not prepared
+        opts = fused.opts if fused is not None else [self._optimizers[0].optimizer]
         ema = runs[-1].ema if runs else None   # what this process holds of the EMA: its state dict's tensors
-        report = dict(rank=self.process_index, **seen, optimizer=nbytes(v for st in opt.state.values() for k, v in st.items()
-                                                                   if torch.is_tensor(v) and v.ndim > 0),
+        report = dict(rank=self.process_index, **seen, optimizer=nbytes(v for opt in opts for st in opt.state.values()
+                                                                   for k, v in st.items() if torch.is_tensor(v) and v.ndim > 0),
                       ema=nbytes(ema.state_dict().values()) if ema is not None else 0)
         print("memory-report " + json.dumps(report), flush=True)
         return _free1(self, *objects)
