@@ -119,3 +119,9 @@ def test_fused_backward_is_refused_on_several_processes(tmp_path):
         check_optimizer("adamw", DistributedType.MULTI_CPU, fused=True)
     with pytest.raises(ConfigError, match="fused_backward trains on one process"):
         plan_memory(load_config(DEMO, ["webdataset_path=x", "fused_backward=true"]), world_size=2)
+
+def test_lion_steps_fsdp2_shards(tmp_path):
+    "Lion's update is elementwise, so it steps FSDP2's sharded parameters (accelerate's FSDP2 path on 2 CPU processes)."
+    _launch_2proc("--fsdp-cpu", *demo_args(tmp_path, "lion", "updates=3", "save_every=3", "batch_size=8",
+                                           "optimizer=lion", "lr=1e-4"))
+    assert info(tmp_path, "lion")["update"] == 3 and info(tmp_path, "lion")["num_processes"] == 2
