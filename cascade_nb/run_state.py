@@ -13,7 +13,8 @@ from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import nn
-from .core import atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header
+from cascade_nb.core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
+    seeded_rand)
 from .registry import registry, ConfigError
 from .config import Config, ConfigHook, Range, register_config_hook
 
@@ -268,8 +269,9 @@ register_config_hook("optimizer_args", OptimizerArgsHook())
 def stochastic_round_(out: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     "In place: bf16 `out` ← fp32 `x` rounded up or down at random, unbiased; non-finite values as they are."
     bits = x.detach().float().contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator, device="cpu")
-    rounded = ((bits + noise.to(bits.device)) & -65536).view(torch.float32)   # -65536: 0xFFFF0000, the bf16 bits
+    # uniform integers in [0, 2^16): 256 float32 values of [0, 1) fall on each
+    noise = (seeded_rand(bits.shape, generator, device=bits.device) * 65536).to(torch.int32)
+    rounded = ((bits + noise) & -65536).view(torch.float32)   # -65536: 0xFFFF0000, the bf16 bits
     return out.copy_(torch.where(torch.isfinite(x), rounded, x.float()))
 
 # %% ../nbs/40_run_state.ipynb #19b38b2d

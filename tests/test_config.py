@@ -48,7 +48,7 @@ def test_every_official_key_in_one_file(tmp_path):
     ("lr=fast", "key 'lr': 'fast' is not valid; expected float"),
     ("rank=four", "key 'rank': 'four' is not valid"),
     ("multi_aspect_ratio=[1/2, x]", "multi_aspect_ratio[1]"),
-    ("lr_schedule=linear", "key 'lr_schedule': 'linear' is not a registered lr schedule"),
+    ("lr_schedule=step", "key 'lr_schedule': 'step' is not a registered lr schedule"),
     ("lr_schedule=cosin", "did you mean 'cosine'?"),
     ("optimizer=adam", "key 'optimizer': 'adam' is not a registered optimizer; did you mean 'adamw'"),
     ("sample_sampler=ddmp", "key 'sample_sampler': 'ddmp' is not a registered sampler; did you mean 'ddpm'"),

@@ -11,7 +11,7 @@ __all__ = []
 from .schedules import (BaseSchedule, CosineSchedule, CosineSchedule2, SqrtSchedule,
     RectifiedFlowsSchedule, EDMSampleSchedule, EDMTrainSchedule, LinearSchedule, PiecewiseLinearSchedule,
     StableDiffusionSchedule, LogitNormalSchedule, AdaptiveTrainSchedule, InterpolatedSchedule, abar_to_logsnr, interp1d,
-    sd_abar_table, bucket_ema_)
+    sd_abar_table, bucket_ema_, SCHEDULES, register_schedule)
 from .scalers import BaseScaler, VPScaler, LERPScaler
 from .targets import BaseTarget, EpsilonTarget, X0Target, VTarget, RectifiedFlowsTarget
 from cascade_nb.gdf.noise_conditions import (BaseNoiseCond, CosineTNoiseCond, EDMNoiseCond, SigmoidNoiseCond,
@@ -33,6 +33,7 @@ __all__ = [
     "BaseSchedule", "CosineSchedule", "CosineSchedule2", "SqrtSchedule", "RectifiedFlowsSchedule", "EDMSampleSchedule",
     "EDMTrainSchedule", "LinearSchedule", "PiecewiseLinearSchedule", "StableDiffusionSchedule", "LogitNormalSchedule",
     "AdaptiveTrainSchedule", "InterpolatedSchedule", "abar_to_logsnr", "interp1d", "sd_abar_table", "bucket_ema_",
+    "SCHEDULES", "register_schedule",
     # scalers and targets
     "BaseScaler", "VPScaler", "LERPScaler",
     "BaseTarget", "EpsilonTarget", "X0Target", "VTarget", "RectifiedFlowsTarget",
