@@ -418,8 +418,6 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
     if mode.trains_generator and not t.stochastic_rounding and world_size == 1 and not fsdp and t.grad_accum_steps == 1:
         yield ("fused backward, bf16 weights with stochastic rounding",
                {"fused_backward": True, "stochastic_rounding": True, "dtype": "bfloat16"}, world_size, fsdp)
-    if mode.trains_generator and world_size == 1 and not fsdp and not t.fused_backward and t.grad_accum_steps == 1:
-        yield "fused backward (each weight stepped in backward)", {"fused_backward": True}, world_size, fsdp
     # a factored second moment (rows + columns per matrix): a change of recipe (its own LR), so after the others
     if t.optimizer not in ("adafactor", "came") and not fsdp and mode.trains_generator:
         yield "Adafactor (factored second moment)", {"optimizer": "adafactor"}, world_size, fsdp

@@ -97,7 +97,7 @@ class LRSchedule:
     def of(cls, t) -> "LRSchedule":
         "The schedule of a config's `train` keys (`min_lr` as a fraction of `lr`)."
         return cls(t.warmup_updates, t.updates, t.lr_schedule, cycles=t.lr_cycles, power=t.lr_power,
-                   floor=t.min_lr / t.lr if t.lr else 0.0, warmup=t.warmup_shape)
+                   floor=t.min_lr / t.lr, warmup=t.warmup_shape)
 
     def __call__(self, k: int) -> float:
         if k < self.warmup: return self.ramp((k + 1) / self.warmup)
