@@ -6,24 +6,26 @@ Docs: https://cascade-nb.github.io/cascade_nb/config.html.md"""
 
 # %% ../nbs/01_config.ipynb #4427b049
 from __future__ import annotations
-import difflib, importlib, math, os, re, sys, typing
+import difflib, importlib, os, re, sys, typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import yaml
-from .registry import REGISTRIES, Registry, UnknownChoice, registry, ConfigError
+from .registry import registry, ConfigError
+from .typed_yaml import (Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, PROBABILITY, DECAY, coerce,
+                                   read_yaml, read_yaml_file, MAX_CONFIG_BYTES, MAX_YAML_VALUES, _numeric)
 from .filters import DatasetFilter, CaptionsGetter
-_all_ = ["ConfigError"]
+_all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1", "PROBABILITY", "DECAY",
+         "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
 
 # %% auto #0
-__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'POSITIVE', 'AT_LEAST_0',
-           'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'RANGES', 'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES',
-           'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'CONFIG_HOOKS', 'register_config_hook', 'Choice', 'ModelConfig',
-           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig',
-           'LoraConfig', 'ControlNetConfig', 'Range', 'check_range', 'config_section', 'coerce', 'Config', 'read_yaml',
-           'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'dump_config', 'save_config',
-           'ConfigError']
+__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES', 'NULL_TURNS_OFF',
+           'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'ModelConfig', 'GDFConfig',
+           'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'check_range',
+           'config_section', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'dump_config',
+           'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY',
+           'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"
@@ -32,19 +34,6 @@ REQUIRED: Any = "___REQUIRED___"
 STAGE_C_PRESETS = ("3.6B", "1B", "tiny")
 STAGE_B_PRESETS = ("3B", "700M", "tiny")
 
-
-# %% ../nbs/01_config.ipynb #cf5d841b
-class Choice(str):
-    "Annotation `Choice['kind']`: a name registered in `REGISTRIES['kind']`, checked when a config is validated."
-    choice_kind: str | None = None
-    _kinds: dict[str, type] = {}
-    def __class_getitem__(cls, kind: str) -> type:
-        return cls._kinds.setdefault(kind, type(f"Choice[{kind!r}]", (cls,), {"choice_kind": kind}))
-
-# %% ../nbs/01_config.ipynb #29275e0b
-def _registry_of(tp) -> Registry | None:
-    "The registry a `Choice[kind]` annotation names, None while no module defining its parts was imported."
-    return REGISTRIES.get(tp.choice_kind)
 
 # %% ../nbs/01_config.ipynb #44eec9e4
 @dataclass
@@ -196,32 +185,9 @@ class LogConfig:
     wandb_entity: Optional[str] = None
     log_every: int = 10                   # updates between metric logs
 
-# %% ../nbs/01_config.ipynb #e9799222
-@dataclass
-class LoraConfig:
-    "LoRA and token training (official train_c_lora keys)."
-    module_filters: Optional[list[str]] = None  # substrings/regexes of module names to adapt, e.g. ['.attn']
-    rank: Optional[int] = None
-    lora_alpha: Optional[float] = None    # None: scale 1/rank as the reference (alpha = 1)
-    lora_dropout: float = 0.0
-    # up ~ N(0,1), down = 0 (train_c_lora.py), or peft's Kaiming down, up = 0 (explanations/differences_from_reference)
-    lora_init: Literal["reference", "peft"] = "reference"
-    train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
-    lora_checkpoint_path: Optional[str] = None
-
-# %% ../nbs/01_config.ipynb #2732b20b
-@dataclass
-class ControlNetConfig:
-    "ControlNet training (official train_c_controlnet keys)."
-    controlnet_blocks: Optional[list[int]] = None
-    controlnet_filter: Optional[str] = None  # CannyFilter, InpaintFilter, SRFilter, SREffnetFilter, IdentityFilter
-    controlnet_filter_params: Optional[dict[str, Any]] = None
-    controlnet_bottleneck_mode: Optional[Literal["effnet", "simple", "large"]] = None
-    controlnet_checkpoint_path: Optional[str] = None
-
 # %% ../nbs/01_config.ipynb #87654bac
 SECTIONS = {"model": ModelConfig, "gdf": GDFConfig, "data": DataConfig, "train": TrainConfig,
-            "checkpoint": CheckpointConfig, "log": LogConfig, "lora": LoraConfig, "controlnet": ControlNetConfig}
+            "checkpoint": CheckpointConfig, "log": LogConfig}
 
 # %% ../nbs/01_config.ipynb #7717b293
 KEY_SECTION: dict[str, str] = {}
@@ -229,27 +195,6 @@ for _sec, _cls in SECTIONS.items():
     for _f in fields(_cls):
         assert _f.name not in KEY_SECTION and _f.name not in SECTIONS, f"duplicate config key {_f.name}"
         KEY_SECTION[_f.name] = _sec
-
-# %% ../nbs/01_config.ipynb #8b800fc2
-@dataclass(frozen=True)
-class Range:
-    "The valid values of a numeric key: finite, within `lo`..`hi`, each end open or closed."
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-    label: str = ""   # e.g. 'a probability'
-    def __contains__(self, v) -> bool:
-        return (math.isfinite(v) and (v > self.lo if self.lo_open else v >= self.lo)
-                and (v < self.hi if self.hi_open else v <= self.hi))
-    def __str__(self) -> str:
-        if math.isinf(self.hi): s = f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        else: s = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-        return f"{self.label} {s}".strip()
-
-# %% ../nbs/01_config.ipynb #f00126e2
-POSITIVE, AT_LEAST_0, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
-PROBABILITY, DECAY = Range(0, 1, label="a probability"), Range(0, 1, hi_open=True)
 
 # %% ../nbs/01_config.ipynb #a15f5c1c
 RANGES: dict[str, Range] = dict(
@@ -264,9 +209,7 @@ RANGES: dict[str, Range] = dict(
     max_nan_steps=AT_LEAST_1,
     save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,    # checkpoint
     eval_captions=AT_LEAST_1,
-    log_every=AT_LEAST_1,                                                                           # log
-    rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,                                        # lora
-    controlnet_blocks=AT_LEAST_0)                                                                   # controlnet
+    log_every=AT_LEAST_1)                                                                           # log
 ("The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field "
  "of each entry).")
 
@@ -290,15 +233,10 @@ def check_range(key: str, value):
                               f"expected {rj}{off}")
 
 # %% ../nbs/01_config.ipynb #fa44a1ec
+# the sections every config has; those after them in `SECTIONS` were registered by modes
 BUILTIN_SECTIONS = tuple(SECTIONS)
-"The sections every config has; those after them in `SECTIONS` were registered by modes."
+# the modes that use each registered section (empty: any mode)
 SECTION_MODES: dict[str, tuple[str, ...]] = {}
-"The modes that use each registered section (empty: any mode)."
-
-def _numeric(tp) -> bool:
-    "Does annotation `tp` hold numbers (int/float, optionally inside Optional, Union, list or tuple)?"
-    if tp in (int, float): return True
-    return any(_numeric(a) for a in typing.get_args(tp) if a is not type(None)) and typing.get_origin(tp) is not dict
 
 # %% ../nbs/01_config.ipynb #2b124150
 def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
@@ -326,83 +264,6 @@ def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
         return cls
     return register
 
-# %% ../nbs/01_config.ipynb #724f67a2
-def _type_name(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is type(None): return "null"
-    if origin is Literal: return " | ".join(repr(a) for a in args)
-    if origin is Union: return " or ".join(_type_name(a) for a in args)
-    if origin in (list, tuple, dict): return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
-    if tp is Fraction: return "fraction like 3/4"
-    if getattr(tp, "choice_kind", None):
-        return f"the name of a registered {_registry_of(tp).words if _registry_of(tp) else tp.choice_kind}"
-    return getattr(tp, "__name__", str(tp))
-
-# %% ../nbs/01_config.ipynb #cda958bb
-def coerce(value, tp, key: str = "value"):
-    """Check `value` against the annotation `tp`, converting YAML forms (fractions, '1e-4', filters); raise
-    `ConfigError`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = lambda: ConfigError(f"key '{key}': {value!r} is not valid; expected {_type_name(tp)}")
-    if tp is Any: return value
-    if getattr(tp, "choice_kind", None):   # a registered name (duck-typed: this notebook's Choice or the package's)
-        if not isinstance(value, str): raise bad()
-        # a registry not loaded in this process (its module comes later and was not imported): checked where it is
-        try: _registry_of(tp) and _registry_of(tp).choose(value)
-        except UnknownChoice as e: raise ConfigError(f"key '{key}': {e}") from None
-        return value
-    if origin is Union:
-        if value is None and type(None) in args: return None
-        errors = []
-        for a in args:
-            if a is type(None): continue
-            try: return coerce(value, a, key)
-            except ConfigError as e: errors.append(e)
-        raise errors[0] if len(errors) == 1 else bad()
-    if origin is Literal:
-        word = ("yes" if value else "no") if isinstance(value, bool) else value   # YAML 1.1 reads `no` as False
-        if word in args: return word
-        raise ConfigError(f"key '{key}': {value!r} is not allowed; expected one of {', '.join(repr(a) for a in args)}")
-    if tp is bool:
-        if isinstance(value, bool): return value
-        raise bad()
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool): return value
-        if isinstance(value, (float, str)):
-            try:
-                f = float(value)
-                if f.is_integer(): return int(f)
-            except ValueError: pass
-        raise bad()
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool): return float(value)
-        if isinstance(value, str):
-            try: return float(value)
-            except ValueError: pass
-        raise bad()
-    if tp is str:
-        if isinstance(value, str): return value
-        raise bad()
-    if tp is Fraction:
-        try: fr = Fraction(str(value).strip())
-        except (ValueError, ZeroDivisionError): raise bad() from None
-        if fr <= 0: raise ConfigError(f"key '{key}': aspect ratio {value!r} must be positive")
-        return fr
-    if origin is list:
-        if not isinstance(value, (list, tuple)): raise bad()
-        return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args): raise bad()
-        return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, dict): raise bad()
-        return {coerce(k, args[0], key): coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-    if hasattr(tp, "from_yaml"):
-        if isinstance(value, tp): return value
-        try: return tp.from_yaml(value)
-        except ConfigError as e: raise ConfigError(f"key '{key}': {e}") from None
-    raise TypeError(f"coerce: unsupported annotation {tp!r} for key '{key}'")
-
 # %% ../nbs/01_config.ipynb #4208e7f7
 @dataclass
 class Config:
@@ -413,8 +274,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    controlnet: ControlNetConfig = field(default_factory=ControlNetConfig)
     source: Optional[str] = None  # the file it was loaded from
     # sections registered by modes (`config_section`), by name
     mode_sections: dict[str, Any] = field(default_factory=dict)
@@ -441,56 +300,6 @@ def _to_yaml(v):
     if isinstance(v, (list, tuple)): return [_to_yaml(x) for x in v]
     if isinstance(v, dict): return {k: _to_yaml(x) for k, x in v.items()}
     return v
-
-# %% ../nbs/01_config.ipynb #47c65637
-MAX_CONFIG_BYTES = 1 << 20
-"The largest config file read (1 MiB; the official StableCascade ones are under 2 KB)."
-MAX_YAML_VALUES = 100_000
-"The most values (scalars, lists, mappings) a config's YAML may hold, an alias counted once per use."
-
-def _dup_keys(node: yaml.MappingNode):
-    "Raise `ConfigError` naming the key and both lines when a key appears twice in mapping `node` (merge keys aside)."
-    seen = {}
-    for key, _ in node.value:
-        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge": continue
-        first = seen.setdefault((key.tag, key.value), key)
-        if first is key: continue
-        a, b = first.start_mark, key.start_mark
-        at = lambda m: f"line {m.line + 1}" + (f" column {m.column + 1}" if a.line == b.line else "")
-        raise ConfigError(f"key {key.value!r} is given twice in one mapping, on {at(a)} and {at(b)}; keep one "
-                          "(YAML would silently use the last)")
-
-# %% ../nbs/01_config.ipynb #6c22edb7
-class _ConfigLoader(yaml.SafeLoader):
-    "`yaml.SafeLoader` refusing a key twice in one mapping, and more than `MAX_YAML_VALUES` values (aliases expanded)."
-    def __init__(self, stream):
-        super().__init__(stream)
-        # id(node) -> the values it holds with its aliases expanded; a node is in it once it is composed
-        self.sizes = {}
-
-    def compose_node(self, parent, index):
-        alias = self.peek_event() if self.check_event(yaml.AliasEvent) else None
-        node = super().compose_node(parent, index)
-        if alias is not None:
-            if id(node) not in self.sizes:
-                line = alias.start_mark.line + 1
-                raise ConfigError(f"line {line}: alias *{alias.anchor} is inside the value it names")
-            return node
-        if isinstance(node, yaml.MappingNode): _dup_keys(node)
-        kids = [n for kv in node.value for n in kv] if isinstance(node, yaml.MappingNode) else (
-            node.value if isinstance(node, yaml.SequenceNode) else [])
-        size = self.sizes[id(node)] = 1 + sum(self.sizes[id(k)] for k in kids)
-        if size > MAX_YAML_VALUES:
-            raise ConfigError(f"line {node.start_mark.line + 1}: more than {MAX_YAML_VALUES} values (each use of a "
-                              "YAML alias *name counts all the values it stands for); a config holds a few hundred")
-        return node
-
-# %% ../nbs/01_config.ipynb #576686f7
-def read_yaml(text: str):
-    "Parse YAML `text` safely (`yaml.SafeLoader` tags) with `_ConfigLoader`'s checks; `ConfigError` names the line."
-    loader = _ConfigLoader(text)
-    try: return loader.get_single_data()
-    finally: loader.dispose()
 
 # %% ../nbs/01_config.ipynb #d5fd8c8a
 # names other trainers (diffusers examples, kohya, OneTrainer) use for our keys, for "did you mean"
@@ -578,20 +387,7 @@ def load_config(path: str | os.PathLike | None = None, overrides=(), training: b
     "Load a YAML training config (official StableCascade keys or ours), apply `key=value` overrides and validate."
     raw = {}
     if path is not None:
-        path = Path(path)
-        if not path.exists(): raise ConfigError(f"config file {str(path)!r} does not exist")
-        if path.is_dir(): raise ConfigError(f"config file {str(path)!r} is a directory; expected a YAML file")
-        try:
-            # at most one byte more than the limit is read: a huge file (or /dev/zero) is refused, not loaded
-            with open(path, "rb") as f: data = f.read(MAX_CONFIG_BYTES + 1)
-            if len(data) > MAX_CONFIG_BYTES:
-                raise ConfigError(f"more than {MAX_CONFIG_BYTES} bytes; a config is a few KB")
-            raw = read_yaml(data.decode("utf-8")) or {}
-        except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
-        except yaml.YAMLError as e: raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); expected a YAML file") from None
-        except OSError as e: raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+        raw = read_yaml_file(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(raw).__name__}")
     return config_from_dict(raw, overrides, training=training, source=str(path) if path is not None else None)

@@ -13,14 +13,17 @@ from torch import nn
 from .models.blocks import LayerNorm2d
 from .core import seeded_rand, images_to_device
 from .models.effnet import efficientnet_v2_features
-from .config import ConfigError
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+from .config import ConfigError, config_section
+from .typed_yaml import AT_LEAST_0
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
 # %% auto #0
 __all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CNetResBlock', 'ControlNet', 'controlnet_config', 'load_controlnet',
            'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter', 'SRFilter',
-           'SREffnetFilter', 'IdentityFilter', 'make_filter', 'meta_controlnet', 'control_points', 'ControlNetNet',
-           'ControlNetTraining']
+           'SREffnetFilter', 'IdentityFilter', 'make_filter', 'ControlNetConfig', 'meta_controlnet', 'control_points',
+           'ControlNetNet', 'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -304,6 +307,17 @@ def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None 
         import inspect
         raise ValueError(f"controlnet_filter_params {params} do not fit "
                          f"{name}{inspect.signature(FILTERS[name])}: {e}") from None
+
+# %% ../nbs/61_controlnet.ipynb #9af5a5bf
+@config_section("controlnet", ranges=dict(controlnet_blocks=AT_LEAST_0))
+@dataclass
+class ControlNetConfig:
+    "ControlNet training (official train_c_controlnet keys)."
+    controlnet_blocks: Optional[list[int]] = None
+    controlnet_filter: Optional[str] = None  # CannyFilter, InpaintFilter, SRFilter, SREffnetFilter, IdentityFilter
+    controlnet_filter_params: Optional[dict[str, Any]] = None
+    controlnet_bottleneck_mode: Optional[Literal["effnet", "simple", "large"]] = None
+    controlnet_checkpoint_path: Optional[str] = None
 
 # %% ../nbs/61_controlnet.ipynb #a72d1bf2
 EFFNET_SAVED_PER_PIXEL = 780

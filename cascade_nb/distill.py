@@ -13,8 +13,8 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import nn
 from .core import append_dims, frozen, resolve_dtype, seeded_rand, seeded_randn
-from .config import (Config, ConfigError, config_section, Choice, GDFConfig, Range, POSITIVE, AT_LEAST_0,
-                               AT_LEAST_1, DECAY)
+from .config import Config, ConfigError, config_section, GDFConfig
+from .typed_yaml import Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, DECAY
 from .gdf.core import cfg_batch, guide
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDIMSampler

@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device
-from .config import ConfigError
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+from .config import ConfigError, config_section
+from .typed_yaml import AT_LEAST_1, POSITIVE, DECAY
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
 # %% auto #0
@@ -21,7 +24,8 @@ __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 
            'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora', 'unmerge_lora',
            'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'to_kohya', 'from_kohya',
            'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
-           'from_reference', 'load_lora_file', 'LoraNet', 'lora_base_generator', 'merged_lora_run', 'LoraTraining']
+           'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
+           'LoraTraining']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -518,6 +522,20 @@ def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, 
     merge_lora(generator, {k: v for k, v in lora.items() if not k.startswith("tokens.")}, scale)
     if tokenizer is not None and text_model is not None: load_tokens(tokenizer, text_model, lora)
     return lora
+
+# %% ../nbs/60_lora.ipynb #dbea53f5
+@config_section("lora", ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY))
+@dataclass
+class LoraConfig:
+    "LoRA and token training (official train_c_lora keys)."
+    module_filters: Optional[list[str]] = None  # substrings/regexes of module names to adapt, e.g. ['.attn']
+    rank: Optional[int] = None
+    lora_alpha: Optional[float] = None    # None: scale 1/rank as the reference (alpha = 1)
+    lora_dropout: float = 0.0
+    # up ~ N(0,1), down = 0 (train_c_lora.py), or peft's Kaiming down, up = 0 (explanations/differences_from_reference)
+    lora_init: Literal["reference", "peft"] = "reference"
+    train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
+    lora_checkpoint_path: Optional[str] = None
 
 # %% ../nbs/60_lora.ipynb #8d9c9858
 class LoraNet(nn.Module):

@@ -6,6 +6,8 @@ import cascade_nb.modes   # noqa: F401 -- the training modes' config hook: confi
 from official_configs import OFFICIAL_CONFIGS, OFFICIAL_KEYS
 
 def test_every_official_key_is_known():
+    "Known to every process that loads configs: the LoRA and ControlNet keys once their modes registered (the hook)."
+    load_config(None, training=False)   # the modes' hook imports the modules of the built-in modes
     missing = [k for k in OFFICIAL_KEYS if k not in KEY_SECTION]
     assert not missing, missing
 

@@ -13,7 +13,8 @@ from urllib.parse import urlparse
 import webdataset as wds
 from webdataset.shardlists import expand_urls
 from webdataset.utils import pytorch_worker_info
-from ..config import ConfigError
+from ..registry import ConfigError
+from ..typed_yaml import read_yaml
 
 # %% auto #0
 __all__ = ['SKIP_REASONS', 'KEPT_REASONS', 'FILTER_COUNTS', 'IMAGE_EXTS', 'OTHER_IMAGE_EXTS', 'SAMPLE_EXTS', 'REMOTE_CLIENTS',
@@ -158,7 +159,7 @@ def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[
     path = local_path(src)
     if path.suffix in (".yml", ".yaml") and path.is_file():
         import yaml
-        from ..config import read_yaml   # the config's loader: safe tags, duplicate keys and alias bombs refused
+        # the config's YAML reader (`cascade_nb.typed_yaml`): safe tags; duplicate keys and alias bombs refused
         try: listed = read_yaml(path.read_text(errors="replace"))
         except (yaml.YAMLError, ConfigError) as e:
             raise DataError(f"data source {src!r}: not a readable listing of sources: "
