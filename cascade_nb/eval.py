@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
 from .core import save_safetensors_atomic, images_to_device
-from .run_state import training_hook, ema_weights, gather_ema
+from .run_state import training_hook, ema_weights, gather_ema, evaluation_view
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 
@@ -277,8 +277,10 @@ class InTrainingEvaluation:
     def enabled(cls, cfg: Config) -> bool: return bool(cfg.checkpoint.eval_every)
     def after_update(self, run):
         if run.state.update % self.every == 0:
-            eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path,
-                      run.run_dir, run.out_dir)
+            # schedule-free AdamW: the average x is scored (and kept as the best), not the gradient point y
+            with evaluation_view(run):
+                eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path,
+                          run.run_dir, run.out_dir)
 
 # %% ../nbs/43_eval.ipynb #19c64264
 def _finite(text: str) -> float:

@@ -24,12 +24,12 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'polynomial_decay', 'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec',
            'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
            'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'local_shard', 'ema_lerp_', 'ema_update_',
-           'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'TrainState', 'training_hook',
-           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError',
-           'file_checksums', 'verify_checksums', 'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator',
-           'save_ema', 'save_training_state', 'write_weights', 'fsync_tree', 'load_ema', 'load_training_state',
-           'check_checkpoint_files', 'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent',
-           'StopAgreement']
+           'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'schedule_free_view', 'ScheduleFreeAdamW',
+           'evaluation_view', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
+           'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
+           'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
+           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid', 'StopWaiting',
+           'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -118,6 +118,15 @@ class OptimizerSpec:
     install: str | None = None      # what installs it, e.g. "bitsandbytes" or "cascade_nb[optimizers]"
     fsdp_refusal: str | None = None  # why it cannot step FSDP2's sharded (DTensor) parameters; None: it can
     options: dict[str, tuple] = {}  # the `optimizer_args` it takes: name -> (type, default, Range or None)
+    @staticmethod
+    def refusal(t) -> str | None:
+        "Why it cannot train with these `train` keys (said when the config loads); None: it can."
+        return None
+    @staticmethod
+    def evaluated(opt, net: nn.Module | None = None):
+        """A context in which the trained parameters hold the weights to sample, score and release, and after which they
+        are back bit for bit: for most optimizers the trained weights themselves, so nothing to do."""
+        return contextlib.nullcontext()
     @staticmethod
     def build(params, t, lr: float, **args) -> torch.optim.Optimizer: raise NotImplementedError
     @staticmethod
@@ -262,6 +271,8 @@ class OptimizerArgsHook(ConfigHook):
         t = cfg.train
         t.optimizer_args = {**OPTIMIZERS.choose(t.optimizer).args(t),
                             **check_optimizer_args(t.optimizer, t.optimizer_args, where)}
+        if why := OPTIMIZERS.choose(t.optimizer).refusal(t):
+            raise ConfigError(f"{where}: optimizer {t.optimizer!r} {why}")
 
 register_config_hook("optimizer_args", OptimizerArgsHook())
 
@@ -449,6 +460,60 @@ def ema_weights(ema: EMA, net: nn.Module):
         with torch.no_grad():
             resharded(net)   # the forwards leave the root unsharded, holding the EMA's weights
             torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(kept, mine)])
+
+
+# %% ../nbs/40_run_state.ipynb #98275f6e
+@contextlib.contextmanager
+def schedule_free_view(opt, net: nn.Module | None = None):
+    """Inside, the trained parameters hold x, the average schedule-free AdamW evaluates (`optimizer.eval()`); after,
+    y again bit for bit (a copy, not `train()`'s float round trip), and each group's train flag as it was."""
+    inner = opt.opts if isinstance(opt, FusedBackward) else [getattr(opt, "optimizer", opt)]
+    # FSDP2 leaves the root unsharded after a forward without gradients: its gathered parameters would stay y
+    if net is not None: resharded(net)
+    params = [local_shard(p.detach()) for o in inner for g in o.param_groups for p in g["params"]]
+    flags = [[g["train_mode"] for g in o.param_groups] for o in inner]
+    with torch.no_grad(): kept = [p.clone() for p in params]
+    for o in inner: o.eval()
+    try: yield
+    finally:
+        # and after the forwards inside, its gathered parameters hold x
+        if net is not None: resharded(net)
+        with torch.no_grad(): torch._foreach_copy_(params, kept)
+        for o, fl in zip(inner, flags):
+            for g, f in zip(o.param_groups, fl): g["train_mode"] = f
+
+
+# %% ../nbs/40_run_state.ipynb #9f9b5bae
+@register_optimizer("schedulefree_adamw")
+class ScheduleFreeAdamW(OptimizerSpec):
+    "Schedule-free AdamW (Defazio et al. 2024; Meta's `schedulefree`): no LR decay; it trains y and releases x."
+    package, install = "schedulefree", "cascade_nb[optimizers]"
+    options = {"warmup_steps": (int, 0, Range(0)), "r": (float, 0.0, Range(0)),
+               "weight_lr_power": (float, 2.0, Range(0))}
+    evaluated = staticmethod(schedule_free_view)
+    @staticmethod
+    def build(params, t, lr, **args):
+        from schedulefree import AdamWScheduleFree as Opt
+        opt = Opt(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, **args)
+        # it starts in eval mode, where `step` refuses to run: from here on the parameters hold y. The flag is set,
+        # not `train()` called: that would add an empty state entry for each parameter, which FSDP2's prepare then
+        # replaces, and the state dict could not name those entries
+        for g in opt.param_groups: g["train_mode"] = True
+        return opt
+    @staticmethod
+    def state_bytes(param_bytes): return 2 * param_bytes   # z and the second moment; x is computed from y and z
+    @staticmethod
+    def refusal(t):
+        if t.stochastic_rounding:
+            return ("cannot take stochastic_rounding: its z would be fp32 beside bf16 weights, and x is formed from "
+                    "the two in place; set stochastic_rounding: false")
+
+
+# %% ../nbs/40_run_state.ipynb #fe698de7
+def evaluation_view(run):
+    """The context in which `run`'s weights are the ones to sample, score, average and release (its optimizer spec's
+    `evaluated`); every process enters it."""
+    return OPTIMIZERS.choose(run.cfg.train.optimizer).evaluated(run.opt, run.acc.unwrap_model(run.net))
 
 
 # %% ../nbs/40_run_state.ipynb #add04565

@@ -29,7 +29,7 @@ from .gdf.samplers import SAMPLERS
 from .data.sources import format_skips
 from fastprogress.fastprogress import progress_bar
 from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
-                                  FusedBackward,
+                                  FusedBackward, evaluation_view,
                                   ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
                                   NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
                                   RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
@@ -40,10 +40,11 @@ from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover,
 # %% auto #0
 __all__ = ['QUIET_ON_RESUME', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss', 'per_process_batch',
            'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run', 'build_optimizer', 'gradient_norm',
-           'last_checkpoint', 'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights',
-           'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'tracker_image', 'log_samples', 'log_metrics',
-           'validate', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
-           'start_launch', 'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics', 'main']
+           'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite', 'save', 'report_nonfinite',
+           'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'tracker_image', 'log_samples',
+           'log_metrics', 'validate', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary',
+           'check_optimizer', 'start_launch', 'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics',
+           'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -196,7 +197,9 @@ class Run:
     rng: torch.Generator         # this process's random stream (noise, timesteps, caption dropout)
     run_dir: RunDir
     out_dir: Path
-    fused: FusedBackward | None = None   # the optimizer stepped inside backward (`fused_backward`), if any
+    opt: Any = None   # the prepared optimizer, or the `FusedBackward` stepped inside backward
+    @property
+    def fused(self) -> FusedBackward | None: return self.opt if isinstance(self.opt, FusedBackward) else None
     @property
     def metrics_path(self) -> Path: return self.out_dir/"metrics.jsonl"
 
@@ -213,6 +216,10 @@ def gradient_norm(acc, opt, params, clip: float):
     """The global gradient norm of the update, clipped to `clip`; with `fused_backward` measured inside backward (each
     tensor clipped alone there)."""
     return opt.grad_norm() if isinstance(opt, FusedBackward) else acc.clip_grad_norm_(params, clip)
+
+def update_ema(run: Run, beta: float):
+    "The EMA's step towards the weights the run evaluates (`evaluation_view`: schedule-free AdamW's x, not y)."
+    with evaluation_view(run): run.ema.update_(run.acc.unwrap_model(run.net), beta)
 
 # %% ../nbs/41_train.ipynb #3016ac91
 def last_checkpoint(run: Run) -> str:
@@ -295,19 +302,20 @@ def report_nonfinite(run: Run, guard: NonFiniteGuard):
 # %% ../nbs/41_train.ipynb #f2b5e072
 def export_weights(run: Run):
     """The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the
-    main process."""
+    main process; inside `evaluation_view` (schedule-free AdamW releases x), as a state dict aliases the weights."""
     acc, state = run.acc, run.state
-    released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
-    # the state's file, or gathered
-    if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.saved or gather_ema(run.ema)
-    if acc.is_main_process:
-        ck = run.cfg.checkpoint
-        backup = state.update % ck.backup_every == 0 and state.update > 0
-        sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
-        for name, sd in released.items():
-            # a file (the EMA just saved): hard-linked, one copy on disk
-            write_weights(sd, run.run_dir.path/f"{name}.safetensors")
-            if sfx: write_weights(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
+    with evaluation_view(run):
+        released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
+        # the state's file, or gathered
+        if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.saved or gather_ema(run.ema)
+        if acc.is_main_process:
+            ck = run.cfg.checkpoint
+            backup = state.update % ck.backup_every == 0 and state.update > 0
+            sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
+            for name, sd in released.items():
+                # a file (the EMA just saved): hard-linked, one copy on disk
+                write_weights(sd, run.run_dir.path/f"{name}.safetensors")
+                if sfx: write_weights(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
     acc.wait_for_everyone()
 
 # %% ../nbs/41_train.ipynb #4122e579
@@ -368,7 +376,7 @@ def log_samples(run: Run, batch):
     acc, mode, net = run.acc, run.mode, run.net
     x0, conds = mode.encode(batch, acc.device, training=False)
     mode.set_training(net, False)
-    with acc.autocast():
+    with acc.autocast(), evaluation_view(run):
         rows = sample_rows(acc.unwrap_model(net), run.ema, run.gdf, mode.space, x0, conds, mode.uncond(conds), run.cfg)
     mode.set_training(net, True)
     # a latent space with no decoder (EfficientNet latents without a previewer): no picture to draw
@@ -412,17 +420,20 @@ def validate(run: Run, val_batches) -> float:
         x0, conds = mode.encode(b, acc.device, training=False)
         chunks.append((first, x0, conds, mode.extras(b, x0))); first += len(x0)
     mode.set_training(net, False)
-    with acc.autocast(): vl = validation_loss(mode, acc.unwrap_model(net), run.gdf, chunks)
+    with acc.autocast(), evaluation_view(run): vl = validation_loss(mode, acc.unwrap_model(net), run.gdf, chunks)
     mode.set_training(net, True)
     # every process scored the same set: one value, so that every process agrees on "best"
     vl = acc.reduce(torch.tensor(vl, device=acc.device), "mean").item()
     acc.log({"val_loss": vl}, step=state.update)
     best = vl < state.best_val_loss
     if best: state.best_val_loss = vl
-    # all processes (FSDP gathers); with best_metric, eval_step keeps *_best
-    released = run.mode.released(acc, run.net) if best and not run.cfg.checkpoint.best_metric else {}
+    # all processes (FSDP gathers); with best_metric, eval_step keeps *_best. Written inside the view: the state
+    # dict aliases the weights
+    with evaluation_view(run):
+        released = run.mode.released(acc, run.net) if best and not run.cfg.checkpoint.best_metric else {}
+        for name, sd in (released if acc.is_main_process else {}).items():
+            save_safetensors_atomic(sd, run.run_dir.path/f"{name}_best.safetensors")
     if acc.is_main_process:
-        for name, sd in released.items(): save_safetensors_atomic(sd, run.run_dir.path/f"{name}_best.safetensors")
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")
     acc.print(f"update {state.update}: validation loss {vl:.4f} (best {state.best_val_loss:.4f})")
     return vl
@@ -646,7 +657,7 @@ def train(cfg: Config) -> dict:
     params = [p for p in net.parameters() if p.requires_grad]
     # a CPU generator, one stream per process: noise, timesteps, caption dropout
     state, rng = TrainState(), training_generator(t.seed, acc.process_index)
-    run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir, opt if t.fused_backward else None)
+    run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir, opt)
     # e.g. cascade_nb.eval's evaluation; built before training
     hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]
     if info is not None: resume_run(run, info)
@@ -702,7 +713,7 @@ def train(cfg: Config) -> dict:
         # under FSDP the EMA steps on the local shards, with no communication
         beta = (ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None
                 else None)
-        if beta is not None: ema.update_(acc.unwrap_model(net), beta)
+        if beta is not None: update_ema(run, beta)
         mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:

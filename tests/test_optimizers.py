@@ -1,9 +1,10 @@
-"""The optimizers beyond AdamW (adafactor, came, lion, prodigy), the LR schedules and the fused backward pass through
-the trainer's paths:
+"""The optimizers beyond AdamW (adafactor, came, lion, prodigy, schedulefree_adamw), the LR schedules and the fused
+backward pass through the trainer's paths:
 each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes to the same
 weights as one that was never stopped; Prodigy's step-size estimate is the same on two DDP processes; FSDP2 refuses
-the optimizers that cannot step its shards, before anything is built; the schedules' options are checked."""
-import copy, io, pytest, torch
+the optimizers that cannot step its shards, before anything is built; the schedules' options are checked;
+schedule-free AdamW's evaluation view gives x and leaves the trained y bit for bit, and its released weights are x."""
+import copy, io, json, pytest, torch
 from torch import nn
 from types import SimpleNamespace
 from conftest import run_cli
@@ -12,7 +13,7 @@ from cascade_nb.config import ConfigError, load_config
 from cascade_nb.run_state import OPTIMIZERS
 import cascade_nb.modes   # noqa: F401 -- configs load as every command loads them
 
-NEW = ("adafactor", "came", "lion", "prodigy")
+NEW = ("adafactor", "came", "lion", "prodigy", "schedulefree_adamw")
 DEMO = str(__import__("conftest").ROOT / "configs" / "demo.yaml")
 
 def _net():
@@ -43,7 +44,9 @@ def test_optimizer_state_round_trips_exactly(name):
     ("prodigy", ["lr=1.0", "lr_schedule=cosine", "warmup_shape=cosine"]),
     # fused backward with bf16 weights and stochastic rounding: the per-tensor states and the roundings resume too
     ("adafactor", ["optimizer_args={beta1: 0.9}", "lr_schedule=rex", "fused_backward=true", "stochastic_rounding=true",
-                   "dtype=bfloat16"])])
+                   "dtype=bfloat16"]),
+    # schedule-free: every EMA update, sample grid and export goes through its evaluation view (x), the state keeps y
+    ("schedulefree_adamw", ["lr=3e-3", "lr_schedule=constant"])])
 def test_killed_in_its_commit_resumes_to_the_same_weights(tmp_path, name, extra):
     run = ["updates=4", "save_every=2", f"optimizer={name}", *extra]
     run_cli(DRIVER, *demo_args(tmp_path, "ref", *run))
@@ -52,6 +55,41 @@ def test_killed_in_its_commit_resumes_to_the_same_weights(tmp_path, name, extra)
     run_cli(DRIVER, *demo_args(tmp_path, "res", *run))
     assert info(tmp_path, "res")["update"] == 4
     assert_identical(weights(tmp_path, "res"), weights(tmp_path, "ref"))
+    if name == "schedulefree_adamw": _assert_released_is_x(tmp_path, "ref")
+
+def _assert_released_is_x(tmp, name):
+    """The released generator is x = y + (1 - 1/beta1)(z - y), exactly as `optimizer.eval()` forms it, from the committed
+    state's y (its model file) and z (its optimizer): not the y the state resumes from."""
+    from safetensors.torch import load_file
+    from cascade_nb.modes import build_generator
+    d = tmp / "ckpt" / name
+    state = d / json.loads((d / "info.json").read_text())["state_dir"]
+    y, opt = load_file(str(state / "model.safetensors")), torch.load(state / "optimizer.bin", weights_only=True)
+    args = demo_args(tmp, name)
+    # the optimizer's state is indexed in the order of the trained parameters
+    names = [n for n, _ in build_generator(load_config(args[0], args[1:])).named_parameters()]
+    assert len(names) == len(opt["state"]) and opt["param_groups"][0]["train_mode"]   # saved in train mode
+    released, beta1 = weights(tmp, name), opt["param_groups"][0]["betas"][0]
+    for i, n in enumerate(names):
+        assert torch.equal(released[n], y[n].lerp(opt["state"][i]["z"], 1 - 1 / beta1)), n
+    assert not any(torch.equal(released[n], y[n]) for n in names)
+
+def test_schedule_free_view_gives_x_and_leaves_y_bit_identical():
+    "Inside the view: the values `optimizer.eval()` gives; after it: y bit for bit, in train mode, whatever ran inside."
+    t = SimpleNamespace(adam_betas=(0.9, 0.999), adam_eps=1e-8, weight_decay=0.01, optimizer_args={})
+    spec = OPTIMIZERS.choose("schedulefree_adamw")
+    net = _net(); opt = spec.build(list(net.parameters()), t, 1e-2, **spec.args(t))
+    _steps(net, opt, 5, 1)
+    y = [p.detach().clone() for p in net.parameters()]
+    twin_net, twin_opt = copy.deepcopy((net, opt)); twin_opt.eval()
+    with spec.evaluated(opt, net):
+        assert all(torch.equal(p, q) for p, q in zip(net.parameters(), twin_net.parameters()))
+        with torch.no_grad():
+            for p in net.parameters(): p.add_(1.0)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), y))
+    assert not any(torch.equal(p, q) for p, q in zip(twin_net.parameters(), y))   # x is not y
+    assert opt.param_groups[0]["train_mode"]
+    _steps(net, opt, 1, 2)   # it still steps (a schedule-free optimizer refuses to in eval mode)
 
 def test_prodigy_on_two_ddp_processes_agrees(tmp_path):
     "Every process computes the same step size from the same all-reduced gradients: identical weights on both."
@@ -106,7 +144,9 @@ def test_fused_backward_trains_the_same_weights_as_the_plain_step(tmp_path):
 @pytest.mark.parametrize("override, message", [
     (["stochastic_rounding=true", "dtype=bfloat16"], "'stochastic_rounding' needs fused_backward: true"),
     (["stochastic_rounding=true", "fused_backward=true"], "rounds into bf16 weights, but dtype is float32"),
-    (["fused_backward=true", "grad_accum_steps=2"], "gradients cannot be accumulated over grad_accum_steps: 2")])
+    (["fused_backward=true", "grad_accum_steps=2"], "gradients cannot be accumulated over grad_accum_steps: 2"),
+    (["optimizer=schedulefree_adamw", "stochastic_rounding=true", "fused_backward=true", "dtype=bfloat16"],
+     "optimizer 'schedulefree_adamw' cannot take stochastic_rounding")])
 def test_fused_backward_combinations_that_cannot_work_are_refused(override, message):
     with pytest.raises(ConfigError) as e: load_config(DEMO, ["webdataset_path=x", *override])
     assert message in str(e.value), str(e.value)
@@ -120,8 +160,19 @@ def test_fused_backward_is_refused_on_several_processes(tmp_path):
     with pytest.raises(ConfigError, match="fused_backward trains on one process"):
         plan_memory(load_config(DEMO, ["webdataset_path=x", "fused_backward=true"]), world_size=2)
 
-def test_lion_steps_fsdp2_shards(tmp_path):
-    "Lion's update is elementwise, so it steps FSDP2's sharded parameters (accelerate's FSDP2 path on 2 CPU processes)."
-    _launch_2proc("--fsdp-cpu", *demo_args(tmp_path, "lion", "updates=3", "save_every=3", "batch_size=8",
-                                           "optimizer=lion", "lr=1e-4"))
-    assert info(tmp_path, "lion")["update"] == 3 and info(tmp_path, "lion")["num_processes"] == 2
+@pytest.mark.parametrize("name, lr", [("lion", "1e-4"), ("schedulefree_adamw", "3e-3")])
+def test_elementwise_optimizers_step_fsdp2_shards(tmp_path, name, lr):
+    """Lion's and schedule-free AdamW's updates (and the latter's x/y switch) are elementwise, so they step FSDP2's
+    sharded parameters (accelerate's FSDP2 path on 2 CPU processes; the EMA, sample grid and export run too)."""
+    _launch_2proc("--fsdp-cpu", *demo_args(tmp_path, name, "updates=3", "save_every=3", "batch_size=8",
+                                           f"optimizer={name}", f"lr={lr}"))
+    assert info(tmp_path, name)["update"] == 3 and info(tmp_path, name)["num_processes"] == 2
+
+def test_a_missing_schedulefree_names_the_extra(monkeypatch):
+    import importlib.util
+    from accelerate.utils import DistributedType
+    from cascade_nb.train import check_optimizer
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "schedulefree" else real(n, *a))
+    with pytest.raises(ConfigError, match=r"needs schedulefree \(pip install 'cascade_nb\[optimizers\]'\)"):
+        check_optimizer("schedulefree_adamw", DistributedType.NO)
