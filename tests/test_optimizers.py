@@ -103,7 +103,8 @@ def test_fsdp_refuses_the_optimizers_that_cannot_step_shards():
         cfg = load_config(DEMO, ["webdataset_path=x", f"optimizer={name}"])
         with pytest.raises(ConfigError, match=f"optimizer '{name}'|{OPTIMIZERS[name].__name__}"):
             plan_memory(cfg, world_size=2, fsdp=True)
-    plan_memory(load_config(DEMO, ["webdataset_path=x", "optimizer=lion"]), world_size=2, fsdp=True)
+    for name in ("lion", "schedulefree_adamw"):
+        plan_memory(load_config(DEMO, ["webdataset_path=x", f"optimizer={name}"]), world_size=2, fsdp=True)
 
 @pytest.mark.parametrize("override, message", [
     ("optimizer_args={d_coef: 2}", "'d_coef' is not an option of optimizer 'adamw'"),
