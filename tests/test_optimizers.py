@@ -14,7 +14,8 @@ from cascade_nb.run_state import OPTIMIZERS
 import cascade_nb.modes   # noqa: F401 -- configs load as every command loads them
 
 NEW = ("adafactor", "came", "lion", "prodigy", "schedulefree_adamw")
-DEMO = str(__import__("conftest").ROOT / "configs" / "demo.yaml")
+ROOT = __import__("conftest").ROOT
+DEMO = str(ROOT / "configs" / "demo.yaml")
 
 def _net():
     torch.manual_seed(0)
@@ -45,8 +46,10 @@ def test_optimizer_state_round_trips_exactly(name):
     # fused backward with bf16 weights and stochastic rounding: the per-tensor states and the roundings resume too
     ("adafactor", ["optimizer_args={beta1: 0.9}", "lr_schedule=rex", "fused_backward=true", "stochastic_rounding=true",
                    "dtype=bfloat16"]),
-    # schedule-free: every EMA update, sample grid and export goes through its evaluation view (x), the state keeps y
-    ("schedulefree_adamw", ["lr=3e-3", "lr_schedule=constant"])])
+    # schedule-free: every EMA update, validation, sample grid and export goes through its evaluation view (x), the
+    # state keeps y
+    ("schedulefree_adamw", ["lr=3e-3", "lr_schedule=constant", "val_every=2", "val_batches=1",
+                            f"val_webdataset_path={ROOT}/data_samples/emoji/shard-000005.tar"])])
 def test_killed_in_its_commit_resumes_to_the_same_weights(tmp_path, name, extra):
     run = ["updates=4", "save_every=2", f"optimizer={name}", *extra]
     run_cli(DRIVER, *demo_args(tmp_path, "ref", *run))
@@ -58,8 +61,8 @@ def test_killed_in_its_commit_resumes_to_the_same_weights(tmp_path, name, extra)
     if name == "schedulefree_adamw": _assert_released_is_x(tmp_path, "ref")
 
 def _assert_released_is_x(tmp, name):
-    """The released generator is x = y + (1 - 1/beta1)(z - y), exactly as `optimizer.eval()` forms it, from the committed
-    state's y (its model file) and z (its optimizer): not the y the state resumes from."""
+    """The released generator is x = y + (1 - 1/beta1)(z - y), exactly as `optimizer.eval()` forms it, from the
+    committed state's y (its model file) and z (its optimizer): not the y the state resumes from."""
     from safetensors.torch import load_file
     from cascade_nb.modes import build_generator
     d = tmp / "ckpt" / name
@@ -73,6 +76,11 @@ def _assert_released_is_x(tmp, name):
     for i, n in enumerate(names):
         assert torch.equal(released[n], y[n].lerp(opt["state"][i]["z"], 1 - 1 / beta1)), n
     assert not any(torch.equal(released[n], y[n]) for n in names)
+    # the best validated weights are x too: those of the last update when it validated best
+    rows = map(json.loads, (tmp / "out" / name / "metrics.jsonl").read_text().splitlines())
+    vals = [r for r in rows if "val_loss" in r]
+    if min(vals, key=lambda r: r["val_loss"])["update"] == vals[-1]["update"]:
+        assert_identical(weights(tmp, name, "generator_best"), released)
 
 def test_schedule_free_view_gives_x_and_leaves_y_bit_identical():
     "Inside the view: the values `optimizer.eval()` gives; after it: y bit for bit, in train mode, whatever ran inside."
