@@ -99,10 +99,14 @@ def test_schedule_free_view_gives_x_and_leaves_y_bit_identical():
     assert opt.param_groups[0]["train_mode"]
     _steps(net, opt, 1, 2)   # it still steps (a schedule-free optimizer refuses to in eval mode)
 
-def test_prodigy_on_two_ddp_processes_agrees(tmp_path):
-    "Every process computes the same step size from the same all-reduced gradients: identical weights on both."
+@pytest.mark.parametrize("extra", [["optimizer=prodigy", "lr=1.0"],
+                                   ["optimizer=schedulefree_adamw", "lr_schedule=constant"]],
+                         ids=["prodigy", "schedulefree_adamw"])
+def test_two_ddp_processes_agree(tmp_path, extra):
+    """Every process computes the same step from the same all-reduced gradients (Prodigy: the same step size estimate;
+    schedule-free: the same y and z): identical trained weights on both."""
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=3", "save_every=3", "batch_size=8",
-                                                       "optimizer=prodigy", "lr=1.0"))
+                                                       *extra))
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
 
 def test_fsdp_refuses_the_optimizers_that_cannot_step_shards():
@@ -140,7 +144,8 @@ def test_planned_state_bytes_match_the_trainer(tmp_path):
     res = run_cli(DRIVER, "--report-memory", *args)
     got = [json.loads(m) for m in re.findall(r"memory-report (\{.*?\})", res.stdout)]
     plan = plan_memory(load_config(args[0], args[1:])).rows
-    assert len(got) == 1 and got[0]["optimizer"] == pytest.approx(plan["optimizer state (adafactor)"], rel=0.01), (got, plan)
+    assert len(got) == 1, got
+    assert got[0]["optimizer"] == pytest.approx(plan["optimizer state (adafactor)"], rel=0.01), (got, plan)
     assert got[0]["gradients"] <= plan["gradients"], (got, plan)   # at most one tensor's gradient alive
 
 def test_fused_backward_trains_the_same_weights_as_the_plain_step(tmp_path):
