@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""Every optimizer and LR schedule on the README demo (configs/demo.yaml: the tiny text-conditioned Stage C on 32
+emoji, 1200 updates of 16 images, scored by caption retrieval every 300 updates). One run per arm, one after the
+other in this process, everything else as shipped (seed, data order, EMA, evaluation):
+
+    python bench/optimizers_demo.py [--arms adamw,adafactor,...] [--updates 1200] [--json bench/optimizers_demo.json]
+
+An arm is an optimizer with the LR its authors recommend relative to AdamW's (Prodigy: lr 1, it estimates the step
+size; Lion: a tenth of AdamW's, with ten times its weight decay, as the Lion paper advises; CAME: a tenth too, since
+at AdamW's LR it hardly learns (`came_at_adamw_lr`, measured); schedule-free AdamW: no decay schedule, it averages
+instead), or AdamW with another `lr_schedule`. Per arm it prints one line: the loss over
+the last 100 updates, the retrieval top-1 of the EMA weights at the last evaluation and the best one, the run's CPU
+seconds (this process, one thread, data decoded in-process) with the ratio to the shipped AdamW run, and the
+optimizer state the memory planner counts for the demo's trained parameters (fp32), with its ratio to AdamW's."""
+import argparse, json, math, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+
+ARMS = {   # name -> config overrides on top of configs/demo.yaml (lr 4e-3, cosine, 50 warm-up updates)
+    "adamw": [],
+    "adafactor": ["optimizer=adafactor"],
+    "adafactor_momentum": ["optimizer=adafactor", "optimizer_args={beta1: 0.9}"],
+    "came": ["optimizer=came", "lr=4e-4"],
+    "came_at_adamw_lr": ["optimizer=came"],
+    "lion": ["optimizer=lion", "lr=4e-4", "weight_decay=0.1"],
+    "prodigy": ["optimizer=prodigy", "lr=1.0"],
+    "schedulefree_adamw": ["optimizer=schedulefree_adamw", "lr_schedule=constant"],
+    "constant": ["lr_schedule=constant"],
+    "linear": ["lr_schedule=linear"],
+    "cosine_with_restarts": ["lr_schedule=cosine_with_restarts", "lr_cycles=3"],
+    "polynomial": ["lr_schedule=polynomial", "lr_power=2"],
+    "rex": ["lr_schedule=rex"],
+    "cosine_min_lr": ["min_lr=4e-4"],
+}
+
+p = argparse.ArgumentParser()
+p.add_argument("--arms", default=",".join(ARMS))
+p.add_argument("--updates", type=int, default=1200)
+p.add_argument("--json", help="write (or update) the results here, one entry per arm")
+args = p.parse_args()
+torch.set_num_threads(1)
+
+import cascade_nb.train as T
+from cascade_nb.config import load_config
+from cascade_nb.run_state import OPTIMIZERS
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+def run(name: str, tmp: str) -> dict:
+    "Train one arm of the demo; its scores, CPU time and planned optimizer state."
+    n = args.updates
+    cfg = load_config(DEMO, [f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt", f"output_path={tmp}/out",
+                             f"updates={n}", f"save_every={n}", "backup_every=1000000", "num_workers=0",
+                             "tracker=none", f"eval_every={max(1, n // 4)}", *ARMS[name]])
+    t0 = time.process_time()
+    out = T.train(cfg)
+    cpu = time.process_time() - t0
+    records = [json.loads(line) for line in (Path(out["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r and r["update"] > n - 100]
+    top1 = [(r["update"], r["eval/retrieval/top1"]) for r in records if "eval/retrieval/top1" in r]
+    shapes = [p.shape for p in out["net"].parameters() if p.requires_grad]
+    spec = OPTIMIZERS.choose(cfg.train.optimizer)
+    state = spec.state_bytes_of(shapes, 4, cfg.train.optimizer_args)
+    return dict(arm=name, overrides=ARMS[name], loss_last_100=sum(losses) / len(losses), top1_final=top1[-1][1],
+                top1_best=max(v for _, v in top1), top1_curve=top1, cpu_s=cpu, state_bytes=state,
+                params=sum(math.prod(s) for s in shapes), updates=n)
+
+results = {}
+if args.json and Path(args.json).exists(): results = json.loads(Path(args.json).read_text())
+for name in args.arms.split(","):
+    with tempfile.TemporaryDirectory() as tmp: r = results[name] = run(name, tmp)
+    ref = results.get("adamw")
+    ratio = (f"; vs adamw: CPU x{r['cpu_s'] / ref['cpu_s']:.2f}, state x{r['state_bytes'] / ref['state_bytes']:.2f}"
+             if ref and name != "adamw" else "")
+    print(f"optimizers_demo {name} ({' '.join(r['overrides']) or 'as shipped'}, {r['updates']} updates): loss "
+          f"{r['loss_last_100']:.4f} (last 100 updates), retrieval top-1 {r['top1_final']:.1%} (best "
+          f"{r['top1_best']:.1%}), {r['cpu_s']:.0f} CPU-s, optimizer state {r['state_bytes'] / 2**20:.2f} MiB"
+          + ratio, flush=True)
+    if args.json: Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
