@@ -20,7 +20,6 @@ import torch
 ARMS = {   # name -> config overrides on top of configs/demo.yaml (lr 4e-3, cosine, 50 warm-up updates)
     "adamw": [],
     "adafactor": ["optimizer=adafactor"],
-    "adafactor_momentum": ["optimizer=adafactor", "optimizer_args={beta1: 0.9}"],
     "came": ["optimizer=came", "lr=4e-4"],
     "came_at_adamw_lr": ["optimizer=came"],
     "lion": ["optimizer=lion", "lr=4e-4", "weight_decay=0.1"],
