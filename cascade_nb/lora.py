@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 from .config import ConfigError, config_section
 from .typed_yaml import AT_LEAST_1, POSITIVE, DECAY
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode

@@ -16,7 +16,8 @@ from torch import nn
 from cascade_nb.core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
     seeded_rand)
 from .registry import registry, ConfigError
-from .config import Config, ConfigHook, Range, register_config_hook
+from .config import Config, ConfigHook, register_config_hook
+from .typed_yaml import Range, coerce
 
 # %% auto #0
 __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS', 'register_optimizer', 'TRAINING_HOOKS',
@@ -159,7 +160,6 @@ class FusedAdamW(OptimizerSpec):
 # %% ../nbs/40_run_state.ipynb #e6e225ab
 def check_optimizer_args(name: str, given: dict, where: str = "config") -> dict:
     "`optimizer_args` checked against optimizer `name`'s options (name, type, range); the values, converted."
-    from cascade_nb.config import coerce
     spec, out = OPTIMIZERS.choose(name), {}
     for k, v in (given or {}).items():
         if k not in spec.options:
