@@ -1,12 +1,13 @@
 """ControlNet training through the real trainer CLI: the official ControlNet YAMLs at tiny size, exact resume after a
 kill, 2-process DDP, and a frozen generator."""
-import signal, warnings
+import warnings
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
 from conftest import ROOT, free_port, run_cli
 from official_configs import OFFICIAL_CONFIGS
-from test_lora_train import pretrained_tiny, assert_identical, info
+from test_train import resumes_to_the_killed_state
+from test_lora_train import pretrained_tiny, info
 
 DRIVER = ROOT / "tests" / "train_driver.py"
 TINY = ["model_version=tiny", "model_overrides={c_in: 3, c_out: 3, patch_size: 2}", "latent_space=pixels",
@@ -46,13 +47,9 @@ def test_official_controlnet_config_trains_at_tiny_size(config, tmp_path):
 RUN = ["updates=6", "save_every=2", *SIMPLE]
 
 def test_controlnet_resume_after_kill_is_bit_identical(tmp_path):
-    ref, killed = tmp_path / "ref", tmp_path / "killed"
-    run_cli(DRIVER, *cnet_args(ref, "r", "controlnet_c_3b_inpainting.yaml", *RUN))   # random masks: RNG must resume too
-    res = run_cli(DRIVER, "--kill-in-commit", "4", *cnet_args(killed, "r", "controlnet_c_3b_inpainting.yaml", *RUN), check=False)
-    assert res.returncode == -signal.SIGKILL and info(killed, "r")["update"] == 2
-    run_cli(DRIVER, *cnet_args(killed, "r", "controlnet_c_3b_inpainting.yaml", *RUN))
-    assert info(killed, "r")["update"] == 6
-    assert_identical(released(killed, "r"), released(ref, "r"))
+    "Inpainting draws random masks: killed committing update 4 and resumed, it commits the killed process's own state."
+    resumes_to_the_killed_state(tmp_path / "ckpt" / "r", cnet_args(tmp_path, "r", "controlnet_c_3b_inpainting.yaml", *RUN))
+    assert info(tmp_path, "r")["update"] == 6
 
 def test_controlnet_two_process_ddp(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",

@@ -1,11 +1,12 @@
 """LoRA + token training through the real trainer CLI: the official LoRA YAML at tiny size, exact resume after a kill,
 2-process DDP, and a frozen base."""
-import json, signal
+import json
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from conftest import ROOT, free_port, run_cli
 from official_configs import OFFICIAL_CONFIGS
+from test_train import resumes_to_the_killed_state
 
 DRIVER = ROOT / "tests" / "train_driver.py"
 TINY = ["model_version=tiny", "model_overrides={c_in: 3, c_out: 3, patch_size: 2}", "latent_space=pixels",
@@ -60,13 +61,9 @@ def test_official_lora_config_trains_at_tiny_size(tmp_path):
 RUN = ["updates=6", "save_every=2"]
 
 def test_lora_resume_after_kill_is_bit_identical(tmp_path):
-    ref, killed = tmp_path / "ref", tmp_path / "killed"
-    run_cli(DRIVER, *lora_args(ref, "r", *RUN))
-    res = run_cli(DRIVER, "--kill-in-commit", "4", *lora_args(killed, "r", *RUN), check=False)
-    assert res.returncode == -signal.SIGKILL and info(killed, "r")["update"] == 2
-    run_cli(DRIVER, *lora_args(killed, "r", *RUN))                           # resumes at update 2
-    assert info(killed, "r")["update"] == 6
-    assert_identical(released(killed, "r"), released(ref, "r"))
+    "Killed committing update 4, resumed from update 2: it commits the killed process's own state of update 4."
+    resumes_to_the_killed_state(tmp_path / "ckpt" / "r", lora_args(tmp_path, "r", *RUN))
+    assert info(tmp_path, "r")["update"] == 6
 
 def test_lora_two_process_ddp(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",

@@ -1,14 +1,15 @@
 """The optimizers beyond AdamW (adafactor, came, lion, prodigy, schedulefree_adamw), the LR schedules and the fused
 backward pass through the trainer's paths:
-each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes to the same
-weights as one that was never stopped; Prodigy's step-size estimate is the same on two DDP processes; FSDP2 refuses
+each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes and commits
+the very state the killed process had written (weights, optimizer state, EMA, data position, random streams), and the
+planner's state bytes are the trainer's; Prodigy's step-size estimate is the same on two DDP processes; FSDP2 refuses
 the optimizers that cannot step its shards, before anything is built; the schedules' options are checked;
 schedule-free AdamW's evaluation view gives x and leaves the trained y bit for bit, and its released weights are x."""
 import copy, io, json, pytest, torch
 from torch import nn
 from types import SimpleNamespace
 from conftest import run_cli
-from test_train import DRIVER, demo_args, info, weights, assert_identical, _launch_2proc
+from test_train import DRIVER, demo_args, info, weights, assert_identical, _launch_2proc, resumes_to_the_killed_state
 from cascade_nb.config import ConfigError, load_config
 from cascade_nb.run_state import OPTIMIZERS
 import cascade_nb.modes   # noqa: F401 -- configs load as every command loads them
@@ -43,6 +44,8 @@ def test_optimizer_state_round_trips_exactly(name):
 
 @pytest.mark.parametrize("name, extra", [
     ("prodigy", ["lr=1.0", "lr_schedule=cosine", "warmup_shape=cosine"]),
+    ("came", ["lr=4e-4", "lr_schedule=polynomial"]),
+    ("lion", ["lr=1e-4", "weight_decay=0.1", "lr_schedule=cosine_with_restarts", "lr_cycles=2"]),
     # fused backward with bf16 weights and stochastic rounding: the per-tensor states and the roundings resume too
     ("adafactor", ["optimizer_args={beta1: 0.9}", "lr_schedule=rex", "fused_backward=true", "stochastic_rounding=true",
                    "dtype=bfloat16"]),
@@ -50,15 +53,25 @@ def test_optimizer_state_round_trips_exactly(name):
     # state keeps y
     ("schedulefree_adamw", ["lr=3e-3", "lr_schedule=constant", "val_every=2", "val_batches=1",
                             f"val_webdataset_path={ROOT}/data_samples/emoji/shard-000005.tar"])])
-def test_killed_in_its_commit_resumes_to_the_same_weights(tmp_path, name, extra):
-    run = ["updates=4", "save_every=2", f"optimizer={name}", *extra]
-    run_cli(DRIVER, *demo_args(tmp_path, "ref", *run))
-    killed = run_cli(DRIVER, "--kill-in-commit", "4", *demo_args(tmp_path, "res", *run), check=False)
-    assert killed.returncode != 0 and info(tmp_path, "res")["update"] == 2
-    run_cli(DRIVER, *demo_args(tmp_path, "res", *run))
-    assert info(tmp_path, "res")["update"] == 4
-    assert_identical(weights(tmp_path, "res"), weights(tmp_path, "ref"))
-    if name == "schedulefree_adamw": _assert_released_is_x(tmp_path, "ref")
+def test_killed_in_its_commit_resumes_to_the_same_state(tmp_path, name, extra):
+    """Killed while committing update 4 and resumed from update 2, each optimizer commits the very state (weights,
+    optimizer state, EMA, data position, random streams) the killed process had written for update 4."""
+    args = demo_args(tmp_path, "res", "updates=4", "save_every=2", f"optimizer={name}", *extra)
+    flags = ["--report-memory"] if name == "adafactor" else []
+    resumed = resumes_to_the_killed_state(tmp_path / "ckpt" / "res", args, resume_flags=flags)
+    if name == "adafactor": _assert_planned_state_bytes(resumed.stdout, args)
+    if name == "schedulefree_adamw": _assert_released_is_x(tmp_path, "res")
+
+def _assert_planned_state_bytes(stdout, args):
+    """The planner's 'optimizer state' row against the bytes the trainer's (factored) optimizer holds; fused backward
+    with stochastic rounding keeps fp32 states (the steps run on fp32 copies of the bf16 weights)."""
+    import re
+    from cascade_nb.memory import plan_memory
+    got = [json.loads(m) for m in re.findall(r"memory-report (\{.*?\})", stdout)]
+    plan = plan_memory(load_config(args[0], args[1:])).rows
+    assert len(got) == 1, got
+    assert got[0]["optimizer"] == pytest.approx(plan["optimizer state (adafactor)"], rel=0.01), (got, plan)
+    assert got[0]["gradients"] <= plan["gradients"], (got, plan)   # at most one tensor's gradient alive
 
 def _assert_released_is_x(tmp, name):
     """The released generator is x = y + (1 - 1/beta1)(z - y), exactly as `optimizer.eval()` forms it, from the
@@ -133,20 +146,6 @@ def test_optimizer_options_load_with_their_defaults():
     cfg = load_config(DEMO, ["webdataset_path=x", "optimizer=prodigy", "optimizer_args={d_coef: '0.5'}"])
     assert cfg.train.optimizer_args == {"d_coef": 0.5, "d0": 1e-6, "use_bias_correction": False,
                                         "safeguard_warmup": False}
-
-def test_planned_state_bytes_match_the_trainer(tmp_path):
-    "The planner's 'optimizer state' row against the bytes the trainer's optimizer holds after a run (a factored one)."
-    import json, re
-    from cascade_nb.memory import plan_memory
-    # fused backward with stochastic rounding: the states are fp32 (the steps run on fp32 copies of the bf16 weights)
-    args = demo_args(tmp_path, "mem", "updates=2", "save_every=2", "optimizer=adafactor", "optimizer_args={beta1: 0.9}",
-                     "fused_backward=true", "stochastic_rounding=true", "dtype=bfloat16")
-    res = run_cli(DRIVER, "--report-memory", *args)
-    got = [json.loads(m) for m in re.findall(r"memory-report (\{.*?\})", res.stdout)]
-    plan = plan_memory(load_config(args[0], args[1:])).rows
-    assert len(got) == 1, got
-    assert got[0]["optimizer"] == pytest.approx(plan["optimizer state (adafactor)"], rel=0.01), (got, plan)
-    assert got[0]["gradients"] <= plan["gradients"], (got, plan)   # at most one tensor's gradient alive
 
 def test_fused_backward_trains_the_same_weights_as_the_plain_step(tmp_path):
     "fp32, no clipping at work, no accumulation: stepping each weight inside backward changes nothing in the result."

@@ -1,6 +1,6 @@
 """The trainer end to end on CPU: a short run from the command line, exact resume after SIGKILL (also during a save),
 SIGTERM handling, the non-finite-loss guard, 2-process DDP, and the official Stage C configs at tiny size."""
-import json, os, random, re, signal, socket, subprocess, sys, time
+import json, os, random, re, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
 from safetensors.torch import load_file
@@ -128,6 +128,33 @@ def _launch_2proc(*args, check=True):
     return run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
                    "--main_process_port", str(free_port()), DRIVER, *args, env={"OMP_NUM_THREADS": "1"}, check=check)
 
+def _committable_state(state_dir) -> dict:
+    """{file: digest} of a state directory, less accelerate's `random_states_N.pkl` (its copy of the process-global
+    RNGs, which no training draw uses: tests/test_random_draws.py) and torch.distributed.checkpoint's `.metadata`
+    indexes (they carry an id of their own per save; the `.distcp` shards they index are compared)."""
+    from cascade_nb.run_state import file_checksums
+    skip = lambda name: name.startswith("random_states_") or name == ".metadata"
+    return {k: v for k, v in file_checksums(state_dir).items() if not skip(Path(k).name)}
+
+def resumes_to_the_killed_state(run_dir, argv, launch=None, at=4, resume_flags=()):
+    """SIGKILL a run inside its checkpoint commit of update `at`, resume it, and assert that the state it commits for
+    `at` is, file for file, the one the killed process had written just before: up to that commit the killed process
+    was an uninterrupted run, so it is its own reference and no third run is needed. Returns the resumed run."""
+    launch = launch or (lambda *a, check=True: run_cli(DRIVER, *a, check=check))
+    killed = launch("--kill-in-commit", str(at), *argv, check=False)
+    committed = lambda: json.loads((run_dir / "info.json").read_text())["update"]
+    assert killed.returncode != 0 and committed() < at, killed.stdout[-3000:] + killed.stderr[-3000:]
+    state = run_dir / f"state-{at:08d}"
+    written = _committable_state(state)
+    assert "train_state.json" in written, written
+    stamp = (state / "train_state.json").stat().st_mtime_ns
+    resumed = launch(*resume_flags, *argv)
+    assert committed() >= at and (state / "train_state.json").stat().st_mtime_ns != stamp   # written anew
+    now = _committable_state(state)
+    differ = sorted(k for k in written.keys() | now.keys() if now.get(k) != written.get(k))
+    assert not differ, f"the resumed run committed another state for update {at}: {differ}"
+    return resumed
+
 def test_two_process_ddp(tmp_path):
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8"))
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
@@ -163,20 +190,16 @@ def test_official_stage_b_config_trains_at_tiny_size(name, tmp_path):
     assert (tmp_path / "out" / exp / "000002.png").exists()
 
 def test_two_process_fsdp_sharded_checkpoint_resume(tmp_path):
-    "FSDP2 over 2 CPU processes: each holds about half the weights; a sharded checkpoint resumes to the same weights."
-    run = ["updates=4", "save_every=2", "batch_size=8"]
-    ref = _launch_2proc("--fsdp-cpu", "--report-shards", *demo_args(tmp_path, "fsdp_ref", *run))
-    shares = [float(x) for x in re.findall(r"holds ([0-9.]+) of", ref.stdout)]   # two processes may share an output line
+    "FSDP2 over 2 CPU processes: each holds about half the weights; a sharded checkpoint resumes to the same state."
+    fsdp = lambda *a, check=True: _launch_2proc("--fsdp-cpu", *a, check=check)
+    res = resumes_to_the_killed_state(tmp_path / "ckpt" / "fsdp", demo_args(tmp_path, "fsdp", "updates=4", "save_every=2",
+                                      "batch_size=8"), launch=fsdp, resume_flags=["--report-shards"])
+    shares = [float(x) for x in re.findall(r"holds ([0-9.]+) of", res.stdout)]   # two processes may share an output line
     assert len(shares) == 2 and all(0.4 < s < 0.65 for s in shares), shares
-    state = tmp_path / "ckpt" / "fsdp_ref" / info(tmp_path, "fsdp_ref")["state_dir"]
+    state = tmp_path / "ckpt" / "fsdp" / info(tmp_path, "fsdp")["state_dir"]
     assert (state / "pytorch_model_fsdp_0").is_dir() and (state / "optimizer_0").is_dir()   # torch.distributed.checkpoint shards
-    killed = _launch_2proc("--fsdp-cpu", "--kill-in-commit", "4", *demo_args(tmp_path, "fsdp_res", *run), check=False)
-    assert killed.returncode != 0 and info(tmp_path, "fsdp_res")["update"] == 2
-    _launch_2proc("--fsdp-cpu", *demo_args(tmp_path, "fsdp_res", *run))
-    assert info(tmp_path, "fsdp_res")["update"] == 4
-    assert_identical(weights(tmp_path, "fsdp_res"), weights(tmp_path, "fsdp_ref"))
     from cascade_nb.models.stage_c import load_stage_c   # the gathered export is a plain official-layout state dict
-    load_stage_c(tmp_path / "ckpt" / "fsdp_ref" / "generator.safetensors", preset="tiny", c_in=3, c_out=3, patch_size=2)
+    load_stage_c(tmp_path / "ckpt" / "fsdp" / "generator.safetensors", preset="tiny", c_in=3, c_out=3, patch_size=2)
 
 def test_validation_loss_and_best_checkpoint(tmp_path):
     "val_every + val_webdataset_path: a deterministic validation loss is logged and the best weights are kept."

@@ -5,7 +5,7 @@ import json, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from conftest import ROOT, run_cli, free_port
-from test_train import DRIVER, demo_args, info, weights, assert_identical, _launch_2proc as launch_2proc
+from test_train import DRIVER, demo_args, info, _launch_2proc as launch_2proc, resumes_to_the_killed_state
 
 def metrics(tmp, name):
     return [json.loads(l) for l in (Path(tmp) / "out" / name / "metrics.jsonl").read_text().splitlines()]
@@ -45,26 +45,18 @@ def test_lr_and_ema_beta_depend_on_updates_only(tmp_path):
     for name in runs: assert logged[name] == logged["p1"], name
 
 def test_two_process_resume_keeps_each_rank_stream(tmp_path):
-    "After a 2-process resume each rank continues its own random stream: same weights as the uninterrupted run."
+    "After a 2-process resume each rank continues its own random stream: the same state as the uninterrupted run."
+    # the state committed after the resume is the killed process's own, rng_0 and rng_1 included: each rank's stream
+    # after the resumed updates is where the uninterrupted run's is (before the fix both ranks restored rank 0's)
     run = ["updates=4", "save_every=2", "batch_size=8"]
-    launch_2proc(*demo_args(tmp_path, "ref", *run))
-    state = tmp_path / "ckpt" / "ref" / info(tmp_path, "ref")["state_dir"]
+    resumes_to_the_killed_state(tmp_path / "ckpt" / "res", demo_args(tmp_path, "res", *run), launch=launch_2proc)
     from safetensors.torch import load_file
+    state = tmp_path / "ckpt" / "res" / info(tmp_path, "res")["state_dir"]
     r0, r1 = (load_file(str(state / f"rng_{i}.safetensors"))["state"] for i in (0, 1))
     assert not torch.equal(r0, r1)                       # one stream per rank, both in the checkpoint
-    killed = launch_2proc("--kill-in-commit", "4", *demo_args(tmp_path, "res", *run), check=False)
-    assert killed.returncode != 0 and info(tmp_path, "res")["update"] == 2
-    launch_2proc(*demo_args(tmp_path, "res", *run))
-    assert info(tmp_path, "res")["update"] == 4
-    assert_identical(weights(tmp_path, "res"), weights(tmp_path, "ref"))
-    assert_identical(weights(tmp_path, "res", "generator_ema"), weights(tmp_path, "ref", "generator_ema"))
-    # each rank's stream, after the resumed updates, is where the uninterrupted run's is (before the fix both ranks
-    # restored rank 0's stream), and the losses after the resume (the mean over both ranks) are the same
-    end = {n: tmp_path / "ckpt" / n / info(tmp_path, n)["state_dir"] for n in ("ref", "res")}
-    for i in (0, 1):
-        assert torch.equal(*(load_file(str(end[n] / f"rng_{i}.safetensors"))["state"] for n in ("ref", "res"))), f"rank {i}"
-    loss = {n: {r["update"]: r["loss"] for r in metrics(tmp_path, n) if "loss" in r} for n in ("ref", "res")}
-    assert [loss["res"][u] for u in (3, 4)] == [loss["ref"][u] for u in (3, 4)]
+    # the losses of updates 3 and 4 (the mean over both ranks), logged by the killed process and again after the resume
+    losses = [(r["update"], r["loss"]) for r in metrics(tmp_path, "res") if "loss" in r]
+    assert [u for u, _ in losses] == [1, 2, 3, 4, 3, 4] and losses[2:4] == losses[4:], losses
 
 PLANT = r'''
 import os, pickle, shutil, sys, torch
