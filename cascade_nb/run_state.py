@@ -507,6 +507,9 @@ class ScheduleFreeAdamW(OptimizerSpec):
         if t.stochastic_rounding:
             return ("cannot take stochastic_rounding: its z would be fp32 beside bf16 weights, and x is formed from "
                     "the two in place; set stochastic_rounding: false")
+        if t.lr_schedule != "constant":
+            return (f"replaces the LR decay with its average, so lr_schedule: {t.lr_schedule} would decay it twice; "
+                    "set lr_schedule: constant (warmup_updates still ramps the LR up)")
 
 
 # %% ../nbs/40_run_state.ipynb #fe698de7

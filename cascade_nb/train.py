@@ -714,7 +714,7 @@ def train(cfg: Config) -> dict:
         beta = (ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None
                 else None)
         if beta is not None: update_ema(run, beta)
-        mode.after_update(state)
+        with evaluation_view(run): mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
             report_nonfinite(run, guard)

@@ -141,3 +141,18 @@ def test_lcm_lora_and_lora_runs_sample_through_the_cli(tmp_path, teacher, capsys
     assert weights.name == "lora.safetensors"
     base = load_stage_c(teacher).float()
     assert any(not torch.equal(generator.state_dict()[k], v) for k, v in base.state_dict().items())   # the adapters are in
+
+def test_lcm_target_network_follows_schedule_free_x(tmp_path, teacher):
+    """Schedule-free AdamW trains y and releases x; LCM's target network, the student's EMA, averages x as the run's
+    EMA does (`target_ema_beta=0`: a copy of x after every update, which y is not)."""
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    train(load_config(DEMO, overrides(tmp_path, "sf", teacher, "lcm", "updates=2", "save_every=2", "lr=1e-2",
+                                      "optimizer=schedulefree_adamw", "lr_schedule=constant", "target_ema_beta=0")))
+    r, run = released(tmp_path, "sf"), tmp_path / "ck" / "sf"
+    x, target = r["generator.safetensors"], r["generator_ema.safetensors"]
+    y = load_file(str(run / json.loads((run / "info.json").read_text())["state_dir"] / "model.safetensors"))
+    y = {k.removeprefix("student."): v for k, v in y.items() if k.startswith("student.")}
+    assert x.keys() == target.keys() == y.keys()
+    assert all(torch.equal(target[k], x[k]) for k in x)
+    assert not all(torch.equal(y[k], x[k]) for k in x)

@@ -129,7 +129,8 @@ def test_fsdp_refuses_the_optimizers_that_cannot_step_shards():
         with pytest.raises(ConfigError, match=f"optimizer '{name}'|{OPTIMIZERS[name].__name__}"):
             plan_memory(cfg, world_size=2, fsdp=True)
     for name in ("lion", "schedulefree_adamw"):
-        plan_memory(load_config(DEMO, ["webdataset_path=x", f"optimizer={name}"]), world_size=2, fsdp=True)
+        cfg = load_config(DEMO, ["webdataset_path=x", f"optimizer={name}", "lr_schedule=constant"])
+        plan_memory(cfg, world_size=2, fsdp=True)
 
 @pytest.mark.parametrize("override, message", [
     ("optimizer_args={d_coef: 2}", "'d_coef' is not an option of optimizer 'adamw'"),
@@ -159,7 +160,9 @@ def test_fused_backward_trains_the_same_weights_as_the_plain_step(tmp_path):
     (["stochastic_rounding=true", "fused_backward=true"], "rounds into bf16 weights, but dtype is float32"),
     (["fused_backward=true", "grad_accum_steps=2"], "gradients cannot be accumulated over grad_accum_steps: 2"),
     (["optimizer=schedulefree_adamw", "stochastic_rounding=true", "fused_backward=true", "dtype=bfloat16"],
-     "optimizer 'schedulefree_adamw' cannot take stochastic_rounding")])
+     "optimizer 'schedulefree_adamw' cannot take stochastic_rounding"),
+    # demo.yaml decays the LR by a cosine
+    (["optimizer=schedulefree_adamw"], "lr_schedule: cosine would decay it twice; set lr_schedule: constant")])
 def test_fused_backward_combinations_that_cannot_work_are_refused(override, message):
     with pytest.raises(ConfigError) as e: load_config(DEMO, ["webdataset_path=x", *override])
     assert message in str(e.value), str(e.value)
@@ -178,7 +181,7 @@ def test_elementwise_optimizers_step_fsdp2_shards(tmp_path, name, lr):
     """Lion's and schedule-free AdamW's updates (and the latter's x/y switch) are elementwise, so they step FSDP2's
     sharded parameters (accelerate's FSDP2 path on 2 CPU processes; the EMA, sample grid and export run too)."""
     _launch_2proc("--fsdp-cpu", *demo_args(tmp_path, name, "updates=3", "save_every=3", "batch_size=8",
-                                           f"optimizer={name}", f"lr={lr}"))
+                                           f"optimizer={name}", f"lr={lr}", "lr_schedule=constant"))
     assert info(tmp_path, name)["update"] == 3 and info(tmp_path, name)["num_processes"] == 2
 
 def test_a_missing_schedulefree_names_the_extra(monkeypatch):
