@@ -127,7 +127,7 @@ def check_memory(S, device, dry):
     mv = S["mem_preset"]
     memory_line("official, batch 1", official_config(model_version=mv, batch_size=1), S, device)
     for label, ov in MEMORY_OPTIONS.items():
-        if dry and ov.get("optimizer") == "adamw8bit" and device.type == "cpu": ov = {**ov, "optimizer": "adamw"}   # bnb: CUDA only
+        if dry and ov.get("optimizer") == "adamw8bit" and device.type == "cpu": ov = {**ov, "optimizer": "adamw"}   # bitsandbytes runs on CPU, but its import alone costs ~10 CPU-s
         b = largest_batch(ov, S["budget"], "3.6B") if not dry else 2
         memory_line(f"{label} (largest batch planned to fit {S['budget']} GB)", official_config(model_version=mv, batch_size=b, **ov), S, device)
 

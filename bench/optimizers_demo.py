@@ -19,6 +19,7 @@ import torch
 
 ARMS = {   # name -> config overrides on top of configs/demo.yaml (lr 4e-3, cosine, 50 warm-up updates)
     "adamw": [],
+    "adamw8bit": ["optimizer=adamw8bit"],
     "adafactor": ["optimizer=adafactor"],
     "came": ["optimizer=came", "lr=4e-4"],
     "came_at_adamw_lr": ["optimizer=came"],

@@ -179,8 +179,9 @@ def check_optimizer_args(name: str, given: dict, where: str = "config") -> dict:
 # %% ../nbs/40_run_state.ipynb #6d9d193b
 @register_optimizer("adamw8bit")
 class AdamW8bit(OptimizerSpec):
-    "bitsandbytes' 8-bit AdamW: each moment in one byte (block-wise quantised)."
-    package, install = "bitsandbytes", "bitsandbytes"
+    """bitsandbytes' 8-bit AdamW: each moment in one byte, quantised in blocks of 256 with an fp32 scale per block
+    (on CPU too); tensors under 4096 weights keep fp32 moments."""
+    package, install = "bitsandbytes", "cascade_nb[optimizers]"
     fsdp_refusal = "bitsandbytes' 8-bit AdamW cannot update FSDP2's sharded (DTensor) parameters"
     @staticmethod
     def build(params, t, lr):
@@ -188,6 +189,11 @@ class AdamW8bit(OptimizerSpec):
         return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
     @staticmethod
     def state_bytes(param_bytes): return 2
+    @classmethod
+    def state_bytes_of(cls, shapes, param_bytes, args=None):
+        # per 8-bit tensor: two one-byte moments, two fp32 scales per block of 256, two 256-entry fp32 code books
+        def tensor(n): return 8 * n if n < 4096 else 2 * n + 8 * math.ceil(n / 256) + 2 * 4 * 256
+        return sum(tensor(math.prod(s)) for s in shapes)
 
 # %% ../nbs/40_run_state.ipynb #c0405d21
 def factored_numel(shape) -> int:

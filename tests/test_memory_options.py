@@ -1,6 +1,5 @@
 """Each memory option through the real trainer CLI at tiny size on CPU: bf16 weights, gradient checkpointing,
-EMA on CPU, 8-bit AdamW (a clear message without bitsandbytes) and the recommended LoRA combination."""
-import importlib.util
+EMA on CPU and the recommended LoRA combination (8-bit AdamW: tests/test_optimizers.py)."""
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -45,17 +44,6 @@ def test_bf16_weights_with_bf16_autocast(tmp_path, baseline):
 def test_bf16_weights_without_autocast(tmp_path):
     train(tmp_path, "bf16_noamp", "dtype=bfloat16", "mixed_precision=no")
     assert {v.dtype for v in released(tmp_path, "bf16_noamp").values()} == {torch.bfloat16}
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes installed: see the run test")
-def test_adamw8bit_without_bitsandbytes_says_what_to_install(tmp_path):
-    res = train(tmp_path, "adam8", "optimizer=adamw8bit", check=False)
-    assert res.returncode == 2 and "Traceback" not in res.stderr   # a config error, reported before anything is built
-    assert "optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes)" in res.stderr
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
-def test_adamw8bit_runs(tmp_path):
-    train(tmp_path, "adam8", "optimizer=adamw8bit")
-    assert released(tmp_path, "adam8")
 
 def test_lora_with_the_recommended_memory_options(tmp_path):
     res = train(tmp_path, "lora", "module_filters=['.attn']", "rank=4", "dtype=bfloat16", "mixed_precision=bf16",

@@ -1,4 +1,4 @@
-"""The optimizers beyond AdamW (adafactor, came, lion, prodigy, schedulefree_adamw), the LR schedules and the fused
+"""The optimizers beyond AdamW (adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw), the LR schedules and the fused
 backward pass through the trainer's paths:
 each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes and commits
 the very state the killed process had written (weights, optimizer state, EMA, data position, random streams), and the
@@ -14,7 +14,7 @@ from cascade_nb.config import ConfigError, load_config
 from cascade_nb.run_state import OPTIMIZERS
 import cascade_nb.modes   # noqa: F401 -- configs load as every command loads them
 
-NEW = ("adafactor", "came", "lion", "prodigy", "schedulefree_adamw")
+NEW = ("adamw8bit", "adafactor", "came", "lion", "prodigy", "schedulefree_adamw")
 ROOT = __import__("conftest").ROOT
 DEMO = str(ROOT / "configs" / "demo.yaml")
 
@@ -44,6 +44,7 @@ def test_optimizer_state_round_trips_exactly(name):
 
 @pytest.mark.parametrize("name, extra", [
     ("prodigy", ["lr=1.0", "lr_schedule=cosine", "warmup_shape=cosine"]),
+    ("adamw8bit", ["lr_schedule=linear", "min_lr=1e-4"]),
     ("came", ["lr=4e-4", "lr_schedule=polynomial"]),
     ("lion", ["lr=1e-4", "weight_decay=0.1", "lr_schedule=cosine_with_restarts", "lr_cycles=2"]),
     # fused backward with bf16 weights and stochastic rounding: the per-tensor states and the roundings resume too
@@ -184,11 +185,12 @@ def test_elementwise_optimizers_step_fsdp2_shards(tmp_path, name, lr):
                                            f"optimizer={name}", f"lr={lr}", "lr_schedule=constant"))
     assert info(tmp_path, name)["update"] == 3 and info(tmp_path, name)["num_processes"] == 2
 
-def test_a_missing_schedulefree_names_the_extra(monkeypatch):
+@pytest.mark.parametrize("name, package", [("schedulefree_adamw", "schedulefree"), ("adamw8bit", "bitsandbytes")])
+def test_a_missing_package_names_the_extra(monkeypatch, name, package):
     import importlib.util
     from accelerate.utils import DistributedType
     from cascade_nb.train import check_optimizer
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "schedulefree" else real(n, *a))
-    with pytest.raises(ConfigError, match=r"needs schedulefree \(pip install 'cascade_nb\[optimizers\]'\)"):
-        check_optimizer("schedulefree_adamw", DistributedType.NO)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == package else real(n, *a))
+    with pytest.raises(ConfigError, match=rf"needs {package} \(pip install 'cascade_nb\[optimizers\]'\)"):
+        check_optimizer(name, DistributedType.NO)
