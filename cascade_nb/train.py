@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn, enable_tf32
 from .models.blocks import compile_blocks, compile_seconds
-from .config import Config, load_config, save_config, ConfigError
+from .config import Config, load_config, save_config, ConfigError, import_modules
+from .registry import registry
 from .cli import cli_parser, parse_cli, cli_errors, error_line
 # the modes' names are also `cascade_nb.train.X` (they lived here before `cascade_nb.modes`): some are re-exports only
 from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
@@ -38,13 +39,13 @@ from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover,
                                      size_rule, check_resolution_schedule, at_resolution)
 
 # %% auto #0
-__all__ = ['QUIET_ON_RESUME', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss', 'per_process_batch',
-           'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run', 'build_optimizer', 'gradient_norm',
-           'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite', 'save', 'report_nonfinite',
-           'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'tracker_image', 'log_samples',
-           'log_metrics', 'validate', 'init_trackers', 'duration', 'Clock', 'report_partial_states', 'run_summary',
-           'check_optimizer', 'start_launch', 'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics',
-           'main']
+__all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'LAUNCH_CHECK_MODULES', 'sample_latents', 'sample_rows', 'validation_noise',
+           'validation_loss', 'per_process_batch', 'batch_stream', 'whole_source', 'training_data', 'preview_batch',
+           'Run', 'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite',
+           'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
+           'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers', 'duration', 'Clock',
+           'report_partial_states', 'run_summary', 'check_optimizer', 'run_launch_checks', 'start_launch',
+           'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -548,6 +549,18 @@ def check_optimizer(name: str, distributed_type, fused: bool = False) -> None:
         raise ConfigError(f"optimizer {name!r} needs {spec.package} (pip install {repr(pip) if '[' in pip else pip}), "
                           "which is not installed")
 
+# %% ../nbs/41_train.ipynb #4b132574
+LAUNCH_CHECKS = registry("launch_check", how="@LAUNCH_CHECKS.register('name') on a function (cfg, acc)")
+"Functions `check(cfg, acc)` that `start_launch` runs before any model is built: they warn, or raise `ConfigError`."
+
+LAUNCH_CHECK_MODULES = ("cascade_nb.check",)
+"The modules, later in the reading order, that register launch checks (imported by `run_launch_checks`)."
+
+def run_launch_checks(cfg: Config, acc) -> None:
+    "Import `LAUNCH_CHECK_MODULES`, then run every registered launch check on `cfg` with the accelerator `acc`."
+    import_modules(LAUNCH_CHECK_MODULES, "launch")
+    for check in list(LAUNCH_CHECKS.values()): check(cfg, acc)
+
 # %% ../nbs/41_train.ipynb #f8d5cda3
 def start_launch(cfg: Config) -> tuple:
     """(acc, run_dir, out_dir, info): what the model cannot take refused, the processes, devices, precision and
@@ -563,6 +576,8 @@ def start_launch(cfg: Config) -> tuple:
                       mixed_precision=t.mixed_precision, log_with=_trackers(cfg),
                       project_dir=str(Path(ck.output_path)/ck.experiment_id))
     check_optimizer(t.optimizer, acc.distributed_type, t.fused_backward)
+    # the checks of `python -m cascade_nb.check` that need no data scan: warnings, or a refusal
+    run_launch_checks(cfg, acc)
     # TF32 matmuls and convolutions on CUDA tensor cores (no effect on CPU)
     enable_tf32()
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
