@@ -229,7 +229,7 @@ DATA_TARGET_MODES = {"full", "lora", "controlnet"}
 def _data(ctx: CheckContext, name: str) -> DataStats | None:
     "The data scan for check `name`, or None (recorded as skipped) when it is off or failed."
     d = ctx.data
-    if d is None: return ctx.skip(name, "no data scan (train does not scan; python -m cascade_nb.check does)") or None
+    if d is None: return ctx.skip(name, "no data scan: --no-data, or at the start of train") or None
     if isinstance(d, Exception): return ctx.skip(name, "the data could not be read") or None
     return d
 
