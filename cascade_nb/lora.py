@@ -590,7 +590,11 @@ def _lora_memory_terms(cls, cfg, generator, batch, side, prec):
         rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing
                                        else adapted) * prec.compute
         if lc.train_tokens:
-            rows["text encoder activations (train_tokens)"] = batch * 77 * 1280 * 16 * 32 * prec.compute
+            # the text encoder runs with gradients for the new tokens: about 16 saved values per token, unit of width
+            # and layer (CLIP ViT-bigG: 1280 wide, 32 layers; the tiny test encoder: its width, 2 layers)
+            tiny = cfg.model.clip_text_model_name == "tiny"
+            width, layers = (cfg.model.model_overrides.get("c_clip_text", 64), 2) if tiny else (1280, 32)
+            rows["text encoder activations (train_tokens)"] = batch * 77 * width * 16 * layers * prec.compute
     return MemoryTerms(n_train, 4, "attn" if all(".attention.attn." in t for t in targets) else "all", rows)
 
 # %% ../nbs/60_lora.ipynb #e7d8a9d7
