@@ -163,10 +163,14 @@ def checkpoint_file(path, stem: str, lite: bool | None = None, dtype=None) -> Pa
 
 # %% ../nbs/00_core.ipynb #cc0ad644
 def safetensors_header(path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
-    "(metadata, {key: shape}) of a `.safetensors` file, read from its header without loading any tensor."
-    from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    """(metadata, {key: shape}) of a `.safetensors` file, read from its header without loading any tensor; a file that
+    is not one (truncated, corrupt, a pickle) is a one-line `ValueError` naming it."""
+    from safetensors import safe_open, SafetensorError
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
 
 # %% ../nbs/00_core.ipynb #cd556da6
 def save_with_config(model: torch.nn.Module, path, key: str, dtype=None):
@@ -175,16 +179,30 @@ def save_with_config(model: torch.nn.Module, path, key: str, dtype=None):
     save_safetensors_atomic({k: cast(v) for k, v in model.state_dict().items()}, path,
                             metadata={key: json.dumps(model.config)})
 
+# %% ../nbs/00_core.ipynb #8ca17726
+def _check_header_fits(model: torch.nn.Module, path, what: str):
+    "Refuse `path` if its header's keys or shapes differ from `model`'s state dict (`ValueError` naming the keys)."
+    _, shapes = safetensors_header(path)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, unexpected = [k for k in want if k not in shapes], [k for k in shapes if k not in want]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match {what}: {len(missing)} missing keys {missing[:5]}, "
+                         f"{len(unexpected)} unexpected {unexpected[:5]}")
+    wrong = [f"{k}: {shapes[k]} in the file, {want[k]} in the model" for k in want if shapes[k] != want[k]]
+    if wrong: raise ValueError(f"{path} does not match {what}: {len(wrong)} shapes differ, e.g. {wrong[0]}")
+
 # %% ../nbs/00_core.ipynb #afe7f9d5
 def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | None = None,
                             device=None) -> torch.nn.Module:
     """Assign a `.safetensors` file's tensors (floats cast to `dtype`) to `model` (e.g. on meta); refuse any key or
     shape mismatch."""
     from safetensors.torch import load_file
-    sd = load_file(str(path), device=str(device or "cpu"))
-    if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     what = type(model).__name__ + (f" with config {model.config}"
                                    if isinstance(getattr(model, "config", None), dict) else "")
+    # the header first: a file of the wrong model is refused before any of its tensors is read
+    _check_header_fits(model, path, what)
+    sd = load_file(str(path), device=str(device or "cpu"))
+    if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     try: result = model.load_state_dict(sd, strict=False, assign=True)
     except RuntimeError as e: raise ValueError(f"{path} does not match {what}: tensors do not fit: {e}") from None
     missing, unexpected = result.missing_keys, result.unexpected_keys
