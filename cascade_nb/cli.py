@@ -10,6 +10,8 @@ import argparse, contextlib, os, sys
 from pathlib import Path
 from .registry import Registry, UnknownChoice
 from .config import ConfigError
+from .core import safetensors_header
+from .hub import weights_file
 
 # %% auto #0
 __all__ = ['cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'output_dir',
@@ -96,14 +98,10 @@ def output_dir(path, option: str = "--out") -> Path:
 
 # %% ../nbs/01a_cli.ipynb #4fe13440
 def readable_weights(path) -> Path:
-    """Check that `path` is a readable safetensors file (header and tensor table) without loading it; `ValueError`
-    otherwise."""
-    from safetensors import safe_open
-    path = Path(path)
+    """The local file `path` names (a hub id is fetched into the cache, `hub.weights_file`), checked to be a readable
+    safetensors file (header and tensor table) without loading it; `ValueError` otherwise."""
+    path = weights_file(path)
     if not path.is_file():
         raise FileNotFoundError(2, "no such weights file" if not path.exists() else "not a file", str(path))
-    try:
-        with safe_open(str(path), "pt") as f: f.keys()
-    except Exception as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    safetensors_header(path)
     return path

@@ -42,8 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-b", type=at_least(1), default=10); p.add_argument("--cfg-b", type=float, default=1.1)
     p.add_argument("--stage-c", choices=("3.6B", "1B"), default=None, help="Stage C preset (default: inferred)")
     p.add_argument("--stage-c-weights", default=None,
-                   help="a Stage C .safetensors or a training run directory (e.g. a distilled student) used instead "
-                        "of --models' stage_c*")
+                   help="a Stage C .safetensors, a hub id (hf://owner/repo/file.safetensors[@revision]) or a training "
+                        "run directory (e.g. a distilled student) used instead of --models' stage_c*")
     p.add_argument("--sampler-c", default="ddpm",
                    help=f"Stage C sampler, a registered one: {', '.join(SAMPLERS)} or one of "
                         "--import's (lcm for an LCM student, e.g. --steps-c 4 --cfg-c 1)")
@@ -100,7 +100,8 @@ def main(argv=None) -> int:
             if w.is_dir() and not (w/"info.json").exists():
                 raise FileNotFoundError(2, "--stage-c-weights: not a weights file or a run directory (no info.json)",
                                         str(w))
-            if not w.is_dir(): readable_weights(w)
+            # the option's text, not `w`: a Path would fold the '//' of a hub id
+            if not w.is_dir(): readable_weights(args.stage_c_weights)
         check_models_dir(args.models, skip=("stage_c",) if args.stage_c_weights else ())
         pipe = CascadePipeline.from_dir(args.models, stage_c=args.stage_c, stage_b=args.stage_b,
                                         text_encoder=args.text_encoder, image_encoder=args.image_encoder,

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .core import default_device, resolve_dtype, to_uint8, seeded_randn
+from .hub import parse_hub_spec
 from .gdf.presets import stage_c_gdf, stage_b_gdf, SAMPLING_DEFAULTS
 from .gdf.samplers import SAMPLERS
 from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode_image, load_clip_tokenizer,
@@ -109,9 +110,9 @@ def _stage_loader(d: Path, stem: str, subfolder: str, load_official: Callable, d
 # %% ../nbs/50_inference.ipynb #36825840
 def stage_c_weights_loader(path, preset: str | None, dtype, device) -> Callable:
     """A loader for a Stage C from a weights file (official or cascade_nb's) or a training run directory (its released
-    weights, EMA first)."""
-    path = Path(path)
-    if path.is_dir():
+    weights, EMA first); a hub id (`hf://...`) is a weights file."""
+    # `path` stays as given: Path() would fold the '//' of a hub id
+    if parse_hub_spec(path) is None and Path(path).is_dir():
         from cascade_nb.sample import run_generator
         return lambda: run_generator(path, device=device)[1].to(dtype)
     from cascade_nb.models.stage_c import load_stage_c

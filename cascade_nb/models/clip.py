@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from ..core import frozen, seeded, seeded_rand
+from ..hub import model_folder
 
 # %% auto #0
 __all__ = ['CLIP_TEXT_MODEL', 'CLIP_IMAGE_MODEL', 'CLIP_MAX_LENGTH', 'CLIP_MEAN', 'CLIP_STD', 'sample_tokenizer_dir',
@@ -36,22 +37,26 @@ def sample_tokenizer_dir() -> Path:
 
 # %% ../../nbs/22_models.clip.ipynb #f4103adf
 def load_clip_tokenizer(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, **kwargs):
-    "CLIP tokenizer from a local directory or a hub id (like the reference: the text encoder's own tokenizer)."
+    """CLIP tokenizer from a local directory, a hub id or an `hf://owner/repo/folder` (like the reference: the text
+    encoder's own tokenizer)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(name_or_path), **kwargs)
+    return AutoTokenizer.from_pretrained(str(model_folder(name_or_path)), **kwargs)
 
 # %% ../../nbs/22_models.clip.ipynb #2aa5065f
 def load_clip_text_model(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, device=None, dtype=None, **kwargs):
-    "Frozen `CLIPTextModelWithProjection` from a local directory or a hub id (default: the reference's bigG)."
+    """Frozen `CLIPTextModelWithProjection` from a local directory, a hub id or an `hf://owner/repo/folder` (default:
+    the reference's bigG)."""
     from transformers import CLIPTextModelWithProjection
-    return frozen(CLIPTextModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype,
+    return frozen(CLIPTextModelWithProjection.from_pretrained(str(model_folder(name_or_path)), **kwargs), device, dtype,
                   allow_fp16=True)
 
 # %% ../../nbs/22_models.clip.ipynb #5937f12f
 def load_clip_image_model(name_or_path: str | os.PathLike = CLIP_IMAGE_MODEL, device=None, dtype=None, **kwargs):
-    "Frozen `CLIPVisionModelWithProjection` from a local directory or a hub id (default: the reference's ViT-L/14)."
+    """Frozen `CLIPVisionModelWithProjection` from a local directory, a hub id or an `hf://owner/repo/folder`
+    (default: the reference's ViT-L/14)."""
     from transformers import CLIPVisionModelWithProjection
-    return frozen(CLIPVisionModelWithProjection.from_pretrained(str(name_or_path), **kwargs), device, dtype,
+    return frozen(CLIPVisionModelWithProjection.from_pretrained(str(model_folder(name_or_path)), **kwargs), device,
+                  dtype,
                   allow_fp16=True)
 
 # %% ../../nbs/22_models.clip.ipynb #0bc289d7

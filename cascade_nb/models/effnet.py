@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..core import append_dims, load_safetensors_strict, frozen
+from ..hub import weights_file
 
 # %% auto #0
 __all__ = ['EFFICIENTNET_V2_S', 'IMAGENET_MEAN', 'IMAGENET_STD', 'EFFNET_PRESETS', 'ConvNormAct', 'SqueezeExcitation',
@@ -148,6 +149,6 @@ class EfficientNetEncoder(nn.Module):
 
 # %% ../../nbs/23_models.effnet.ipynb #53fbc53f
 def load_effnet_encoder(path: str | os.PathLike, device=None, dtype=None, preset: str = "v2_s") -> EfficientNetEncoder:
-    "Frozen `EfficientNetEncoder` in eval mode from an official `effnet_encoder.safetensors`."
+    "Frozen `EfficientNetEncoder` in eval mode from an official `effnet_encoder.safetensors` (a path or a hub id)."
     with torch.device("meta"): model = EfficientNetEncoder.from_preset(preset)
-    return frozen(load_safetensors_strict(model, path), device, dtype)
+    return frozen(load_safetensors_strict(model, weights_file(path)), device, dtype)

@@ -10,6 +10,7 @@ import os
 import torch
 from torch import nn
 from ..core import load_safetensors_strict, frozen
+from ..hub import weights_file
 
 # %% auto #0
 __all__ = ['Previewer', 'load_previewer']
@@ -39,6 +40,7 @@ class Previewer(nn.Module):
 
 # %% ../../nbs/24_models.previewer.ipynb #c4d87bef
 def load_previewer(path: str | os.PathLike, device=None, dtype=None, **config) -> Previewer:
-    "Frozen `Previewer` in eval mode from an official `previewer.safetensors` (`config`: non-default constructor args)."
+    """Frozen `Previewer` in eval mode from an official `previewer.safetensors` (a path or a hub id; `config`:
+    non-default constructor args)."""
     with torch.device("meta"): model = Previewer(**config)
-    return frozen(load_safetensors_strict(model, path), device, dtype)
+    return frozen(load_safetensors_strict(model, weights_file(path)), device, dtype)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from ..core import save_with_config, load_with_config, frozen
+from ..hub import weights_file
 from .blocks import LayerNorm2d
 
 # %% auto #0
@@ -137,9 +138,9 @@ def save_stage_a(model: StageA, path: str | os.PathLike):
 
 # %% ../../nbs/28_models.stage_a.ipynb #d8e87fa8
 def load_stage_a(path: str | os.PathLike, device=None, dtype=None, preset: str | None = None, **overrides) -> StageA:
-    """Frozen `StageA` in eval mode from `stage_a.safetensors` (a file or a directory); config: preset, else metadata,
-    else official."""
-    path = Path(path)
+    """Frozen `StageA` in eval mode from `stage_a.safetensors` (a file, a directory or a hub id); config: preset, else
+    metadata, else official."""
+    path = weights_file(path)
     if path.is_dir(): path = path / 'stage_a.safetensors'
     if not path.is_file(): raise FileNotFoundError(f"load_stage_a: no Stage A weights at {path}")
     model = load_with_config(StageA, path, _META_KEY, STAGE_A_PRESETS, preset, lambda shapes: 'official',

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from ..core import (resolve_dtype, checkpoint_file, save_with_config, load_with_config, seeded_rand,
                             seeded_randn)
+from ..hub import weights_file
 from .blocks import LayerNorm2d, TimestepBlock
 from .stage_c import StageC
 
@@ -116,9 +117,10 @@ def _infer_stage_b_preset(shapes: dict) -> str:
 
 # %% ../../nbs/26_models.stage_b.ipynb #c09b2af1
 def load_stage_b(path_or_dir, preset: str | None = None, dtype=None, device='cpu', **overrides) -> StageB:
-    "Load Stage B weights (official or ours, safetensors only) into a model built on the meta device."
+    """Load Stage B weights (official or ours, safetensors only; a file, a folder or a hub id) into a model built on
+    the meta device."""
     dtype = resolve_dtype(dtype)
-    path = checkpoint_file(path_or_dir, 'stage_b', None if preset is None else preset == '700M', dtype)
+    path = checkpoint_file(weights_file(path_or_dir), 'stage_b', None if preset is None else preset == '700M', dtype)
     model = load_with_config(StageB, path, _META_KEY, STAGE_B_PRESETS, preset, _infer_stage_b_preset, dtype, device,
                              overrides)
     return model.to(device)

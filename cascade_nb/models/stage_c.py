@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config
+from ..hub import weights_file
 from .blocks import (LayerNorm2d, ResBlock, AttnBlock, FeedForwardBlock, TimestepBlock,
                                       UpDownBlock2d)
 from ..registry import registry, UnknownChoice
@@ -321,9 +322,10 @@ def _infer_preset(shapes: dict) -> str:
 
 # %% ../../nbs/21_models.stage_c.ipynb #43242774
 def load_stage_c(path_or_dir, preset: str | None = None, dtype=None, device='cpu', **overrides) -> StageC:
-    "Load Stage C weights (official or ours, safetensors only) into a model built on the meta device."
+    """Load Stage C weights (official or ours, safetensors only; a file, a folder or a hub id) into a model built on
+    the meta device."""
     dtype = resolve_dtype(dtype)
-    path = checkpoint_file(path_or_dir, 'stage_c', None if preset is None else preset == '1B', dtype)
+    path = checkpoint_file(weights_file(path_or_dir), 'stage_c', None if preset is None else preset == '1B', dtype)
     model = load_with_config(StageC, path, _META_KEY, STAGE_C_PRESETS, preset, _infer_preset, dtype, device,
                              overrides)
     return model.to(device)
