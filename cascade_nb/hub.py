@@ -12,7 +12,8 @@ from pathlib import Path
 from .core import safetensors_header
 
 # %% auto #0
-__all__ = ['HUB_PREFIX', 'FOLDER_PATTERNS', 'HubSpec', 'parse_hub_spec', 'hub_settings', 'hub_error', 'hub_file', 'weights_file',
+__all__ = ['HUB_PREFIX', 'FOLDER_PATTERNS', 'HubSpec', 'HubError', 'HubFileNotFound', 'HubAccessDenied', 'HubUnreachable',
+           'HubRequestFailed', 'HubBadFile', 'parse_hub_spec', 'hub_settings', 'hub_error', 'hub_file', 'weights_file',
            'hub_folder', 'model_folder']
 
 # %% ../nbs/00d_hub.ipynb #02ef7ef3
@@ -34,6 +35,16 @@ class HubSpec:
         return (f"{HUB_PREFIX}{self.repo_id}" + (f"/{self.path}" if self.path else "")
                 + (f"@{self.revision}" if self.revision else ""))
 
+# %% ../nbs/00d_hub.ipynb #f892104f
+class HubError(Exception):
+    "A spec the hub or its cache cannot give; one line naming repository, file, revision and what to do."
+
+class HubFileNotFound(HubError, FileNotFoundError): "A repository, revision or file that is not there (or not cached)."
+class HubAccessDenied(HubError, PermissionError): "A gated repository whose licence is not accepted, or no login."
+class HubUnreachable(HubError, ConnectionError): "The hub cannot be reached and the file is not cached."
+class HubRequestFailed(HubError, OSError): "Another answer of the hub (a 5xx, a rate limit)."
+class HubBadFile(HubError, ValueError): "A malformed spec, a pickle asked for, or a cached file that is unreadable."
+
 # %% ../nbs/00d_hub.ipynb #350e0f14
 def parse_hub_spec(spec) -> HubSpec | None:
     """The `HubSpec` a weights spec names, or None for a local path: `hf://owner/repo[/path][@revision]` always, a bare
@@ -43,7 +54,7 @@ def parse_hub_spec(spec) -> HubSpec | None:
     s = str(spec)
     if s.startswith(HUB_PREFIX):
         m = _HUB_RE.fullmatch(s[len(HUB_PREFIX):])
-        if m is None: raise ValueError(f"{s!r} is not a hub id: expected hf://owner/repo/path/in/repo[@revision]")
+        if m is None: raise HubBadFile(f"{s!r} is not a hub id: expected hf://owner/repo/path/in/repo[@revision]")
         return HubSpec(m["repo"], m["path"] or "", m["rev"])
     m = _HUB_RE.fullmatch(s)
     if m is None or not (m["path"] or "").endswith(".safetensors") or Path(s).exists(): return None
@@ -80,22 +91,25 @@ def _transport_errors() -> tuple:
     return tuple(found)
 
 # %% ../nbs/00d_hub.ipynb #90645999
+def _status(e) -> str: return str(getattr(getattr(e, "response", None), "status_code", "error"))
+
 def _not_cached(s: HubSpec, e) -> str:
     why = "HF_HUB_OFFLINE is set" if hub_settings()["local_files_only"] else "the hub cannot be reached"
     return (f"{s}: {s.path or 'the files'} of {s.repo_id} (revision {s.revision or 'main'!r}) is not downloaded "
             f"yet and {why}: run once online, or {_get_cmd(s)}")
 
 _HUB_ERRORS = (
-    ("GatedRepoError", PermissionError, lambda s, e: f"{s}: {s.repo_id} is gated: accept its licence at {_web(s)} "
+    ("GatedRepoError", HubAccessDenied, lambda s, e: f"{s}: {s.repo_id} is gated: accept its licence at {_web(s)} "
      "and log in (`hf auth login`, or set HF_TOKEN)"),
-    ("RepositoryNotFoundError", FileNotFoundError, lambda s, e: f"{s}: no repository {s.repo_id} at {_web(s)} "
+    ("RepositoryNotFoundError", HubFileNotFound, lambda s, e: f"{s}: no repository {s.repo_id} at {_web(s)} "
      "(a typo, or a private repository: log in with `hf auth login`, or set HF_TOKEN)"),
-    ("RevisionNotFoundError", FileNotFoundError, lambda s, e: f"{s}: {s.repo_id} has no revision "
+    ("RevisionNotFoundError", HubFileNotFound, lambda s, e: f"{s}: {s.repo_id} has no revision "
      f"{s.revision or 'main'!r} (a branch, a tag or a commit)"),
-    ("RemoteEntryNotFoundError", FileNotFoundError, lambda s, e: f"{s}: {s.repo_id} has no file {s.path!r} at "
+    ("RemoteEntryNotFoundError", HubFileNotFound, lambda s, e: f"{s}: {s.repo_id} has no file {s.path!r} at "
      f"revision {s.revision or 'main'!r} (its files: {_web(s)}/tree/{s.revision or 'main'})"),
-    ("LocalEntryNotFoundError", FileNotFoundError, _not_cached),
-    ("HfHubHTTPError", OSError, lambda s, e: f"{s}: the hub answered {' '.join(str(e).split())[:200]}"),
+    ("LocalEntryNotFoundError", HubFileNotFound, _not_cached),
+    ("HfHubHTTPError", HubRequestFailed, lambda s, e: f"{s}: the hub answered HTTP {_status(e)}: try again later, "
+     f"or check {_web(s)}"),
 )
 "(huggingface_hub.errors class, what we raise, its one line), most specific first."
 
@@ -106,7 +120,7 @@ def hub_error(exc: BaseException, spec: HubSpec) -> BaseException | None:
     for name, cls, message in _HUB_ERRORS:
         if isinstance(exc, getattr(errors, name)): return cls(message(spec, exc))
     if isinstance(exc, (*_transport_errors(), ConnectionError)):
-        return ConnectionError(f"{spec}: cannot reach {_web(spec)} ({' '.join(str(exc).split())[:120]}); set "
+        return HubUnreachable(f"{spec}: cannot reach {_web(spec)} ({' '.join(str(exc).split())[:120]}); set "
                                f"HF_HUB_OFFLINE=1 to use the cache, or run {_get_cmd(spec)} where the hub is reachable")
     return None
 
@@ -131,12 +145,12 @@ def weights_file(spec) -> Path:
     hub = parse_hub_spec(spec)
     if hub is None: return Path(spec)
     if not hub.path.endswith(".safetensors"):
-        raise ValueError(f"{hub}: weights are taken from the hub only as .safetensors files (no pickle); name the "
+        raise HubBadFile(f"{hub}: weights are taken from the hub only as .safetensors files (no pickle); name the "
                          f"file, e.g. {HUB_PREFIX}{hub.repo_id}/NAME.safetensors")
     path = hub_file(hub)
     try: safetensors_header(path)
     except ValueError as e:
-        raise ValueError(f"{hub}: the cached file is not readable ({e}); delete it, or run "
+        raise HubBadFile(f"{hub}: the cached file is not readable ({e}); delete it, or run "
                          f"{_get_cmd(hub, '--force-download')}") from None
     return path
 
@@ -150,7 +164,7 @@ def hub_folder(spec: HubSpec, patterns=FOLDER_PATTERNS) -> Path:
     sub = spec.path.strip("/")
     root = _fetch(snapshot_download, spec, allow_patterns=[f"{sub}/{p}" if sub else p for p in patterns])
     if not (root/sub).is_dir():
-        raise FileNotFoundError(f"{spec}: {spec.repo_id} has no folder {sub!r} at revision {spec.revision or 'main'!r}")
+        raise HubFileNotFound(f"{spec}: {spec.repo_id} has no folder {sub!r} at revision {spec.revision or 'main'!r}")
     return root/sub
 
 # %% ../nbs/00d_hub.ipynb #af7e3f6e

@@ -798,8 +798,9 @@ def main(argv=None):
     if "ACCELERATE_MIXED_PRECISION" in os.environ: die_with_parent()
     try:
         from cascade_nb.data.sources import DataError
-        # config and run-directory problems: one line, exit 2
-        with cli_errors(RunDirError, NonFiniteLossError, DataError):
+        from cascade_nb.hub import HubError
+        # config, run-directory and hub-weights problems: one line, exit 2
+        with cli_errors(RunDirError, NonFiniteLossError, DataError, HubError):
             # the result goes: a console script exits with main()'s value
             train(load_config(args.config, args.overrides))
     finally:

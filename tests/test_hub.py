@@ -1,0 +1,202 @@
+"""Weights by hub id (cascade_nb.hub) without a network: downloads through huggingface_hub from a small HTTP server on
+127.0.0.1 that speaks the hub's file-resolve protocol, offline resolution from a cache the test lays out, and the
+trainer given a hub id for its generator.
+
+The server answers HEAD and GET `/{owner}/{repo}/resolve/{revision}/{path}` the way huggingface_hub 2.x needs for a
+plain (non-xet) file: `ETag` (the blob's name in the cache), `X-Repo-Commit` (the snapshot folder), `Content-Length`,
+`Range` requests answered 206 with `Content-Range`, and errors as the hub sends them, a status with `X-Error-Code`
+(`EntryNotFound`, `RepoNotFound`, `GatedRepo`). It never sends `X-Xet-*` headers, so no xet download is tried.
+huggingface_hub reads HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE into `huggingface_hub.constants` at import, but
+`cascade_nb.hub.hub_settings` reads the environment at each call and passes them as arguments, so `monkeypatch.setenv`
+is enough. Two constants are patched: `constants.HF_HUB_OFFLINE` (False for the online tests, in case the environment
+running the suite is offline: huggingface_hub's HTTP layer refuses every request when it is True) and
+`constants.DOWNLOAD_CHUNK_SIZE` (10 MB; 64 KiB here, so that a cut-off 2 MB file has whole chunks on disk to resume
+from: the bytes of an unfinished chunk are lost with the connection)."""
+import hashlib, http.server, json, re, threading, urllib.parse
+from pathlib import Path
+import pytest
+import torch
+from safetensors.torch import load_file
+from conftest import ROOT, run_cli
+from cascade_nb.core import save_safetensors_atomic
+from cascade_nb.hub import weights_file
+from cascade_nb.models.stage_c import StageC, load_stage_c
+
+COMMIT = "0123456789abcdef" * 2 + "01234567"
+CHUNK = 64 * 1024
+RESOLVE = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)")
+
+
+class HubHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args): pass
+
+    def _answer(self, body: bool):
+        hub = self.server.hub
+        hub["requests"].append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
+        m = RESOLVE.fullmatch(urllib.parse.unquote(self.path))
+        repo, path = (m["repo"], m["path"]) if m else (None, None)
+        if repo in hub["gated"]: return self._error(403, "GatedRepo")
+        if repo not in hub["repos"]: return self._error(401, "RepoNotFound")
+        data = hub["repos"][repo].get(path)
+        if data is None: return self._error(404, "EntryNotFound")
+        start = int(re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "bytes=0-"))[1])
+        self.send_response(206 if start else 200)
+        self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Length", str(len(data) - start))
+        if start: self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.end_headers()
+        if not body: return
+        fault = hub["faults"][path].pop(0) if hub["faults"].get(path) else None
+        if fault is not None:
+            # promise the whole file, send `fault` bytes, close: the client sees a cut-off body
+            self.wfile.write(data[start:start + fault]); self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(data[start:])
+
+    def _error(self, status: int, code: str):
+        self.send_response(status)
+        self.send_header("X-Error-Code", code); self.send_header("X-Error-Message", code)
+        self.send_header("Content-Length", "0"); self.end_headers()
+
+    def do_HEAD(self): self._answer(body=False)
+
+    def do_GET(self):
+        m = RESOLVE.fullmatch(urllib.parse.unquote(self.path))
+        faults = self.server.hub["faults"].get(m["path"] if m else None)
+        if faults and faults[0] == "500":
+            # a failing retry: huggingface_hub gives up and keeps the partial file for the next call
+            faults.pop(0)
+            self.server.hub["requests"].append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
+            return self._error(500, "Internal")
+        self._answer(body=True)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    "A hub on 127.0.0.1 (HF_ENDPOINT) with an empty cache (HF_HUB_CACHE); its state dict: repos, gated, faults, requests."
+    from huggingface_hub import constants
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
+    server.hub = dict(repos={}, gated=set(), faults={}, requests=[])
+    thread = threading.Thread(target=server.serve_forever, daemon=True); thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", CHUNK)
+    yield server.hub
+    server.shutdown(); server.server_close(); thread.join()
+
+
+def tiny_stage_c_bytes(tmp_path) -> tuple[bytes, StageC]:
+    model = StageC.from_preset("tiny")
+    save_safetensors_atomic(model.state_dict(), tmp_path / "src.safetensors")   # official layout: no metadata
+    return (tmp_path / "src.safetensors").read_bytes(), model
+
+
+def gets(hub): return [h for method, _, h in hub["requests"] if method == "GET"]
+
+
+def test_download_into_empty_cache_then_strict_load(hub, tmp_path):
+    data, model = tiny_stage_c_bytes(tmp_path)
+    hub["repos"]["own/rep"] = {"sub/stage_c_tiny.safetensors": data}
+    loaded = load_stage_c("hf://own/rep/sub/stage_c_tiny.safetensors", preset="tiny")
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+    cached = weights_file("hf://own/rep/sub/stage_c_tiny.safetensors")
+    assert cached == tmp_path / "cache" / "models--own--rep" / "snapshots" / COMMIT / "sub" / "stage_c_tiny.safetensors"
+    assert cached.read_bytes() == data and len(gets(hub)) == 1       # the second resolution reads the cache
+    # a file of another model is refused from its header, naming the file
+    with pytest.raises(ValueError, match=r"stage_c_tiny.safetensors does not match StageC .* shapes differ"):
+        load_stage_c("hf://own/rep/sub/stage_c_tiny.safetensors", preset="tiny", c_hidden=[32, 64])
+
+
+def test_missing_file_repo_and_gated_repo_are_one_line(hub):
+    hub["repos"]["own/rep"] = {"a.safetensors": b""}
+    hub["gated"].add("own/gated")
+    cases = {"hf://own/rep/stage_b.safetensors@v1": (FileNotFoundError, "own/rep has no file 'stage_b.safetensors' at "
+                                                     "revision 'v1'"),
+             "hf://own/nope/a.safetensors": (FileNotFoundError, "no repository own/nope at http://127.0.0.1"),
+             "hf://own/gated/a.safetensors": (PermissionError, "own/gated is gated: accept its licence at "
+                                             "http://127.0.0.1:")}
+    for spec, (kind, text) in cases.items():
+        with pytest.raises(kind) as e: weights_file(spec)
+        assert text in str(e.value) and str(e.value).startswith(spec) and "\n" not in str(e.value), str(e.value)
+    assert "and log in (`hf auth login`, or set HF_TOKEN)" in str(pytest.raises(PermissionError, weights_file,
+                                                                                "hf://own/gated/a.safetensors").value)
+
+
+def test_cut_off_download_resumes_with_a_range_request(hub, tmp_path):
+    data, _ = tiny_stage_c_bytes(tmp_path)
+    hub["repos"]["own/rep"] = {"w.safetensors": data}
+    cut = 10 * CHUNK + 123
+    # the first GET is cut off after `cut` bytes: huggingface_hub retries within the call, from the chunks it has
+    hub["faults"]["w.safetensors"] = [cut]
+    assert weights_file("hf://own/rep/w.safetensors").read_bytes() == data
+    first, second = gets(hub)
+    resumed = int(re.fullmatch(r"bytes=(\d+)-", second["range"])[1])
+    assert "range" not in first and 0 < resumed <= cut and resumed % CHUNK == 0, second
+
+
+def test_failed_download_leaves_no_partial_file_and_the_next_call_starts_over(hub, tmp_path):
+    """huggingface_hub 2.4.0 resumes only within a call: it downloads into a temp file unique to the call and deletes it
+    when the call fails (file_download._download_to_tmp_and_move, huggingface_hub PR #4228), so a later call never
+    appends to a stale partial file; it starts over. This pins that behaviour, which the notebook's prose states."""
+    data, _ = tiny_stage_c_bytes(tmp_path)
+    hub["repos"]["own/rep"] = {"w.safetensors": data}
+    # cut off, and the retry fails too: the call gives up with one line
+    hub["faults"]["w.safetensors"] = [12 * CHUNK + 45, "500"]
+    with pytest.raises(OSError, match=r"^hf://own/rep/w.safetensors: the hub answered HTTP 500: try again later"):
+        weights_file("hf://own/rep/w.safetensors")
+    assert "range" in gets(hub)[-1]                                     # the failed retry was a resume
+    blobs = tmp_path / "cache" / "models--own--rep" / "blobs"
+    assert not list(blobs.glob("*")), list(blobs.glob("*"))             # nothing partial, nothing corrupt
+    assert weights_file("hf://own/rep/w.safetensors").read_bytes() == data
+    assert "range" not in gets(hub)[-1] and len(gets(hub)) == 3
+
+
+def test_offline_uses_the_cache_and_names_what_is_missing(hub, tmp_path, monkeypatch):
+    data, _ = tiny_stage_c_bytes(tmp_path)
+    hub["repos"]["own/rep"] = {"w.safetensors": data}
+    weights_file("hf://own/rep/w.safetensors")
+    n = len(hub["requests"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert weights_file("hf://own/rep/w.safetensors").read_bytes() == data
+    with pytest.raises(FileNotFoundError) as e: weights_file("hf://own/rep/other.safetensors")
+    assert str(e.value) == ("hf://own/rep/other.safetensors: other.safetensors of own/rep (revision 'main') is not "
+                            "downloaded yet and HF_HUB_OFFLINE is set: run once online, or "
+                            "`hf download own/rep other.safetensors`")
+    assert len(hub["requests"]) == n                                  # offline: not one request
+
+
+def test_trainer_takes_a_hub_id_for_its_generator_offline(tmp_path):
+    "The demo config at tiny size, its generator from `hf://own/demo/...` in a cache laid out here, HF_HUB_OFFLINE=1."
+    cache, overrides = tmp_path / "cache", dict(c_in=3, c_out=3, patch_size=2)
+    snap = cache / "models--own--demo" / "snapshots" / COMMIT
+    start = StageC.from_preset("tiny", **overrides)
+    # far from a fresh init: the trained weights can only be this close to it if training started from the file
+    with torch.no_grad():
+        for p in start.parameters(): p.fill_(0.05)
+    save_safetensors_atomic(start.state_dict(), snap / "stage_c_demo.safetensors")
+    (cache / "models--own--demo" / "refs").mkdir(); (cache / "models--own--demo" / "refs" / "main").write_text(COMMIT)
+    args = [ROOT / "configs" / "demo.yaml", "experiment_id=hub", f"checkpoint_path={tmp_path}/ckpt",
+            f"output_path={tmp_path}/out", "webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0",
+            "image_size=16", "batch_size=4", "updates=2", "save_every=2", "lr=1e-3", "warmup_updates=1",
+            "dataset_filters=null", "eval_every=null", "best_metric=null", "sample_steps=2", "tracker=none",
+            "generator_checkpoint_path=hf://own/demo/stage_c_demo.safetensors"]
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    run_cli("-m", "cascade_nb.train", *args, env=env)
+    trained = load_file(str(tmp_path / "ckpt" / "hub" / "generator.safetensors"))
+    info = json.loads((tmp_path / "ckpt" / "hub" / "info.json").read_text())
+    assert info["config"]["generator_checkpoint_path"] == "hf://own/demo/stage_c_demo.safetensors"
+    # two Adam updates at lr 1e-3 move a weight by at most ~2e-3
+    drift = max((v.float() - start.state_dict()[k]).abs().max().item() for k, v in trained.items())
+    assert 0 < drift < 3e-3, drift
+    # a file the cache lacks: one line and exit status 2 before any data is read
+    res = run_cli("-m", "cascade_nb.train", *args[:-1], "experiment_id=hub2",
+                  "generator_checkpoint_path=hf://own/demo/stage_c_other.safetensors", env=env, check=False)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "hf://own/demo/stage_c_other.safetensors: stage_c_other.safetensors of own/demo (revision 'main') is not " \
+           "downloaded yet and HF_HUB_OFFLINE is set" in res.stderr.splitlines()[-1]
