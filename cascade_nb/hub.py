@@ -118,7 +118,8 @@ def hub_error(exc: BaseException, spec: HubSpec) -> BaseException | None:
     "The one-line error for huggingface_hub's `exc` while fetching `spec`, or None if it is not a hub error."
     from huggingface_hub import errors
     for name, cls, message in _HUB_ERRORS:
-        if isinstance(exc, getattr(errors, name)): return cls(message(spec, exc))
+        # getattr with a default: a huggingface_hub other than the tested 2.4.0 may lack one of these classes
+        if isinstance(exc, getattr(errors, name, ())): return cls(message(spec, exc))
     if isinstance(exc, (*_transport_errors(), ConnectionError)):
         return HubUnreachable(f"{spec}: cannot reach {_web(spec)} ({' '.join(str(exc).split())[:120]}); set "
                                f"HF_HUB_OFFLINE=1 to use the cache, or run {_get_cmd(spec)} where the hub is reachable")

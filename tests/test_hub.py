@@ -12,7 +12,7 @@ is enough. Two constants are patched: `constants.HF_HUB_OFFLINE` (False for the 
 running the suite is offline: huggingface_hub's HTTP layer refuses every request when it is True) and
 `constants.DOWNLOAD_CHUNK_SIZE` (10 MB; 64 KiB here, so that a cut-off 2 MB file has whole chunks on disk to resume
 from: the bytes of an unfinished chunk are lost with the connection)."""
-import hashlib, http.server, json, re, threading, urllib.parse
+import hashlib, http.server, json, os, re, threading, urllib.parse
 from pathlib import Path
 import pytest
 import torch
@@ -200,3 +200,24 @@ def test_trainer_takes_a_hub_id_for_its_generator_offline(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "hf://own/demo/stage_c_other.safetensors: stage_c_other.safetensors of own/demo (revision 'main') is not " \
            "downloaded yet and HF_HUB_OFFLINE is set" in res.stderr.splitlines()[-1]
+
+
+def test_generate_and_the_pipeline_take_stage_c_weights_by_hub_id(hub, tmp_path, capsys):
+    """`generate --stage-c-weights hf://...`: its check fetches the file before any model is built (a missing one is its
+    one line, exit 2), and the pipeline's Stage C loader loads the fetched file."""
+    from cascade_nb.generate import main
+    from cascade_nb.inference import stage_c_weights_loader
+    data, model = tiny_stage_c_bytes(tmp_path)
+    hub["repos"]["own/student"] = {"stage_c_student.safetensors": data}
+    (tmp_path / "models").mkdir()
+    args = ["a red bus", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"), "--device", "cpu"]
+    assert main([*args, "--stage-c-weights", "hf://own/student/missing.safetensors"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: hf://own/student/missing.safetensors: own/student has no file 'missing.safetensors' at revision "
+        f"'main' (its files: {os.environ['HF_ENDPOINT']}/own/student/tree/main)")
+    # with the file there, the check passes and the next missing thing is --models' Stage B: the file was fetched first
+    assert main([*args, "--stage-c-weights", "hf://own/student/stage_c_student.safetensors"]) == 2
+    assert "no stage_b*.safetensors and no diffusers decoder/ in --models" in capsys.readouterr().err
+    assert [m for m, _, _ in hub["requests"]][-2:] == ["HEAD", "GET"]
+    loaded = stage_c_weights_loader("hf://own/student/stage_c_student.safetensors", "tiny", torch.float32, "cpu")()
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
