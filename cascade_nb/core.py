@@ -184,11 +184,14 @@ def _check_header_fits(model: torch.nn.Module, path, what: str):
     "Refuse `path` if its header's keys or shapes differ from `model`'s state dict (`ValueError` naming the keys)."
     _, shapes = safetensors_header(path)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing, unexpected = [k for k in want if k not in shapes], [k for k in shapes if k not in want]
+    # a BatchNorm without its `num_batches_tracked` counter loads (torch fills it in), so the header may lack it
+    missing = [k for k in want if k not in shapes and not k.endswith(".num_batches_tracked")]
+    unexpected = [k for k in shapes if k not in want]
     if missing or unexpected:
         raise ValueError(f"{path} does not match {what}: {len(missing)} missing keys {missing[:5]}, "
                          f"{len(unexpected)} unexpected {unexpected[:5]}")
-    wrong = [f"{k}: {shapes[k]} in the file, {want[k]} in the model" for k in want if shapes[k] != want[k]]
+    wrong = [f"{k}: {shapes[k]} in the file, {want[k]} in the model"
+             for k in want if k in shapes and shapes[k] != want[k]]
     if wrong: raise ValueError(f"{path} does not match {what}: {len(wrong)} shapes differ, e.g. {wrong[0]}")
 
 # %% ../nbs/00_core.ipynb #afe7f9d5
