@@ -148,7 +148,11 @@ def weights_file(spec) -> Path:
     if not hub.path.endswith(".safetensors"):
         raise HubBadFile(f"{hub}: weights are taken from the hub only as .safetensors files (no pickle); name the "
                          f"file, e.g. {HUB_PREFIX}{hub.repo_id}/NAME.safetensors")
-    path = hub_file(hub)
+    try: path = hub_file(hub)
+    except HubFileNotFound as e:
+        # a bare spec may be a mistyped local path: say that it was looked for here first
+        if str(spec).startswith(HUB_PREFIX): raise
+        raise HubFileNotFound(f"{spec}: no such local file, and as a hub id {e}") from None
     try: safetensors_header(path)
     except ValueError as e:
         raise HubBadFile(f"{hub}: the cached file is not readable ({e}); delete it, or run "
