@@ -98,6 +98,7 @@ def _not_cached(s: HubSpec, e) -> str:
     return (f"{s}: {s.path or 'the files'} of {s.repo_id} (revision {s.revision or 'main'!r}) is not downloaded "
             f"yet and {why}: run once online, or {_get_cmd(s)}")
 
+# (huggingface_hub.errors class, what we raise, its one line), most specific first
 _HUB_ERRORS = (
     ("GatedRepoError", HubAccessDenied, lambda s, e: f"{s}: {s.repo_id} is gated: accept its licence at {_web(s)} "
      "and log in (`hf auth login`, or set HF_TOKEN)"),
@@ -111,7 +112,6 @@ _HUB_ERRORS = (
     ("HfHubHTTPError", HubRequestFailed, lambda s, e: f"{s}: the hub answered HTTP {_status(e)}: try again later, "
      f"or check {_web(s)}"),
 )
-"(huggingface_hub.errors class, what we raise, its one line), most specific first."
 
 # %% ../nbs/00d_hub.ipynb #0a641650
 def hub_error(exc: BaseException, spec: HubSpec) -> BaseException | None:
