@@ -13,7 +13,6 @@ running the suite is offline: huggingface_hub's HTTP layer refuses every request
 `constants.DOWNLOAD_CHUNK_SIZE` (10 MB; 64 KiB here, so that a cut-off 2 MB file has whole chunks on disk to resume
 from: the bytes of an unfinished chunk are lost with the connection)."""
 import hashlib, http.server, json, os, re, threading, urllib.parse
-from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -31,9 +30,12 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def log_message(self, *args): pass
 
+    def _record(self):
+        self.server.hub["requests"].append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
+
     def _answer(self, body: bool):
         hub = self.server.hub
-        hub["requests"].append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
+        self._record()
         m = RESOLVE.fullmatch(urllib.parse.unquote(self.path))
         repo, path = (m["repo"], m["path"]) if m else (None, None)
         if repo in hub["gated"]: return self._error(403, "GatedRepo")
@@ -70,14 +72,14 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         if faults and faults[0] == "500":
             # a failing retry: huggingface_hub gives up and keeps the partial file for the next call
             faults.pop(0)
-            self.server.hub["requests"].append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
+            self._record()
             return self._error(500, "Internal")
         self._answer(body=True)
 
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    "A hub on 127.0.0.1 (HF_ENDPOINT) with an empty cache (HF_HUB_CACHE); its state dict: repos, gated, faults, requests."
+    "A hub on 127.0.0.1 (HF_ENDPOINT), an empty cache (HF_HUB_CACHE); its state: repos, gated, faults, requests."
     from huggingface_hub import constants
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
     server.hub = dict(repos={}, gated=set(), faults={}, requests=[])
