@@ -599,7 +599,7 @@ def build_models(cfg: Config, acc) -> tuple:
     tokenizer, text_model = build_text_encoder(cfg, device, frozen_dtype)
     mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, frozen_dtype),
                                build_latent_space(cfg, device, frozen_dtype), frozen_dtype)
-    net, gdf = mode.net, gdf_from_config(cfg.gdf)
+    net, gdf = mode.net, gdf_from_config(cfg.gdf, cfg.recipe)
     ema = None
     if t.ema_start_iters is not None and mode.supports_ema:
         # under FSDP the EMA keeps this process's shards, attached after `prepare`

@@ -22,6 +22,9 @@ from .loss_weights import (BaseLossWeight, ConstantLossWeight, SNRLossWeight, P2
     DebiasedLossWeight, SigmoidLossWeight, ComposedLossWeight, AdaptiveLossWeight)
 from cascade_nb.gdf.samplers import (BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, SAMPLERS, register_sampler,
     renoise, seeded_randn)
+from .recipe import (LogSNRDensity, UniformTDensity, NormalDensity, CosmapDensity, ModeDensity,
+    DensitySchedule, LOSS_TYPES, register_loss_type, pseudo_huber, huber_schedule, pyramid_noise, RecipeConfig,
+    LOGSNR_DENSITIES, density_schedule)
 from .core import GDF, Diffused, SampleStep, cfg_batch, cfg_scale, guide
 from .presets import (LOSS_WEIGHTS, TARGETS, SAMPLING_DEFAULTS, make_loss_weight, make_gdf,
     stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift, TIMESTEP_SAMPLINGS, register_loss_weight,
@@ -44,6 +47,10 @@ __all__ = [
     "BaseLossWeight", "ConstantLossWeight", "SNRLossWeight", "P2LossWeight", "SNRPlusOneLossWeight", "MinSNRLossWeight",
     "MinSNRPlusOneLossWeight", "TruncatedSNRLossWeight", "SechLossWeight", "DebiasedLossWeight", "SigmoidLossWeight",
     "ComposedLossWeight", "AdaptiveLossWeight",
+    # recipe knobs
+    "LogSNRDensity", "UniformTDensity", "NormalDensity", "CosmapDensity", "ModeDensity", "DensitySchedule",
+    "LOSS_TYPES", "register_loss_type", "pseudo_huber", "huber_schedule", "pyramid_noise", "RecipeConfig",
+    "LOGSNR_DENSITIES", "density_schedule",
     # samplers, GDF, presets
     "BaseSampler", "DDIMSampler", "DDPMSampler", "LCMSampler", "SAMPLERS", "register_sampler", "renoise",
     "GDF", "Diffused", "SampleStep", "cfg_batch", "cfg_scale", "guide",

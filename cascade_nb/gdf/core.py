@@ -34,14 +34,15 @@ class Diffused(NamedTuple):
 class GDF:
     "Generic Diffusion Framework (Stable Cascade): five roles over logSNR wired into diffuse / undiffuse / sample."
     def __init__(self, schedule: BaseSchedule, input_scaler: BaseScaler, target: BaseTarget, noise_cond: BaseNoiseCond,
-                 loss_weight: BaseLossWeight, offset_noise: float = 0.):
+                 loss_weight: BaseLossWeight, offset_noise: float = 0., input_perturbation: float = 0.):
         self.schedule, self.input_scaler, self.target = schedule, input_scaler, target
         self.noise_cond, self.loss_weight, self.offset_noise = noise_cond, loss_weight, offset_noise
+        self.input_perturbation = input_perturbation
 
     def __repr__(self):
         parts = ", ".join(type(getattr(self, k)).__name__
                           for k in ("schedule", "input_scaler", "target", "noise_cond", "loss_weight"))
-        return f"GDF({parts}, offset_noise={self.offset_noise})"
+        return f"GDF({parts}, offset_noise={self.offset_noise}, input_perturbation={self.input_perturbation})"
 
     def setup_limits(self, stretch_max: bool = True, stretch_min: bool = True, shift: float = 1.):
         "Stretch the scaler so the schedule's ends are exactly clean / pure noise (see `BaseScaler.setup_limits`)."
@@ -68,6 +69,9 @@ class GDF:
         a, b = self.scales(logsnr, xf)                                          # (B, 1, 1, 1)
         target = self.target(xf, eps, logsnr, a, b)
         noised = a * xf + b * eps
+        # input perturbation (gdf.recipe): the input sees eps + gamma xi, the target keeps eps
+        if self.input_perturbation > 0:
+            noised = noised + b * (self.input_perturbation * seeded_randn(x0.shape, generator, x0.device))
         return Diffused(noised.to(dtype), eps.to(dtype), target.to(dtype), logsnr,
                         self.noise_cond(logsnr), self.loss_weight(logsnr, shift=loss_shift))
 

@@ -15,6 +15,7 @@ from .loss_weights import (BaseLossWeight, P2LossWeight, AdaptiveLossWeight, Min
     MinSNRPlusOneLossWeight, SNRLossWeight, SNRPlusOneLossWeight, TruncatedSNRLossWeight, SechLossWeight,
     DebiasedLossWeight, SigmoidLossWeight, ConstantLossWeight, ComposedLossWeight)
 from .core import GDF
+from .recipe import density_schedule, draws_as_registered
 from ..registry import registry
 
 # %% auto #0
@@ -40,9 +41,16 @@ def _default_t(schedule: BaseSchedule):
 def _logit_normal_t(schedule: BaseSchedule):
     "SD3's logit-normal t, logSNR ~ N(0, 2^2) kept inside the noise schedule's range (the samplers' grid too)."
     return LogitNormalSchedule(logsnr_range=(schedule.limits[0], schedule.limits[1]))
+def _mode_t(schedule: BaseSchedule):
+    "SD3's mode sampling (scale 1.29) as a logSNR density, truncated to the noise schedule's range (gdf.recipe)."
+    return density_schedule("mode", schedule)
+def _cosmap_t(schedule: BaseSchedule):
+    "SD3's cosmap: logSNR ~ sech(logSNR / 2) / (2 pi), truncated to the noise schedule's range (gdf.recipe)."
+    return density_schedule("cosmap", schedule)
 
 # %% ../../nbs/17_gdf.presets.ipynb #37b514ac
-TIMESTEP_SAMPLINGS = registry("timestep_sampling", {"default": _default_t, "logit_normal": _logit_normal_t})
+TIMESTEP_SAMPLINGS = registry("timestep_sampling", {"default": _default_t, "logit_normal": _logit_normal_t,
+                                                    "mode": _mode_t, "cosmap": _cosmap_t})
 "How training draws noise levels (`timestep_sampling`): a schedule built from Stable Cascade's clamped cosine."
 register_timestep_sampling = TIMESTEP_SAMPLINGS.register
 
@@ -57,14 +65,17 @@ def make_loss_weight(name: str, target: str = "epsilon") -> BaseLossWeight:
 
 # %% ../../nbs/17_gdf.presets.ipynb #3b135758
 def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling: str = "default",
-             offset_noise: float = 0., schedule: str = "cosine") -> GDF:
+             offset_noise: float = 0., schedule: str = "cosine", input_perturbation: float = 0., recipe=None) -> GDF:
     """Stable Cascade's GDF (VP, CosineT) with a chosen loss weight, target, timestep sampling, offset noise and noise
-    schedule (`SCHEDULES`; the reference: `cosine`, clamped to abar in [1e-4, 0.9999])."""
+    schedule (`SCHEDULES`; the reference: `cosine`, clamped to abar in [1e-4, 0.9999]); a `recipe`
+    (`gdf.recipe.RecipeConfig`) that changes the draws makes them the sampling's logSNR density in its range."""
     if target not in TARGETS: raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
     base = SCHEDULES.choose(schedule)()
-    schedule = TIMESTEP_SAMPLINGS.choose(timestep_sampling)(base)
+    schedule = (TIMESTEP_SAMPLINGS.choose(timestep_sampling)(base) if draws_as_registered(recipe)
+                else density_schedule(timestep_sampling, base, recipe))
     return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS[target](), noise_cond=CosineTNoiseCond(),
-               loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise)
+               loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise,
+               input_perturbation=input_perturbation)
 
 # %% ../../nbs/17_gdf.presets.ipynb #b0bb2391
 def stage_c_gdf(adaptive_loss_weight: bool = False, offset_noise: float = 0., target: str = "epsilon") -> GDF:
@@ -76,13 +87,15 @@ def stage_b_gdf(adaptive_loss_weight: bool = False, target: str = "epsilon") -> 
     return make_gdf("adaptive" if adaptive_loss_weight else "p2", target)
 
 # %% ../../nbs/17_gdf.presets.ipynb #4b670a1e
-def gdf_from_config(gdf_cfg) -> GDF:
+def gdf_from_config(gdf_cfg, recipe=None) -> GDF:
     """Build the GDF a `cascade_nb.config.GDFConfig` describes (loss_weight, edm_objective -> v target,
-    timestep_sampling, offset_noise, noise_schedule)."""
+    timestep_sampling, offset_noise, noise_schedule), with a training `recipe`'s range, density and input
+    perturbation (`gdf.recipe.RecipeConfig`; None for sampling)."""
     loss_weight = gdf_cfg.loss_weight or ("adaptive" if gdf_cfg.adaptive_loss_weight else "p2")
     return make_gdf(loss_weight, "v" if gdf_cfg.edm_objective else "epsilon",
                     getattr(gdf_cfg, "timestep_sampling", "default"), gdf_cfg.offset_noise or 0.,
-                    getattr(gdf_cfg, "noise_schedule", "cosine"))
+                    getattr(gdf_cfg, "noise_schedule", "cosine"),
+                    recipe.input_perturbation if recipe is not None else 0., recipe)
 
 # %% ../../nbs/17_gdf.presets.ipynb #f2df1077
 def training_shift(cfg) -> float:

@@ -18,7 +18,7 @@ from .blocks import LayerNorm2d, TimestepBlock
 from .stage_c import StageC
 
 # %% auto #0
-__all__ = ['STAGE_B_PRESETS', 'StageB', 'save_stage_b', 'load_stage_b', 'pyramid_noise', 'random_effnet_size', 'effnet_condition']
+__all__ = ['STAGE_B_PRESETS', 'StageB', 'save_stage_b', 'load_stage_b', 'random_effnet_size', 'effnet_condition']
 
 # %% ../../nbs/26_models.stage_b.ipynb #afd5d39e
 def _cond_mapper(c_in: int, c: int) -> nn.Sequential:
@@ -126,21 +126,8 @@ def load_stage_b(path_or_dir, preset: str | None = None, dtype=None, device='cpu
     return model.to(device)
 
 # %% ../../nbs/26_models.stage_b.ipynb #b872309a
-def pyramid_noise(eps: torch.Tensor, discount: float = 0.75, levels: int = 10, size_range: tuple | None = (1, 16),
-                  mode: str = 'nearest', generator: torch.Generator | None = None) -> torch.Tensor:
-    """Add upsampled coarse noise (weight discount**i at 1/2**i resolution) to `eps` (B, C, H, W); unit variance
-    (train_b)."""
-    B, C, H, W = eps.shape
-    out, weights = eps.float().clone(), [1.]
-    for i in range(1, levels):
-        h, w = H // 2 ** i, W // 2 ** i                       # the reference computes w from H
-        if h < 1 or w < 1: break
-        if size_range is None or size_range[0] <= h <= size_range[1] or size_range[0] <= w <= size_range[1]:
-            coarse = seeded_randn((B, C, h, w), generator, eps.device)
-            out = out + discount ** i * F.interpolate(coarse, size=(H, W), mode=mode)
-            weights.append(discount ** i)
-        if h <= 1 or w <= 1: break
-    return (out / math.sqrt(sum(m * m for m in weights))).to(eps.dtype)
+# defined with the other noise knobs in gdf.recipe (the recipe key pyramid_noise_discount gives it to Stage C)
+from ..gdf.recipe import pyramid_noise
 
 # %% ../../nbs/26_models.stage_b.ipynb #3a3dcfab
 def random_effnet_size(h: int, w: int, factor_range: tuple = (0.5, 1.), multiple: int = 32,
