@@ -1,5 +1,6 @@
 """The trainer end to end on CPU: a short run from the command line, exact resume after SIGKILL (also during a save),
-SIGTERM handling, the non-finite-loss guard, 2-process DDP, and the official Stage C configs at tiny size."""
+SIGTERM handling, the non-finite-loss guard, 2-process DDP, the recipe keys (gdf.recipe) under both, and the official
+Stage C configs at tiny size."""
 import json, os, random, re, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
@@ -155,8 +156,19 @@ def resumes_to_the_killed_state(run_dir, argv, launch=None, at=4, resume_flags=(
     assert not differ, f"the resumed run committed another state for update {at}: {differ}"
     return resumed
 
-def test_two_process_ddp(tmp_path):
-    res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8"))
+# the recipe keys of gdf.recipe together: a range and a density, a robust loss, input perturbation, pyramid noise
+RECIPE = ["logsnr_min=-5", "logsnr_max=6", "timestep_sampling=mode", "mode_scale=0.8", "loss_type=scheduled_huber",
+          "input_perturbation=0.1", "pyramid_noise_discount=0.5", "pyramid_noise_levels=4"]
+
+def test_recipe_knobs_kill_then_resume_is_exact(tmp_path):
+    "With every recipe key set, a run killed inside a save resumes to the state it had written, file for file."
+    resumes_to_the_killed_state(tmp_path / "ckpt" / "recipe", demo_args(tmp_path, "recipe", "updates=4", "save_every=2",
+                                                                        *RECIPE))
+
+@pytest.mark.parametrize("recipe", [[], RECIPE], ids=["plain", "recipe"])
+def test_two_process_ddp(tmp_path, recipe):
+    res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8",
+                                                       *recipe))
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 4

@@ -54,7 +54,8 @@ class NormalDensity(LogSNRDensity):
     "logsnr ~ N(mean, std^2): SD3's logit-normal t (logit t ~ N(m, s^2) is N(-2m, (2s)^2)), kohya's 'sigmoid'."
     def __init__(self, mean: float = 0., std: float = 2.): self.mean, self.std = mean, std
     def icdf(self, v): return self.mean + self.std * torch.special.ndtri(torch.as_tensor(v, dtype=torch.float64))
-    def cdf(self, logsnr): return torch.special.ndtr((torch.as_tensor(logsnr, dtype=torch.float64) - self.mean) / self.std)
+    def cdf(self, logsnr):
+        return torch.special.ndtr((torch.as_tensor(logsnr, dtype=torch.float64) - self.mean) / self.std)
     def pdf(self, logsnr):
         z = (torch.as_tensor(logsnr, dtype=torch.float64) - self.mean) / self.std
         return torch.exp(-z * z / 2) / (self.std * math.sqrt(2 * math.pi))

@@ -1,0 +1,32 @@
+"""The recipe keys (nbs/16b_gdf.recipe) across modules: refused in one line by the modes whose loss is not
+`diffusion_loss`, and wired into the GDF and the loss the trainer builds. Training with them (exact resume, 2-process
+DDP) is in tests/test_train.py."""
+import pytest, torch
+from conftest import ROOT
+from cascade_nb.config import load_config, ConfigError
+import cascade_nb.modes as M
+from cascade_nb.gdf.presets import gdf_from_config
+from cascade_nb.gdf.recipe import DensitySchedule, ModeDensity
+
+DEMO = [f"webdataset_path={ROOT / 'data_samples' / 'emoji'}"]
+
+@pytest.mark.parametrize("mode", ["lcm", "progressive", "distill"])
+@pytest.mark.parametrize("key", ["logsnr_max=2", "loss_type=l1", "input_perturbation=0.1", "pyramid_noise_discount=0.3"])
+def test_distillation_modes_refuse_recipe_keys_in_one_line(mode, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "demo.yaml", [*DEMO, f"mode={mode}", "teacher_checkpoint_path=t.safetensors", key])
+    msg = str(e.value)
+    assert "\n" not in msg and f"'{key.split('=')[0]}'" in msg and f"mode '{mode}' does not use" in msg, msg
+
+def test_the_trainer_gets_the_recipe():
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [*DEMO, "logsnr_min=-3", "timestep_sampling=mode",
+                                                       "input_perturbation=0.1", "loss_type=l1"])
+    gdf = gdf_from_config(cfg.gdf, cfg.recipe)
+    assert isinstance(gdf.schedule, DensitySchedule) and isinstance(gdf.schedule.density, ModeDensity)
+    assert gdf.input_perturbation == 0.1 and gdf.schedule(64, generator=torch.Generator()).min() >= -3
+    # no recipe key set: the demo's logit-normal draws exactly as before the keys existed
+    plain = load_config(ROOT / "configs" / "demo.yaml", DEMO)
+    a, b = gdf_from_config(plain.gdf, plain.recipe), gdf_from_config(plain.gdf)
+    assert type(a.schedule) is type(b.schedule) and not isinstance(a.schedule, DensitySchedule)
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    assert torch.equal(a.schedule(16, generator=g1), b.schedule(16, generator=g2))
