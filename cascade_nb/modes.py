@@ -18,7 +18,7 @@ from .config import (Config, ConfigError, ConfigHook, SECTIONS, SECTION_MODES, i
     register_config_hook)
 from .registry import registry, UnknownChoice
 from .gdf.presets import training_shift
-from .gdf.recipe import LOSS_TYPES, pyramid_noise
+from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 
 # %% auto #0
 __all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage',
@@ -149,19 +149,12 @@ class TrainingMode:
         return conditions([""] * len(next(iter(conds.values()))), self.tokenizer, self.text_model, self.c_clip_img)
 
     # --- the step
-    def epsilon(self, x0, rng=None):
-        "None: GDF draws Gaussian noise; with the recipe's `pyramid_noise_discount`, pyramid noise (gdf.recipe)."
-        r = self.cfg.recipe
-        if not r.pyramid_noise_discount: return None
-        return pyramid_noise(seeded_randn(x0.shape, rng, x0.device), r.pyramid_noise_discount, r.pyramid_noise_levels,
-                             size_range=None, generator=rng)
+    def epsilon(self, x0, rng=None): return recipe_noise(self.cfg.recipe, x0, rng)   # None: GDF draws Gaussian noise
     def loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
         "(weighted mean loss, per-sample raw loss, Diffused) of one micro-batch; runs under the loop's autocast."
         # `epsilon` given (validation's fixed noise) or drawn by the mode
         eps = kw.pop("epsilon") if "epsilon" in kw else self.epsilon(x0, rng)
-        r = self.cfg.recipe
-        return diffusion_loss(net, gdf, x0, conds, rng=rng, shift=training_shift(self.cfg), epsilon=eps,
-                              loss_type=r.loss_type, huber_c=r.loss_huber_c, **kw)
+        return diffusion_loss(net, gdf, x0, conds, rng=rng, shift=training_shift(self.cfg), epsilon=eps, **kw)
     def trainable_modules(self, net) -> list[nn.Module]: return [net]
     def frozen_train_modules(self, net) -> list[nn.Module]:
         "Frozen modules also in train mode: none; with `frozen_dropout: reference` the frozen `net.generator`, all run."
@@ -324,13 +317,14 @@ def build_latent_space(cfg: Config, device=None, dtype=torch.float32) -> nn.Modu
 
 # %% ../nbs/40b_modes.ipynb #8fc91b8c
 def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None = None, shift: float = 1.,
-                   epsilon=None, t=None, weight: torch.Tensor | None = None, loss_type: str = "mse",
-                   huber_c: float = 0.1):
+                   epsilon=None, t=None, weight: torch.Tensor | None = None, loss_type: str | None = None,
+                   huber_c: float | None = None):
     """(weighted mean loss, per-sample raw loss, Diffused); `weight`: per-element, broadcast; `epsilon`/`t` fix the
-    noise; `loss_type` (gdf.recipe.LOSS_TYPES) compares prediction and target per element."""
+    noise; `loss_type`/`huber_c` (gdf.recipe.LOSS_TYPES; default: the GDF's) compare prediction and target."""
     d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
     pred = generator(d.noised, d.noise_cond, **conds)
-    per_element = LOSS_TYPES.choose(loss_type)(pred.float(), d.target.float(), d.logsnr, huber_c)
+    per_element = LOSS_TYPES.choose(loss_type or gdf.loss_type)(pred.float(), d.target.float(), d.logsnr,
+                                                                gdf.huber_c if huber_c is None else huber_c)
     if weight is not None: per_element = per_element * weight.to(per_element.device, torch.float32)
     raw = per_element.mean(dim=tuple(range(1, pred.ndim)))   # (B,)
     return (raw * d.loss_weight).mean(), raw, d

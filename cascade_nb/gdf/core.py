@@ -34,10 +34,12 @@ class Diffused(NamedTuple):
 class GDF:
     "Generic Diffusion Framework (Stable Cascade): five roles over logSNR wired into diffuse / undiffuse / sample."
     def __init__(self, schedule: BaseSchedule, input_scaler: BaseScaler, target: BaseTarget, noise_cond: BaseNoiseCond,
-                 loss_weight: BaseLossWeight, offset_noise: float = 0., input_perturbation: float = 0.):
+                 loss_weight: BaseLossWeight, offset_noise: float = 0., input_perturbation: float = 0.,
+                 loss_type: str = "mse", huber_c: float = 0.1):
         self.schedule, self.input_scaler, self.target = schedule, input_scaler, target
         self.noise_cond, self.loss_weight, self.offset_noise = noise_cond, loss_weight, offset_noise
-        self.input_perturbation = input_perturbation
+        # how the trainer's loss compares prediction and target (`gdf.recipe.LOSS_TYPES`, used by `diffusion_loss`)
+        self.input_perturbation, self.loss_type, self.huber_c = input_perturbation, loss_type, huber_c
 
     def __repr__(self):
         parts = ", ".join(type(getattr(self, k)).__name__

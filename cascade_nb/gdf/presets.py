@@ -15,7 +15,7 @@ from .loss_weights import (BaseLossWeight, P2LossWeight, AdaptiveLossWeight, Min
     MinSNRPlusOneLossWeight, SNRLossWeight, SNRPlusOneLossWeight, TruncatedSNRLossWeight, SechLossWeight,
     DebiasedLossWeight, SigmoidLossWeight, ConstantLossWeight, ComposedLossWeight)
 from .core import GDF
-from .recipe import density_schedule, draws_as_registered
+from .recipe import density_schedule, draws_as_registered, RecipeConfig
 from ..registry import registry
 
 # %% auto #0
@@ -65,17 +65,18 @@ def make_loss_weight(name: str, target: str = "epsilon") -> BaseLossWeight:
 
 # %% ../../nbs/17_gdf.presets.ipynb #3b135758
 def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling: str = "default",
-             offset_noise: float = 0., schedule: str = "cosine", input_perturbation: float = 0., recipe=None) -> GDF:
+             offset_noise: float = 0., schedule: str = "cosine", recipe=None) -> GDF:
     """Stable Cascade's GDF (VP, CosineT) with a chosen loss weight, target, timestep sampling, offset noise and noise
-    schedule (`SCHEDULES`; the reference: `cosine`, clamped to abar in [1e-4, 0.9999]); a `recipe`
-    (`gdf.recipe.RecipeConfig`) that changes the draws makes them the sampling's logSNR density in its range."""
+    schedule (`SCHEDULES`; the reference: `cosine`, clamped to abar in [1e-4, 0.9999]), and a training `recipe`
+    (`gdf.recipe.RecipeConfig`: range and density of the draws, input perturbation, loss type)."""
     if target not in TARGETS: raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
     base = SCHEDULES.choose(schedule)()
     schedule = (TIMESTEP_SAMPLINGS.choose(timestep_sampling)(base) if draws_as_registered(recipe)
                 else density_schedule(timestep_sampling, base, recipe))
+    r = recipe or RecipeConfig()
     return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS[target](), noise_cond=CosineTNoiseCond(),
                loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise,
-               input_perturbation=input_perturbation)
+               input_perturbation=r.input_perturbation, loss_type=r.loss_type, huber_c=r.loss_huber_c)
 
 # %% ../../nbs/17_gdf.presets.ipynb #b0bb2391
 def stage_c_gdf(adaptive_loss_weight: bool = False, offset_noise: float = 0., target: str = "epsilon") -> GDF:
@@ -89,13 +90,12 @@ def stage_b_gdf(adaptive_loss_weight: bool = False, target: str = "epsilon") -> 
 # %% ../../nbs/17_gdf.presets.ipynb #4b670a1e
 def gdf_from_config(gdf_cfg, recipe=None) -> GDF:
     """Build the GDF a `cascade_nb.config.GDFConfig` describes (loss_weight, edm_objective -> v target,
-    timestep_sampling, offset_noise, noise_schedule), with a training `recipe`'s range, density and input
-    perturbation (`gdf.recipe.RecipeConfig`; None for sampling)."""
+    timestep_sampling, offset_noise, noise_schedule), with a training `recipe` (`gdf.recipe.RecipeConfig`; None for
+    sampling)."""
     loss_weight = gdf_cfg.loss_weight or ("adaptive" if gdf_cfg.adaptive_loss_weight else "p2")
     return make_gdf(loss_weight, "v" if gdf_cfg.edm_objective else "epsilon",
                     getattr(gdf_cfg, "timestep_sampling", "default"), gdf_cfg.offset_noise or 0.,
-                    getattr(gdf_cfg, "noise_schedule", "cosine"),
-                    recipe.input_perturbation if recipe is not None else 0., recipe)
+                    getattr(gdf_cfg, "noise_schedule", "cosine"), recipe)
 
 # %% ../../nbs/17_gdf.presets.ipynb #f2df1077
 def training_shift(cfg) -> float:

@@ -20,7 +20,7 @@ from .schedules import BaseSchedule, SCHEDULES
 # %% auto #0
 __all__ = ['MODE_SCALE', 'LOSS_TYPES', 'register_loss_type', 'DRAW_KEYS', 'LOGSNR_DENSITIES', 'LogSNRDensity', 'UniformTDensity',
            'NormalDensity', 'CosmapDensity', 'ModeDensity', 'DensitySchedule', 'huber_schedule', 'pseudo_huber',
-           'pyramid_noise', 'RecipeConfig', 'draws_as_registered', 'density_schedule', 'RecipeHook']
+           'pyramid_noise', 'recipe_noise', 'RecipeConfig', 'draws_as_registered', 'density_schedule', 'RecipeHook']
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #5b0bcb3c
 class LogSNRDensity:
@@ -163,6 +163,13 @@ def pyramid_noise(eps: torch.Tensor, discount: float = 0.75, levels: int = 10, s
             weights.append(discount ** i)
         if h <= 1 or w <= 1: break
     return (out / math.sqrt(sum(m * m for m in weights))).to(eps.dtype)
+
+# %% ../../nbs/16b_gdf.recipe.ipynb #9092698b
+def recipe_noise(recipe, x0: torch.Tensor, rng: torch.Generator | None = None) -> torch.Tensor | None:
+    "A training batch's noise: the recipe's pyramid noise (all levels) when `pyramid_noise_discount` > 0, else None."
+    if not recipe.pyramid_noise_discount: return None
+    return pyramid_noise(seeded_randn(x0.shape, rng, x0.device), recipe.pyramid_noise_discount,
+                         recipe.pyramid_noise_levels, size_range=None, generator=rng)
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #348a233d
 @config_section("recipe", modes=("full", "lora", "controlnet"), ranges=dict(
