@@ -217,7 +217,8 @@ def density_schedule(name: str, base: BaseSchedule, recipe=None) -> DensitySched
 class RecipeHook(ConfigHook):
     "Loading a config: the recipe's range must hold noise levels; Stage B keeps its own pyramid noise."
     def after(self, cfg, where: str):
-        r, lims = cfg.recipe, SCHEDULES.choose(cfg.gdf.noise_schedule)().limits
+        r, base = cfg.recipe, SCHEDULES.choose(cfg.gdf.noise_schedule)()
+        lims = base.limits
         lo, hi = (lims[0] if r.logsnr_min is None else r.logsnr_min, lims[1] if r.logsnr_max is None else r.logsnr_max)
         if not (lo < hi and lo < lims[1] and hi > lims[0]):
             raise ConfigError(f"{where}: keys 'logsnr_min', 'logsnr_max': [{lo:g}, {hi:g}] holds no noise level of "
@@ -226,6 +227,7 @@ class RecipeHook(ConfigHook):
         if cfg.model.stage == "b" and r.pyramid_noise_discount:
             raise ConfigError(f"{where}: key 'pyramid_noise_discount': {r.pyramid_noise_discount} is not valid for "
                               "Stage B, which always trains with the reference's pyramid noise; expected 0")
-        if not draws_as_registered(r): density_schedule(cfg.gdf.timestep_sampling, SCHEDULES.choose("cosine")())
+        # a timestep sampling without a logSNR density cannot take the draw keys
+        if not draws_as_registered(r): density_schedule(cfg.gdf.timestep_sampling, base)
 
 register_config_hook("recipe", RecipeHook())
