@@ -165,10 +165,10 @@ def test_recipe_knobs_kill_then_resume_is_exact(tmp_path):
     resumes_to_the_killed_state(tmp_path / "ckpt" / "recipe", demo_args(tmp_path, "recipe", "updates=4", "save_every=2",
                                                                         *RECIPE))
 
-@pytest.mark.parametrize("recipe", [[], RECIPE], ids=["plain", "recipe"])
-def test_two_process_ddp(tmp_path, recipe):
+def test_two_process_ddp(tmp_path):
+    "2-process DDP with the recipe keys set (their draws and noise per process): the processes' weights stay equal."
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8",
-                                                       *recipe))
+                                                       *RECIPE))
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 4
