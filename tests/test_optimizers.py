@@ -116,11 +116,12 @@ def test_schedule_free_view_gives_x_and_leaves_y_bit_identical():
 @pytest.mark.parametrize("extra", [["optimizer=prodigy", "lr=1.0"],
                                    ["optimizer=schedulefree_adamw", "lr_schedule=constant"],
                                    ["optimizer=adafactor", "optimizer_args={beta1: 0.9}"],
+                                   ["optimizer=came", "lr=4e-4"],
                                    ["optimizer=adamw8bit"]],
-                         ids=["prodigy", "schedulefree_adamw", "adafactor", "adamw8bit"])
+                         ids=["prodigy", "schedulefree_adamw", "adafactor", "came", "adamw8bit"])
 def test_two_ddp_processes_agree(tmp_path, extra):
     """Every process computes the same step from the same all-reduced gradients (Prodigy: the same step size estimate;
-    schedule-free: the same y and z; Adafactor: the same factored moments, as CAME's; 8-bit AdamW: the same
+    schedule-free: the same y and z; Adafactor and CAME: the same factored moments; 8-bit AdamW: the same
     quantised moments from bitsandbytes' CPU kernels): identical trained weights on both. (Lion runs on two processes
     under FSDP2 below.)"""
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8",
