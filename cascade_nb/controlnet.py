@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
 from .core import seeded_rand, images_to_device
+from .hub import weights_file
 from .models.effnet import efficientnet_v2_features
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -106,10 +107,11 @@ def controlnet_config(sd: dict) -> dict:
 
 # %% ../nbs/61_controlnet.ipynb #14a6fb20
 def load_controlnet(path_or_sd, proj_blocks, device='cpu', dtype=None) -> ControlNet:
-    """A ControlNet from an official (or our) `controlnet.safetensors`, loaded strictly; `proj_blocks` =
-    controlnet_blocks."""
+    """A ControlNet from an official (or our) `controlnet.safetensors` (a path or a hub id), loaded strictly;
+    `proj_blocks` = controlnet_blocks."""
     from safetensors.torch import load_file
-    sd = load_file(str(path_or_sd), device=str(device)) if not isinstance(path_or_sd, dict) else path_or_sd
+    if not isinstance(path_or_sd, dict): path_or_sd = load_file(str(weights_file(path_or_sd)), device=str(device))
+    sd = path_or_sd
     cfg = controlnet_config(sd)
     if cfg.pop('n_proj') != len(proj_blocks):
         raise ValueError(f"load_controlnet: the file has {controlnet_config(sd)['n_proj']} projections, "

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device
+from .hub import weights_file
 from dataclasses import dataclass
 from typing import Literal, Optional
 from .config import ConfigError, config_section
@@ -507,11 +508,12 @@ def _reference_tokens(sd: dict, tokenizer, text_model, train_tokens) -> dict[str
 # %% ../nbs/60_lora.ipynb #19995864
 def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, scale: float = 1.0,
                    module_filters=None, train_tokens=None) -> dict:
-    """Merge a LoRA (cascade_nb, reference, kohya/ComfyUI file or peft adapter folder) into `generator` and add its
-    tokens; returns it in our layout. A reference file needs the `module_filters` (and `train_tokens`) it was trained
-    with."""
+    """Merge a LoRA (cascade_nb, reference, kohya/ComfyUI file or peft adapter folder; a file also by hub id) into
+    `generator` and add its tokens; returns it in our layout. A reference file needs the `module_filters` (and
+    `train_tokens`) it was trained with."""
     from safetensors.torch import load_file
-    path = Path(path)
+    # a hub id names a .safetensors file (fetched into the hub cache); a local path may also be a peft folder
+    path = weights_file(path)
     if path.is_dir(): lora = load_peft_adapter(path, generator)
     else:
         lora = load_file(str(path))

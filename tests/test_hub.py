@@ -223,3 +223,30 @@ def test_generate_and_the_pipeline_take_stage_c_weights_by_hub_id(hub, tmp_path,
     assert [m for m, _, _ in hub["requests"]][-2:] == ["HEAD", "GET"]
     loaded = stage_c_weights_loader("hf://own/student/stage_c_student.safetensors", "tiny", torch.float32, "cpu")()
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_controlnet_and_lora_files_by_hub_id(hub, tmp_path):
+    """`controlnet_checkpoint_path` and `lora_checkpoint_path` (through `load_controlnet` and `load_lora_file`) take hub
+    ids too: each file is fetched once and loads as the local file does."""
+    from cascade_nb.controlnet import ControlNet, load_controlnet
+    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict, save_lora, load_lora_file
+    torch.manual_seed(0)
+    cn = ControlNet(c_in=1, c_proj=64, proj_blocks=(0, 4), bottleneck_mode="simple")
+    save_safetensors_atomic(cn.state_dict(), tmp_path / "cn.safetensors")
+    adapted = StageC.from_preset("tiny")
+    apply_lora(adapted, [".attn"], rank=2, alpha=2.0, init="peft")
+    with torch.no_grad():
+        for layer in lora_layers(adapted).values(): layer.lora_up.normal_(std=0.05)
+    save_lora(lora_state_dict(adapted), tmp_path / "lora.safetensors")
+    hub["repos"]["own/adapters"] = {"cn.safetensors": (tmp_path / "cn.safetensors").read_bytes(),
+                                    "lora.safetensors": (tmp_path / "lora.safetensors").read_bytes()}
+    got = load_controlnet("hf://own/adapters/cn.safetensors", (0, 4))
+    assert all(torch.equal(v, got.state_dict()[k]) for k, v in cn.state_dict().items())
+    base = StageC.from_preset("tiny")
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    twin = StageC.from_preset("tiny"); twin.load_state_dict(before)
+    load_lora_file("hf://own/adapters/lora.safetensors", base)
+    load_lora_file(tmp_path / "lora.safetensors", twin)
+    assert all(torch.equal(v, twin.state_dict()[k]) for k, v in base.state_dict().items())
+    assert not all(torch.equal(v, before[k]) for k, v in base.state_dict().items())   # the LoRA was merged
+    assert len(gets(hub)) == 2
