@@ -110,8 +110,7 @@ def load_controlnet(path_or_sd, proj_blocks, device='cpu', dtype=None) -> Contro
     """A ControlNet from an official (or our) `controlnet.safetensors` (a path or a hub id), loaded strictly;
     `proj_blocks` = controlnet_blocks."""
     from safetensors.torch import load_file
-    if not isinstance(path_or_sd, dict): path_or_sd = load_file(str(weights_file(path_or_sd)), device=str(device))
-    sd = path_or_sd
+    sd = path_or_sd if isinstance(path_or_sd, dict) else load_file(str(weights_file(path_or_sd)), device=str(device))
     cfg = controlnet_config(sd)
     if cfg.pop('n_proj') != len(proj_blocks):
         raise ValueError(f"load_controlnet: the file has {controlnet_config(sd)['n_proj']} projections, "

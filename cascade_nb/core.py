@@ -206,12 +206,9 @@ def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | N
     _check_header_fits(model, path, what)
     sd = load_file(str(path), device=str(device or "cpu"))
     if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    try: result = model.load_state_dict(sd, strict=False, assign=True)
+    # the header check compared every key and shape; what a strict load can still refuse is one line too
+    try: model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e: raise ValueError(f"{path} does not match {what}: tensors do not fit: {e}") from None
-    missing, unexpected = result.missing_keys, result.unexpected_keys
-    if missing or unexpected:
-        raise ValueError(f"{path} does not match {what}: {len(missing)} missing keys {missing[:5]}, "
-                         f"{len(unexpected)} unexpected {unexpected[:5]}")
     return model
 
 # %% ../nbs/00_core.ipynb #2d2b9a78
