@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['append_dims', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'save_safetensors_atomic', 'count_params',
-           'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device', 'enable_tf32',
-           'checkpoint_file', 'safetensors_header', 'save_with_config', 'load_safetensors_strict', 'load_with_config',
-           'frozen', 'seeded', 'seeded_randn', 'seeded_rand', 'seeded_multinomial', 'images_to_device']
+__all__ = ['append_dims', 'atomic_path', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'save_safetensors_atomic',
+           'count_params', 'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device',
+           'enable_tf32', 'checkpoint_file', 'safetensors_header', 'save_with_config', 'read_safetensors',
+           'load_safetensors_strict', 'load_with_config', 'frozen', 'seeded', 'seeded_randn', 'seeded_rand',
+           'seeded_multinomial', 'images_to_device']
 
 # %% ../nbs/00_core.ipynb #9463aab6
 def append_dims(v: torch.Tensor, like: torch.Tensor | int) -> torch.Tensor:
@@ -32,22 +33,44 @@ def _fsync_dir(path: Path):
         finally: os.close(fd)
 
 # %% ../nbs/00_core.ipynb #99d81ec9
+def _fsync_file(path):
+    fd = os.open(path, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+def _umask() -> int:
+    "This process's umask: read from /proc on Linux (setting it to read it back would race with other threads)."
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("Umask:")), 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb"):
-    "Open a temp file next to `path` for writing; on success fsync it and atomically rename it to `path`."
+def atomic_path(path: str | os.PathLike):
+    """A temporary path next to `path` for a writer that takes a file name; on success the file is fsynced and
+    atomically renamed to `path`, on failure removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
+        # mkstemp makes the file private (0600); the target gets the mode any new file gets (0666 less the umask)
+        os.chmod(tmp, 0o666 & ~_umask())
+        _fsync_file(tmp)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
         raise
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb"):
+    "Open a temp file next to `path` for writing; on success fsync it and atomically rename it to `path`."
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        yield f
+        f.flush()
 
 # %% ../nbs/00_core.ipynb #21521780
 def atomic_write_text(path, text: str):
@@ -60,11 +83,10 @@ def atomic_write_json(path, obj, **kwargs):
 
 # %% ../nbs/00_core.ipynb #f0041f9c
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None):
-    "Save a flat dict of tensors as safetensors at `path`, atomically."
-    from safetensors.torch import save
+    "Save a flat dict of tensors as safetensors at `path`, atomically, without a second copy of them in memory."
+    from safetensors.torch import save_file
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    data = save(tensors, metadata=metadata)
-    with atomic_write(path, "wb") as f: f.write(data)
+    with atomic_path(path) as tmp: save_file(tensors, tmp, metadata=metadata)
 
 # %% ../nbs/00_core.ipynb #91e32345
 def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
@@ -194,7 +216,41 @@ def _check_header_fits(model: torch.nn.Module, path, what: str):
              for k in want if k in shapes and shapes[k] != want[k]]
     if wrong: raise ValueError(f"{path} does not match {what}: {len(wrong)} shapes differ, e.g. {wrong[0]}")
 
+# %% ../nbs/00_core.ipynb #cf6e245d
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a `.safetensors` file (floats cast to `dtype`), read one at a time without a memory map: peak
+    memory = the result + one tensor."""
+    safetensors_header(path)   # a truncated or corrupt file is one line naming it
+    out = {}
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which cascade_nb does not read; "
+                                 f"expected one of {sorted(_SAFETENSORS_DTYPES)}")
+            start, end = info["data_offsets"]
+            raw = torch.empty(end - start, dtype=torch.uint8)
+            f.seek(8 + n + start)
+            if f.readinto(memoryview(raw.numpy())) != end - start: raise ValueError(f"{path}: truncated at {key!r}")
+            t = raw.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+            out[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return out
+
 # %% ../nbs/00_core.ipynb #afe7f9d5
+_FLOAT_NAMES = {"F64", "F32", "F16", "BF16"}
+
+def _header_dtypes(path) -> tuple[dict, set[str]]:
+    "The raw header of a `.safetensors` file and the dtype names its tensors use."
+    with open(path, "rb") as f: header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    return header, {info["dtype"] for info in header.values()}
+
 def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | None = None,
                             device=None) -> torch.nn.Module:
     """Assign a `.safetensors` file's tensors (floats cast to `dtype`) to `model` (e.g. on meta); refuse any key or
@@ -204,8 +260,11 @@ def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | N
                                    if isinstance(getattr(model, "config", None), dict) else "")
     # the header first: a file of the wrong model is refused before any of its tensors is read
     _check_header_fits(model, path, what)
-    sd = load_file(str(path), device=str(device or "cpu"))
-    if dtype is not None: sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    _, dtypes = _header_dtypes(path)
+    if dtype is not None and any(d in _FLOAT_NAMES and _SAFETENSORS_DTYPES[d] != dtype for d in dtypes):
+        # a cast: one tensor at a time, never the whole file twice
+        sd = {k: v.to(device or "cpu") for k, v in read_safetensors(path, dtype).items()}
+    else: sd = load_file(str(path), device=str(device or "cpu"))
     # the header check compared every key and shape; what a strict load can still refuse is one line too
     try: model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e: raise ValueError(f"{path} does not match {what}: tensors do not fit: {e}") from None

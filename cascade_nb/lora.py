@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device
-from .hub import weights_file
+from .hub import weights_file, parse_hub_spec
 from dataclasses import dataclass
 from typing import Literal, Optional
 from .config import ConfigError, config_section
@@ -564,7 +564,8 @@ def lora_base_generator(cfg, run, what: str = "LoRA") -> nn.Module:
     if not base:
         raise ValueError(f"{run}: its {what} was trained on a randomly initialised generator "
                          "(no generator_checkpoint_path), so there is no base to sample it with")
-    if not Path(base).exists():
+    # a hub id is fetched (or named in one line) by the loader; a local path must still be there
+    if parse_hub_spec(base) is None and not Path(base).exists():
         raise FileNotFoundError(f"{run}: the base generator its {what} was trained on, {base}, is not here")
     return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
 

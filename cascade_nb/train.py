@@ -256,6 +256,7 @@ def save(run: Run) -> bool:
         raise NonFiniteWeightsError(f"update {run.state.update}: the weights hold NaN or inf (the run diverged); "
                                     f"nothing was saved; kept: {last_checkpoint(run)} and its released weights: "
                                     "resume from it with a lower `lr`")
+    started = time.monotonic()
     try: _save(run)
     # disk full, quota, I/O error: the committed checkpoint is untouched
     except (OSError, RuntimeError) as e:
@@ -269,6 +270,8 @@ def save(run: Run) -> bool:
                 "weights are still the previous save's" if committed == run.state.update else
                 f"the last committed checkpoint (update {committed}) is kept")
         raise RunDirError(f"saving update {run.state.update} to {run.run_dir.path} failed ({why}); {kept}") from None
+    # at real size a save takes minutes (bench/real_size.py): say how long, so that save_every can be chosen
+    run.acc.print(f"update {run.state.update}: saved in {duration(time.monotonic() - started)}")
     return True
 
 # %% ../nbs/41_train.ipynb #b6e5b4ad

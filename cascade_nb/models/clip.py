@@ -11,7 +11,7 @@ from pathlib import Path
 from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
-from ..core import frozen, seeded, seeded_rand
+from ..core import frozen, seeded, seeded_rand, resolve_dtype
 from ..hub import model_folder
 
 # %% auto #0
@@ -43,21 +43,24 @@ def load_clip_tokenizer(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, **kwa
     return AutoTokenizer.from_pretrained(str(model_folder(name_or_path)), **kwargs)
 
 # %% ../../nbs/22_models.clip.ipynb #2aa5065f
+def _frozen_pretrained(cls, name_or_path, device, dtype, **kwargs):
+    "`cls.from_pretrained` created in `dtype` (never float32 first, then cast), frozen on `device`."
+    dtype = resolve_dtype(dtype, allow_fp16=True)
+    return frozen(cls.from_pretrained(str(model_folder(name_or_path)), dtype=dtype, **kwargs), device, dtype,
+                  allow_fp16=True)
+
 def load_clip_text_model(name_or_path: str | os.PathLike = CLIP_TEXT_MODEL, device=None, dtype=None, **kwargs):
     """Frozen `CLIPTextModelWithProjection` from a local directory, a hub id or an `hf://owner/repo/folder` (default:
     the reference's bigG)."""
     from transformers import CLIPTextModelWithProjection
-    return frozen(CLIPTextModelWithProjection.from_pretrained(str(model_folder(name_or_path)), **kwargs), device, dtype,
-                  allow_fp16=True)
+    return _frozen_pretrained(CLIPTextModelWithProjection, name_or_path, device, dtype, **kwargs)
 
 # %% ../../nbs/22_models.clip.ipynb #5937f12f
 def load_clip_image_model(name_or_path: str | os.PathLike = CLIP_IMAGE_MODEL, device=None, dtype=None, **kwargs):
     """Frozen `CLIPVisionModelWithProjection` from a local directory, a hub id or an `hf://owner/repo/folder`
     (default: the reference's ViT-L/14)."""
     from transformers import CLIPVisionModelWithProjection
-    return frozen(CLIPVisionModelWithProjection.from_pretrained(str(model_folder(name_or_path)), **kwargs), device,
-                  dtype,
-                  allow_fp16=True)
+    return _frozen_pretrained(CLIPVisionModelWithProjection, name_or_path, device, dtype, **kwargs)
 
 # %% ../../nbs/22_models.clip.ipynb #0bc289d7
 def tiny_clip_text_model(hidden: int = 64, proj: int = 64, layers: int = 2, heads: int = 2,

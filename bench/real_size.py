@@ -1,0 +1,454 @@
+"""Real size without a GPU: a rehearsal of the official Stable Cascade runs on this CPU machine (issue 30).
+
+    python bench/real_size.py [--work DIR] [--steps write,load,lora,full_1b,fsdp,generate] [--scale official|tiny]
+
+Every other test and benchmark runs tiny models. This one writes random weights with the official shapes, key names
+and file names (Stage C 3.6B and 1B, Stage B, Stage A, EfficientNet, Previewer, the CLIP text and image encoders,
+the tokenizer) into a local hub-style cache (`models--stabilityai--stable-cascade/snapshots/<commit>/`), points
+`HF_HUB_CACHE` at it with `HF_HUB_OFFLINE=1`, and then runs what a user with the official weights runs, through the
+same commands (`hf://stabilityai/stable-cascade/...` ids, `python -m cascade_nb.launch`, `.sample`, `.generate`,
+`.memory`):
+
+1. `load`: each stage loaded from the cache (wall time, peak resident memory against the file and the model).
+2. `lora`: the official `finetune_c_3b_lora.yaml`, 2 updates, save, SIGTERM, resume, 1 more update, the LoRA
+   export, a sample through the sample CLI; time per update, checkpoint size and save time, peak memory against
+   `python -m cascade_nb.memory` for the same config.
+3. `full_1b`: the official `finetune_c_1b.yaml` as a full fine-tune with the levers that make it fit 24 GB.
+4. `fsdp`: the same 1B fine-tune on two FSDP2 processes (gloo): 1 update, a sharded save, a resume.
+5. `generate`: `python -m cascade_nb.generate` at 1024x1024 through Stage C, B and A, one step per stage.
+
+Each step runs its command in a child process and measures that child's wall time and peak RSS (the largest
+descendant's `ru_maxrss`), prints one line, and records it in bench/results/real_size.json (with the command);
+bench/RESULTS.md quotes them. `--scale tiny` runs the same steps on tiny presets in a minute: a check of this script,
+not a measurement.
+"""
+from __future__ import annotations
+import argparse, json, os, resource, shutil, signal, subprocess, sys, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+REPO_ID = "stabilityai/stable-cascade"
+COMMIT = "ca5cade" + "0" * 33          # the snapshot's (made-up) commit: refs/main points at it
+RESULTS = ROOT/"bench"/"results"/"real_size.json"
+GB = 1e9
+
+# the CLIP encoders of the official repository's text_encoder/ and image_encoder/ (OpenCLIP bigG text tower,
+# OpenAI ViT-L/14 vision tower), as transformers configs
+BIGG_TEXT = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                 projection_dim=1280, hidden_act="gelu", vocab_size=49408, max_position_embeddings=77,
+                 bos_token_id=49406, eos_token_id=49407, pad_token_id=1)
+VIT_L14 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, patch_size=14,
+               image_size=224, projection_dim=768, hidden_act="quick_gelu")
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, projection_dim=64,
+                 hidden_act="gelu", vocab_size=49408, max_position_embeddings=77, bos_token_id=49406,
+                 eos_token_id=49407, pad_token_id=1)
+TINY_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                   image_size=224, projection_dim=64, hidden_act="quick_gelu")
+
+# file (or folder) of the official repository -> (what it is, preset at official scale, at tiny scale, dtype)
+WEIGHTS = {
+    "stage_c_bf16.safetensors": ("stage_c", "3.6B", "tiny", "bfloat16"),
+    "stage_c_lite_bf16.safetensors": ("stage_c", "1B", "tiny", "bfloat16"),
+    "stage_b_bf16.safetensors": ("stage_b", "3B", "tiny", "bfloat16"),
+    # the small stages are written at their official size at both scales (the tiny runs load them as they are)
+    "stage_a.safetensors": ("stage_a", "official", "official", "float32"),
+    "effnet_encoder.safetensors": ("effnet", "v2_s", "v2_s", "float32"),
+    "previewer.safetensors": ("previewer", {}, {}, "float32"),
+    "text_encoder": ("clip_text", BIGG_TEXT, TINY_TEXT, "float32"),
+    "image_encoder": ("clip_image", VIT_L14, TINY_VISION, "float32"),
+}
+
+
+def snapshot(cache: Path) -> Path: return cache/f"models--{REPO_ID.replace('/', '--')}"/"snapshots"/COMMIT
+def hub_id(name: str) -> str: return f"hf://{REPO_ID}/{name}"
+
+
+# --- writing the random official-size weights -------------------------------------------------------------------
+
+def build(kind: str, preset):
+    "A randomly initialised model of `kind` (see WEIGHTS), built in the current default dtype."
+    from cascade_nb.models import StageC, StageB, StageA
+    from cascade_nb.models.effnet import EfficientNetEncoder
+    from cascade_nb.models.previewer import Previewer
+    makers = dict(stage_c=StageC.from_preset, stage_b=StageB.from_preset, stage_a=StageA.from_preset,
+                  effnet=EfficientNetEncoder.from_preset, previewer=lambda kw: Previewer(**kw))
+    return makers[kind](preset)
+
+
+def write_one(name: str, scale: str, cache: Path):
+    "Write one file of WEIGHTS into the snapshot, as the official repository has it (no cascade_nb metadata)."
+    import torch
+    from cascade_nb.core import save_safetensors_atomic
+    kind, official, tiny, dtype = WEIGHTS[name]
+    preset, dtype = (official if scale == "official" else tiny), getattr(torch, dtype)
+    out = snapshot(cache)/name
+    torch.manual_seed(0)
+    if kind.startswith("clip"):
+        from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPVisionConfig,
+                                  CLIPVisionModelWithProjection)
+        config, cls = ((CLIPTextConfig, CLIPTextModelWithProjection) if kind == "clip_text"
+                       else (CLIPVisionConfig, CLIPVisionModelWithProjection))
+        cls(config(**preset)).to(dtype).save_pretrained(out, safe_serialization=True)
+        return
+    torch.set_default_dtype(dtype)
+    model = build(kind, preset)
+    save_safetensors_atomic({k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()},
+                            out)
+
+
+def lay_out_cache(cache: Path):
+    "refs/main -> COMMIT and the tokenizer folder (the real CLIP tokenizer shipped in data_samples/)."
+    repo = cache/f"models--{REPO_ID.replace('/', '--')}"
+    (repo/"refs").mkdir(parents=True, exist_ok=True)
+    (repo/"refs"/"main").write_text(COMMIT)
+    shutil.copytree(ROOT/"data_samples"/"clip_tokenizer", snapshot(cache)/"tokenizer", dirs_exist_ok=True)
+
+
+# --- measuring a child process ------------------------------------------------------------------------------------
+
+def measured(cmd: list[str], env: dict, log: Path, stop_when=None) -> dict:
+    """Run `cmd` in a wrapper process; its wall time, exit status and peak RSS (GB, the largest descendant's). With
+    `stop_when` (a function), SIGTERM the command once it returns True (a stop signal through the launcher)."""
+    wrapper = ("import resource, subprocess, sys, json, time\n"
+               "t = time.time(); rc = subprocess.call(sys.argv[2:], stdout=open(sys.argv[1], 'ab'), "
+               "stderr=subprocess.STDOUT)\n"
+               "print(json.dumps(dict(rc=rc, wall_s=time.time() - t, "
+               "peak_rss_gb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9)))\n")
+    if stop_when is None:
+        out = subprocess.run([sys.executable, "-c", wrapper, str(log), *cmd], env=env, capture_output=True,
+                             text=True, cwd=ROOT)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    p = subprocess.Popen([sys.executable, "-c", wrapper, str(log), *cmd], env=env, stdout=subprocess.PIPE,
+                         text=True, cwd=ROOT)
+    signalled = None
+    while p.poll() is None:
+        time.sleep(2)
+        if signalled is None and stop_when():
+            # the launcher is the wrapper's child: signal the whole group of the command
+            for child in _children(p.pid):
+                os.kill(child, signal.SIGTERM)
+            signalled = time.time()
+    rec = json.loads(p.stdout.read().strip().splitlines()[-1])
+    rec["sigterm"] = signalled is not None
+    return rec
+
+
+def _children(pid: int) -> list[int]:
+    "The direct children of `pid` (from /proc)."
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(c) for c in out]
+
+
+def record(results: dict, step: str, name: str, rec: dict, line: str):
+    "Print the step's one line and keep its figures."
+    print(f"real_size {step} {name}: {line}", flush=True)
+    results.setdefault(step, {})[name] = {**rec, "line": line}
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+
+# --- the steps ------------------------------------------------------------------------------------------------------
+
+def step_write(ctx):
+    "Every file of WEIGHTS, each built and written by a process of its own (the largest, Stage C 3.6B: 7.2 GB)."
+    for name in WEIGHTS:
+        target = snapshot(ctx.cache)/name
+        if target.exists() and not ctx.rewrite: continue
+        code = f"import sys; sys.path.insert(0, {str(ROOT/'bench')!r}); import real_size as r; " \
+               f"r.write_one({name!r}, {ctx.scale!r}, r.Path({str(ctx.cache)!r}))"
+        rec = measured([sys.executable, "-c", code], ctx.env, ctx.log("write"))
+        assert rec["rc"] == 0, f"writing {name} failed: see {ctx.log('write')}"
+        size = file_bytes(target) / GB
+        record(ctx.results, "write", name, {**rec, "file_gb": size},
+               f"{size:.2f} GB written in {rec['wall_s']:.0f} s, peak RSS {rec['peak_rss_gb']:.1f} GB")
+    lay_out_cache(ctx.cache)
+
+
+def file_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def weights_of(path: Path) -> int:
+    "Number of weights in a safetensors file (or the model.safetensors of a folder), from its header."
+    from math import prod
+    from cascade_nb.core import safetensors_header
+    _, shapes = safetensors_header(path/"model.safetensors" if path.is_dir() else path)
+    return sum(prod(s) for s in shapes.values())
+
+
+# name -> (module, loader): the function that loads it, called with the hub id in a fresh process
+LOADS = {"stage_c_bf16.safetensors": ("cascade_nb.models", "load_stage_c"),
+         "stage_c_lite_bf16.safetensors": ("cascade_nb.models", "load_stage_c"),
+         "stage_b_bf16.safetensors": ("cascade_nb.models", "load_stage_b"),
+         "stage_a.safetensors": ("cascade_nb.models", "load_stage_a"),
+         "effnet_encoder.safetensors": ("cascade_nb.models.effnet", "load_effnet_encoder"),
+         "previewer.safetensors": ("cascade_nb.models.previewer", "load_previewer"),
+         "text_encoder": ("cascade_nb.models.clip", "load_clip_text_model"),
+         "image_encoder": ("cascade_nb.models.clip", "load_clip_image_model")}
+BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def tiny_kwargs(name: str, scale: str) -> str:
+    "At tiny scale the loaders are told the preset (only the official sizes are inferred from the shapes)."
+    kind, official, tiny, _ = WEIGHTS[name]
+    if scale == "official" or kind.startswith("clip") or tiny == official: return ""
+    return ", " + ", ".join(f"{k}={v!r}" for k, v in tiny.items()) if isinstance(tiny, dict) else f", preset={tiny!r}"
+
+
+def step_load(ctx):
+    """Each stage loaded by its hub id in a fresh process, in bf16 and in fp32, then every weight read once: peak RSS
+    minus that of a process that imports the same modules and loads nothing, against the model's bytes in that dtype
+    (1.0 = no second copy)."""
+    base = measured([sys.executable, "-c", "import cascade_nb.models, cascade_nb.models.clip, transformers"],
+                    ctx.env, ctx.log("load"))
+    record(ctx.results, "load", "baseline", base, f"imports alone: peak RSS {base['peak_rss_gb']:.2f} GB")
+    for name, (module, loader) in LOADS.items():
+        path = snapshot(ctx.cache)/name
+        for dtype in ("bfloat16", "float32"):
+            # every weight read once after the load, as a first forward would: a memory map counts only when used
+            code = (f"from {module} import {loader} as load; "
+                    f"m = load({hub_id(name)!r}, dtype={dtype!r}{tiny_kwargs(name, ctx.scale)}); "
+                    "[t.float().sum() for t in m.state_dict().values()]")
+            rec = measured([sys.executable, "-c", code], ctx.env, ctx.log("load"))
+            assert rec["rc"] == 0, f"loading {name} failed: see {ctx.log('load')}"
+            model_gb = weights_of(path) * BYTES[dtype] / GB
+            held = rec["peak_rss_gb"] - base["peak_rss_gb"]
+            rec.update(file_gb=file_bytes(path) / GB, model_gb=model_gb, held_gb=held)
+            record(ctx.results, "load", f"{name} as {dtype}", rec,
+                   f"{rec['wall_s']:.1f} s, peak RSS above imports {held:.2f} GB for a {model_gb:.2f} GB model "
+                   f"from a {rec['file_gb']:.2f} GB file: {held / model_gb:.2f}x the model")
+
+
+
+# --- training runs: launch, SIGTERM after the first update, resume, finish -----------------------------------------
+
+H = f"hf://{REPO_ID}"
+PATHS = {"generator_checkpoint_path": None, "effnet_checkpoint_path": f"{H}/effnet_encoder.safetensors",
+         "previewer_checkpoint_path": f"{H}/previewer.safetensors", "clip_text_model_name": f"{H}/text_encoder",
+         "clip_image_model_name": f"{H}/image_encoder", "tokenizer_path": f"{H}/tokenizer"}
+ONE_PROCESS = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def make_images(folder: Path, side: int, n: int = 8, prefix: str = ""):
+    "`n` training images of at least `side` px (the shipped photos scaled up), each with its .txt caption."
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    photos = sorted((ROOT/"data_samples"/"photos").glob("*.jpg"))
+    for i in range(n):
+        src = photos[i % len(photos)]
+        img = Image.open(src).convert("RGB")
+        scale = side / min(img.size)
+        img.resize((round(img.width * scale), round(img.height * scale)), Image.BICUBIC).save(folder/f"{i:04d}.jpg")
+        (folder/f"{i:04d}.txt").write_text(prefix + src.with_suffix(".txt").read_text().strip())
+
+
+def official_config(ctx, name: str) -> Path:
+    "The official training YAML `name` (tests/official_configs.py holds their text), written unchanged."
+    sys.path.insert(0, str(ROOT/"tests"))
+    from official_configs import OFFICIAL_CONFIGS
+    path = ctx.work/"configs"/name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OFFICIAL_CONFIGS[name])
+    return path
+
+
+def metrics_of(ctx, run_id: str) -> list[dict]:
+    p = ctx.work/"outputs"/run_id/"metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def planned_gb(ctx, config: Path, overrides: list[str], *flags: str) -> float:
+    "`python -m cascade_nb.memory`'s peak for the same config and overrides, less its CUDA context (none on CPU)."
+    out = subprocess.run([sys.executable, "-m", "cascade_nb.memory", str(config), *overrides, *flags], env=ctx.env,
+                         capture_output=True, text=True, cwd=ROOT).stdout
+    (ctx.work/"logs"/f"plan_{config.stem}{'_'.join(flags)}.txt").write_text(out)
+    total = float(out.split("≈")[-1].split()[0])
+    context = next(float(line.split()[-1]) for line in out.splitlines() if line.startswith("CUDA context"))
+    return total - context
+
+
+def train_stop_resume(ctx, step: str, config: Path, overrides: list[str], launch: list[str], script: list[str]):
+    """Launch the run through `python -m cascade_nb.launch`, SIGTERM it once update 1 is logged (it saves at the
+    update it is in and exits 0), relaunch the same command (it resumes) and let it finish; record both."""
+    run_id = next(o.split("=", 1)[1] for o in overrides if o.startswith("experiment_id="))
+    cmd = [sys.executable, "-m", "cascade_nb.launch", *launch, *script, str(config), *overrides]
+    first = measured(cmd, ctx.env, ctx.log(step),
+                     stop_when=lambda: any(m.get("update", 0) >= 1 and "loss" in m for m in metrics_of(ctx, run_id)))
+    stopped_at = json.loads((ctx.work/"runs"/run_id/"info.json").read_text())["update"]
+    second = measured(cmd, ctx.env, ctx.log(step))
+    assert first["rc"] == 0 and second["rc"] == 0, f"{step} failed: see {ctx.log(step)}"
+    return run_id, first, second, stopped_at
+
+
+
+def run_overrides(ctx, generator: str, run_id: str, model_version: str) -> list[str]:
+    "Only paths and the run's name: the cache's hub ids, this work folder, the generated images."
+    paths = {**PATHS, "generator_checkpoint_path": f"{H}/{generator}"}
+    out = [f"{k}={v}" for k, v in paths.items()] + [
+        f"experiment_id={run_id}", f"checkpoint_path={ctx.work}/runs", f"output_path={ctx.work}/outputs",
+        f"webdataset_path={ctx.work}/images"]
+    # at tiny scale the official preset, image size and text widths are swapped for the tiny ones
+    return out + ([] if ctx.scale == "official" else ["model_version=tiny", "image_size=256"])
+
+
+def summarise_run(ctx, step: str, config: Path, overrides: list[str], run_id, first, second, stopped_at,
+                  plan_flags=()):
+    "Time per update, peak RSS vs the planner, checkpoint size and save time, from the logs and the run folder."
+    ms = [m for m in metrics_of(ctx, run_id) if "loss" in m]
+    run = ctx.work/"runs"/run_id
+    saves = [float(line.rsplit(" in ", 1)[1].split()[0]) for line in ctx.log(step).read_text().splitlines()
+             if ": saved in " in line and line.rstrip().endswith(" s")]
+    state = max(run.glob("state-*"))
+    rec = dict(first=first, second=second, stopped_at=stopped_at, updates=[m["update"] for m in ms],
+               losses=[m["loss"] for m in ms], step_time_s=[m["step_time_s"] for m in ms],
+               trainer_peak_rss_gb=max(m["peak_memory_gb"] for m in ms), save_s=saves,
+               state_gb=file_bytes(state) / GB,
+               released_gb={p.name: p.stat().st_size / GB for p in run.glob("*.safetensors")},
+               planned_gb=planned_gb(ctx, config, overrides, *plan_flags), command=" ".join(
+                   ["python -m cascade_nb.launch", "...", str(config.name), *overrides]))
+    peak = max(first["peak_rss_gb"], second["peak_rss_gb"])
+    rec["peak_rss_gb"] = peak
+    record(ctx.results, step, "run", rec,
+           f"stopped by SIGTERM at update {stopped_at}, resumed to {rec['updates'][-1]}; "
+           f"{min(rec['step_time_s']):.0f}-{max(rec['step_time_s']):.0f} s per update, peak RSS {peak:.1f} GB vs "
+           f"planner {rec['planned_gb']:.1f} GB (+{rec['planned_gb'] and peak / rec['planned_gb'] - 1:+.0%}); "
+           f"training state {rec['state_gb']:.2f} GB, saves {', '.join(f'{s:.0f} s' for s in saves)}")
+    return rec
+
+
+def step_lora(ctx):
+    """The official finetune_c_3b_lora.yaml (3.6B Stage C, LoRA rank 4 on '.attn', a new token), 3 updates."""
+    config = official_config(ctx, "finetune_c_3b_lora.yaml")
+    make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256, prefix="[fernando] ")
+    overrides = run_overrides(ctx, "stage_c_bf16.safetensors", "lora_3b", "3.6B") + [
+        "updates=3", "log_every=1",
+        # for this CPU (bench/RESULTS.md says why): one image per update instead of 32 in 4 micro-steps, bf16
+        # weights (fp32 plans 29 GB > 24 GB), 2 sampler steps for the in-training sample grid instead of 20
+        "batch_size=1", "grad_accum_steps=1", "dtype=bfloat16", "sample_steps=2"]
+    run_id, first, second, stopped = train_stop_resume(ctx, "lora", config, overrides, ONE_PROCESS,
+                                                       [str(ROOT/"cascade_nb"/"train.py")])
+    summarise_run(ctx, "lora", config, overrides + ["mixed_precision=no"], run_id, first, second, stopped)
+    run = ctx.work/"runs"/run_id
+    export = ("import time, torch; from safetensors.torch import load_file; from cascade_nb.lora import *; "
+              "from cascade_nb.core import save_safetensors_atomic; "
+              f"run = {str(run)!r}; t = time.time(); lora = load_file(run + '/lora.safetensors'); "
+              "save_safetensors_atomic(to_kohya(lora), run + '/lora_kohya.safetensors'); "
+              "save_peft_adapter(lora, run + '/lora_peft'); "
+              "print('exported in', time.time() - t)")
+    rec = measured([sys.executable, "-c", export], ctx.env, ctx.log("lora"))
+    assert rec["rc"] == 0, f"LoRA export failed: see {ctx.log('lora')}"
+    record(ctx.results, "lora", "export", rec, f"kohya + peft exports of lora.safetensors in {rec['wall_s']:.1f} s, "
+           f"peak RSS {rec['peak_rss_gb']:.2f} GB")
+    sample = [sys.executable, "-m", "cascade_nb.sample", "--checkpoint", str(run), "--prompt", "a photo of [fernando]",
+              "--n", "1", "--steps", "2", "--out", str(ctx.work/"samples"/run_id), "--overwrite"]
+    rec = measured(sample, ctx.env, ctx.log("lora"))
+    assert rec["rc"] == 0, f"sampling failed: see {ctx.log('lora')}"
+    record(ctx.results, "lora", "sample", rec, f"sample CLI, 1 image, 2 steps: {rec['wall_s']:.0f} s, "
+           f"peak RSS {rec['peak_rss_gb']:.1f} GB")
+
+
+
+# the levers `python -m cascade_nb.memory ... --budget 14` proposes for the full 1B fine-tune (fp32 AdamW plans
+# 23.9 GB): gradient checkpointing, 8-bit AdamW, bf16 frozen encoders
+LEVERS_1B = ["gradient_checkpointing=true", "optimizer=adamw8bit", "frozen_dtype=bfloat16"]
+
+
+def step_full_1b(ctx):
+    """The official finetune_c_1b.yaml (1B Stage C, full fine-tune), 3 updates, with the planner's levers."""
+    config = official_config(ctx, "finetune_c_1b.yaml")
+    make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256)
+    overrides = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "full_1b", "1B") + [
+        "updates=3", "log_every=1", "batch_size=1", "grad_accum_steps=1", "sample_steps=2", *LEVERS_1B]
+    run_id, first, second, stopped = train_stop_resume(ctx, "full_1b", config, overrides, ONE_PROCESS,
+                                                       [str(ROOT/"cascade_nb"/"train.py")])
+    summarise_run(ctx, "full_1b", config, overrides + ["mixed_precision=no"], run_id, first, second, stopped)
+
+
+def step_fsdp(ctx):
+    """The 1B full fine-tune on two FSDP2 processes (gloo, CPU): 1 update and a sharded save, then a relaunch that
+    resumes from the shards and makes 1 more; per-process peak RSS against the planner's FSDP plan."""
+    config = official_config(ctx, "finetune_c_1b.yaml")
+    make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256)
+    # 8-bit AdamW cannot step FSDP2's DTensor shards (the planner refuses it): AdamW, sharded; 384 px keeps the two
+    # single-core processes at a few minutes per update (weights, gradients and state, most of the memory, are the same)
+    base = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "fsdp_1b", "1B") + [
+        "log_every=1", "batch_size=2", "grad_accum_steps=1", "sample_steps=2", "gradient_checkpointing=true",
+        "frozen_dtype=bfloat16"] + (["image_size=384"] if ctx.scale == "official" else [])
+    launch = ["--config_file", str(ROOT/"configs"/"accelerate"/"cpu_2proc.yaml"), "--main_process_port", "29533"]
+    script = [str(ROOT/"tests"/"train_driver.py"), "--fsdp-cpu"]
+    recs = []
+    for updates in (1, 2):
+        cmd = [sys.executable, "-m", "cascade_nb.launch", *launch, *script, str(config), *base, f"updates={updates}"]
+        recs.append(measured(cmd, ctx.env, ctx.log("fsdp")))
+        assert recs[-1]["rc"] == 0, f"fsdp failed: see {ctx.log('fsdp')}"
+    run_id = "fsdp_1b"
+    ms = [m for m in metrics_of(ctx, run_id) if "loss" in m]
+    state = max((ctx.work/"runs"/run_id).glob("state-*"))
+    planned = planned_gb(ctx, config, base + ["updates=2", "mixed_precision=no"], "--world-size", "2", "--fsdp")
+    saves = [line for line in ctx.log("fsdp").read_text().splitlines() if ": saved in " in line]
+    rec = dict(runs=recs, updates=[m["update"] for m in ms], step_time_s=[m["step_time_s"] for m in ms],
+               trainer_peak_rss_gb=max(m["peak_memory_gb"] for m in ms), planned_gb=planned,
+               state_gb=file_bytes(state) / GB, shards=sorted(p.name for p in state.rglob("*.distcp")), saves=saves)
+    record(ctx.results, "fsdp", "run", rec,
+           f"updates {rec['updates']} (the second after a resume from the shards), {min(rec['step_time_s']):.0f}-"
+           f"{max(rec['step_time_s']):.0f} s per update, rank-0 peak RSS {rec['trainer_peak_rss_gb']:.1f} GB vs "
+           f"planner {planned:.1f} GB per process; sharded state {rec['state_gb']:.2f} GB in "
+           f"{len(rec['shards'])} shard files")
+
+
+def step_generate(ctx):
+    "`python -m cascade_nb.generate` at 1024x1024 from the cache's snapshot folder, one step per stage, bf16."
+    side = 1024 if ctx.scale == "official" else 256
+    out = ctx.work/"generated"
+    stage_c = ["--stage-c", "3.6B", "--stage-b", "3B"] if ctx.scale == "official" else []
+    cmd = [sys.executable, "-m", "cascade_nb.generate", "a photo of a dog", "--models", str(snapshot(ctx.cache)),
+           "--out", str(out), "--height", str(side), "--width", str(side), "--steps-c", "1", "--steps-b", "1",
+           "--seed", "0", "--device", "cpu", "--dtype", "bfloat16", *stage_c]
+    rec = measured(cmd, ctx.env, ctx.log("generate"))
+    assert rec["rc"] == 0, f"generate failed: see {ctx.log('generate')}"
+    from PIL import Image
+    sizes = sorted({Image.open(p).size for p in out.glob("*.png")})
+    record(ctx.results, "generate", f"{side}x{side}", {**rec, "png_sizes": sizes, "command": " ".join(cmd[1:])},
+           f"Stage C -> B -> A, 1 step each, bf16: {rec['wall_s']:.0f} s, peak RSS {rec['peak_rss_gb']:.1f} GB, "
+           f"images {sizes}")
+
+
+# --- main -----------------------------------------------------------------------------------------------------------
+
+STEPS = {"write": step_write, "load": step_load, "lora": step_lora, "full_1b": step_full_1b,
+         "fsdp": step_fsdp, "generate": step_generate}
+
+
+class Context:
+    "The work folder, the environment every child runs in (offline, the cache), the results so far."
+    def __init__(self, work: Path, scale: str, rewrite: bool = False):
+        self.work, self.scale, self.rewrite = work, scale, rewrite
+        self.cache = work/"hub"
+        self.env = {**os.environ, "HF_HUB_CACHE": str(self.cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        self.results = json.loads(RESULTS.read_text()) if RESULTS.exists() and scale == "official" else {}
+
+    def log(self, step: str) -> Path:
+        (self.work/"logs").mkdir(parents=True, exist_ok=True)
+        return self.work/"logs"/f"{step}.log"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, default=Path("/tmp/cascade_nb_real_size"), help="cache, runs and logs")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {list(STEPS)}")
+    p.add_argument("--scale", choices=("official", "tiny"), default="official")
+    p.add_argument("--rewrite", action="store_true", help="write the weights again even where they exist")
+    args = p.parse_args(argv)
+    global RESULTS
+    if args.scale == "tiny": RESULTS = args.work/"real_size_tiny.json"
+    args.work.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args.work, args.scale, args.rewrite)
+    for step in args.steps.split(","):
+        t = time.time()
+        STEPS[step](ctx)
+        print(f"real_size {step}: done in {time.time() - t:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
