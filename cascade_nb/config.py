@@ -15,7 +15,7 @@ import yaml
 from .registry import registry, ConfigError
 from .typed_yaml import (Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, PROBABILITY, DECAY, coerce,
                                    read_yaml, read_yaml_file, MAX_CONFIG_BYTES, MAX_YAML_VALUES, _numeric)
-from .filters import DatasetFilter, CaptionsGetter
+from .filters import DatasetFilter, CaptionsGetter, CaptionRecipe
 _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1", "PROBABILITY", "DECAY",
          "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
 
@@ -90,6 +90,14 @@ class DataConfig:
     dataset_filters: Optional[list[DatasetFilter]] = None  # [[key, 'lambda v: ...'], ...] on the sample JSON
     captions_getter: Optional[CaptionsGetter] = None       # [member, getter]; None = ['txt', 'identity']
     caption_dropout: float = 0.05         # probability of training a sample with an empty caption (for CFG)
+    # the caption's steps, in order, seeded per (sample, epoch): one of a JSON list, tags, prefix (filters notebook)
+    caption_transforms: list[Choice["caption_transform"]] = field(default_factory=lambda: list(CaptionRecipe.steps))
+    caption_prefix: str = ""              # trigger word put in front of every caption; never shuffled or dropped
+    shuffle_tags: bool = False            # shuffle each caption's comma-separated tags every epoch (kohya)
+    keep_tokens: int = 0                  # the first N tags keep their place and are never dropped
+    keep_tokens_separator: str = ""       # e.g. '|||': the tags before it keep their place (instead of keep_tokens)
+    tag_dropout: float = 0.0              # probability of dropping each tag that is not kept or protected
+    protected_tags: list[str] = field(default_factory=list)  # tags that tag_dropout never drops
     image_embed_prob: float = 0.1         # probability of feeding the CLIP image embedding (reference: 10%)
     # auto: saliency-centred (smart) if square, random in aspect buckets
     crop: Literal["auto", "smart", "random", "center"] = "auto"
@@ -201,7 +209,8 @@ RANGES: dict[str, Range] = dict(
     shift=POSITIVE, offset_noise=AT_LEAST_0, sample_cfg=AT_LEAST_0, sample_steps=AT_LEAST_1,       # gdf
     image_size=Range(8), batch_size=AT_LEAST_1, caption_dropout=PROBABILITY, image_embed_prob=PROBABILITY,  # data
     bucketeer_random_ratio=PROBABILITY, shuffle_buffer=AT_LEAST_0, num_workers=AT_LEAST_0, prefetch_factor=AT_LEAST_1,
-    val_batches=AT_LEAST_1, resolution_schedule=(AT_LEAST_0, Range(8)),
+    val_batches=AT_LEAST_1, resolution_schedule=(AT_LEAST_0, Range(8)), keep_tokens=AT_LEAST_0,
+    tag_dropout=PROBABILITY,
     lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1,        # train
     min_lr=AT_LEAST_0, lr_cycles=AT_LEAST_1, lr_power=POSITIVE,
     weight_decay=AT_LEAST_0, adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE,
@@ -480,6 +489,11 @@ def _check(cfg: Config, where: str, training: bool):
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
     if d.captions_getter is None: d.captions_getter = CaptionsGetter()
+    changing = CaptionRecipe.from_config(d).keys_in_use()
+    need(m.latent_space != "cached" or not changing,
+         f"key(s) {', '.join(changing)} change the captions per sample and epoch, but latent_space: cached trains on "
+         "the text embeddings of the captions as they were cached; turn them off, or train from the images "
+         "(latent_space: effnet)")
 
 # %% ../nbs/01_config.ipynb #7ac5194f
 class _Dumper(yaml.SafeDumper): "YAML dumper writing lists inline (`[1/1, 1/2]`) and mappings as blocks."

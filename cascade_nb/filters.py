@@ -1,4 +1,4 @@
-"""What a config may say about which samples to keep and where their captions are: safe `lambda` filters evaluated without `eval`, and caption getters chosen by name from a registry.
+"""What a config may say about which samples to keep and where their captions are: safe `lambda` filters evaluated without `eval`, caption getters chosen by name from a registry, and the seeded caption transforms (tag shuffle and dropout, a trigger word, one of several captions).
 
 Docs: https://cascade-nb.github.io/cascade_nb/filters.html.md"""
 
@@ -6,13 +6,14 @@ Docs: https://cascade-nb.github.io/cascade_nb/filters.html.md"""
 
 # %% ../nbs/00b_filters.ipynb #83a0f59a
 from __future__ import annotations
-import ast, operator
+import ast, json, operator, random
 from dataclasses import dataclass
 from .registry import ConfigError, UnknownChoice, registry
 
 # %% auto #0
-__all__ = ['CAPTION_GETTERS', 'register_caption_getter', 'SafeFilter', 'parse_filter', 'DatasetFilter', 'caption_identity',
-           'caption_from_json', 'CaptionsGetter']
+__all__ = ['CAPTION_GETTERS', 'register_caption_getter', 'CAPTION_TRANSFORMS', 'register_caption_transform', 'SafeFilter',
+           'parse_filter', 'DatasetFilter', 'caption_identity', 'caption_from_json', 'CaptionsGetter', 'split_tags',
+           'kept_and_free_tags', 'PickCaption', 'ShuffleDropTags', 'CaptionPrefix', 'CaptionRecipe']
 
 # %% ../nbs/00b_filters.ipynb #caa054ae
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -149,3 +150,91 @@ class CaptionsGetter:
         try: CAPTION_GETTERS.choose(entry[1])
         except UnknownChoice as e: raise ConfigError(f"captions_getter {entry!r}: {e}") from None
         return cls(*entry)
+
+# %% ../nbs/00b_filters.ipynb #edca2485
+def split_tags(caption: str) -> list[str]:
+    "The comma-separated tags of `caption`, stripped, empty ones left out."
+    return [t.strip() for t in caption.split(",") if t.strip()]
+
+def kept_and_free_tags(caption: str, keep_tokens: int = 0, separator: str = "") -> tuple[list[str], list[str]]:
+    """(tags that keep their place, tags that may move or go): all before `separator` when the caption holds it,
+    else the first `keep_tokens`."""
+    if separator and separator in caption:
+        head, tail = caption.split(separator, 1)
+        return split_tags(head), split_tags(tail.replace(separator, ","))
+    tags = split_tags(caption)
+    return tags[:keep_tokens], tags[keep_tokens:]
+
+# %% ../nbs/00b_filters.ipynb #f17df184
+class PickCaption:
+    """A caption member holding a JSON list of strings (`["a cat", "a tabby cat"]`) gives one of them, drawn per
+    (sample, epoch); any other text is the caption itself."""
+    def in_use(self, recipe) -> list[str]: return []   # depends on the data, not on a key
+    def __call__(self, caption: str, rng: random.Random, recipe) -> str:
+        if not caption.startswith("["): return caption
+        try: options = json.loads(caption)
+        except ValueError: return caption
+        if not (isinstance(options, list) and options and all(isinstance(o, str) for o in options)): return caption
+        return rng.choice(options).strip()
+
+# %% ../nbs/00b_filters.ipynb #bc185d32
+class ShuffleDropTags:
+    """Tags after the kept ones (`keep_tokens`, or all before `keep_tokens_separator`) dropped with probability
+    `tag_dropout` (never `protected_tags`), then shuffled (`shuffle_tags`); joined again by ", "."""
+    def in_use(self, recipe) -> list[str]:
+        on = dict(shuffle_tags=recipe.shuffle_tags, tag_dropout=recipe.tag_dropout > 0,
+                  keep_tokens_separator=bool(recipe.keep_tokens_separator))
+        return [k for k, v in on.items() if v]
+
+    def __call__(self, caption: str, rng: random.Random, recipe) -> str:
+        if not self.in_use(recipe): return caption
+        kept, free = kept_and_free_tags(caption, recipe.keep_tokens, recipe.keep_tokens_separator)
+        if recipe.tag_dropout:
+            free = [t for t in free if t in recipe.protected_tags or rng.random() >= recipe.tag_dropout]
+        if recipe.shuffle_tags: rng.shuffle(free)
+        return ", ".join(kept + free)
+
+# %% ../nbs/00b_filters.ipynb #d5db7653
+class CaptionPrefix:
+    """`caption_prefix` (a trigger word) in front of the caption, joined by ", " (by nothing when it ends with a space);
+    it comes after the shuffle and the dropout, so it never moves and is never dropped."""
+    def in_use(self, recipe) -> list[str]: return ["caption_prefix"] if recipe.caption_prefix else []
+    def __call__(self, caption: str, rng: random.Random, recipe) -> str:
+        prefix = recipe.caption_prefix
+        if not (prefix and caption): return prefix or caption
+        return prefix + caption if prefix[-1].isspace() else f"{prefix}, {caption}"
+
+# %% ../nbs/00b_filters.ipynb #ee065803
+CAPTION_TRANSFORMS = registry("caption_transform", {"pick_caption": PickCaption(), "tags": ShuffleDropTags(),
+                                                    "prefix": CaptionPrefix()},
+                              "@register_caption_transform('name') on a function (caption, rng, recipe) -> caption")
+register_caption_transform = CAPTION_TRANSFORMS.register
+("`@register_caption_transform('name')`: a step `caption_transforms: [..., name]` in configs can name; it gets the "
+ "caption, the seeded `random.Random` of (sample, epoch) and the `CaptionRecipe`.")
+
+# %% ../nbs/00b_filters.ipynb #41ed87e7
+@dataclass(frozen=True)
+class CaptionRecipe:
+    "The caption keys of a config and the registered `steps` that apply them, in order, with one seeded `rng`."
+    steps: tuple[str, ...] = ("pick_caption", "tags", "prefix")
+    caption_prefix: str = ""
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    keep_tokens_separator: str = ""
+    tag_dropout: float = 0.0
+    protected_tags: tuple[str, ...] = ()
+
+    def __call__(self, caption: str, rng: random.Random) -> str:
+        for name in self.steps: caption = CAPTION_TRANSFORMS.choose(name)(caption, rng, self)
+        return caption
+
+    def keys_in_use(self) -> list[str]:
+        "The keys (or own steps) that change captions beyond picking one of a list: what a cache cannot hold."
+        return [k for name in self.steps for k in (CAPTION_TRANSFORMS.choose(name).in_use(self)
+                if hasattr(CAPTION_TRANSFORMS.choose(name), "in_use") else [f"caption_transforms: {name}"])]
+
+    @classmethod
+    def from_config(cls, data) -> "CaptionRecipe":
+        "The recipe of a `DataConfig` (`cfg.data`)."
+        return cls(tuple(data.caption_transforms), data.caption_prefix, data.shuffle_tags, data.keep_tokens,
+                   data.keep_tokens_separator, data.tag_dropout, tuple(data.protected_tags))

@@ -153,8 +153,9 @@ def whole_source(cfg: Config, source, batch_size: int, **overrides):
     share of the shards): for everything read outside the training stream (validation, sample grids, evaluation)."""
     import dataclasses
     from cascade_nb.data.pipeline import dataloader_from_config
+    # the trigger word and the list's pick stay (seeded, epoch 0); tags are neither shuffled nor dropped there
     data = dataclasses.replace(cfg.data, webdataset_path=source, resampled=False, shuffle_buffer=0, crop="center",
-                               num_workers=0, bucketeer_random_ratio=0.)
+                               num_workers=0, bucketeer_random_ratio=0., shuffle_tags=False, tag_dropout=0.)
     return dataloader_from_config(data, batch_size, **{"split_by_node": False, "pin_memory": False, **overrides})
 
 # %% ../nbs/41_train.ipynb #3c93d0ce

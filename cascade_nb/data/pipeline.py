@@ -1,4 +1,4 @@
-"""From a source to batches of one aspect bucket each: read → shuffle → decode and validate → resize into a bucket → batch; picklable, rank- and worker-aware, counting every skipped sample.
+"""From a source to batches of one aspect bucket each: read → shuffle → decode and validate → transform the caption → resize into a bucket → batch; picklable, rank- and worker-aware, counting every skipped sample.
 
 Docs: https://cascade-nb.github.io/cascade_nb/data.pipeline.html.md"""
 
@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.pipeline.html.md"""
 
 # %% ../../nbs/32_data.pipeline.ipynb #056cb261
 from __future__ import annotations
-import io, json, math, random, struct, warnings
+import hashlib, io, json, math, random, struct, warnings
 from collections import Counter
 from pathlib import Path
 import numpy as np
@@ -14,7 +14,8 @@ import torch
 import webdataset as wds
 from safetensors.torch import load as st_load
 from PIL import Image, ImageOps
-from ..filters import CaptionsGetter, DatasetFilter
+from ..filters import CaptionsGetter, DatasetFilter, CaptionRecipe
+from ..registry import ConfigError
 from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_shards, ShardList,
                                      ResampledShardList, ShardReader, _worker_seed, is_remote, local_path, DataError)
 from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize,
@@ -23,9 +24,10 @@ from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resiz
 # %% auto #0
 __all__ = ['MAX_CAPTION_CHARS', 'CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'UnsupportedImage', 'to_rgb',
            'default_min_side', 'default_max_pixels', 'SampleDecoder', 'decode_sample', 'no_usable_shard_error',
-           'LazyImage', 'Shuffle', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder',
-           'ImageTextDataset', 'resolve_crop', 'build_dataset', 'FilterReportingLoader', 'build_dataloader',
-           'dataloader_from_config', 'default_num_workers', 'sum_skips', 'inspect_source']
+           'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform', 'find_cache_info', 'safetensors_metadata',
+           'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset', 'resolve_crop', 'build_dataset',
+           'FilterReportingLoader', 'build_dataloader', 'dataloader_from_config', 'default_num_workers', 'sum_skips',
+           'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -264,6 +266,29 @@ class Shuffle:
         for s in buf: yield from release(s)
         yield from markers.values()
 
+# %% ../../nbs/32_data.pipeline.ipynb #01a3883f
+def caption_rng(seed: int, url, key: str, epoch: int, draw: int = 0) -> random.Random:
+    """The `random.Random` of one sample's caption in one epoch: a hash of (run seed, shard name, key, epoch, draw),
+    the same in every process (Python's `hash` of a string is not)."""
+    # a folder's chunks are `folder#i`: the key is unique in the folder, so the chunking must not matter
+    shard = str(url or "").split("#")[0].rstrip("/").rsplit("/", 1)[-1]
+    blob = json.dumps([seed, shard, key, epoch, draw]).encode()
+    return random.Random(int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little"))
+
+# %% ../../nbs/32_data.pipeline.ipynb #dca3c908
+class CaptionTransform:
+    "Pipeline stage: each decoded sample's caption through `recipe` (a `CaptionRecipe`) with its `caption_rng`."
+    def __init__(self, recipe: CaptionRecipe, seed: int = 0, resampled: bool = False):
+        self.recipe, self.seed, self.resampled, self.epoch = recipe, seed, resampled, 0
+
+    def __call__(self, samples):
+        epoch, stream = self.epoch, random.Random(_worker_seed(self.seed + 3, self.epoch))
+        self.epoch += 1
+        for s in samples:
+            draw = stream.getrandbits(64) if self.resampled else 0
+            rng = caption_rng(self.seed, s.get("__url__"), s["__key__"], epoch, draw)
+            yield {**s, "caption": self.recipe(s["caption"], rng)}
+
 # %% ../../nbs/32_data.pipeline.ipynb #ebc35b76
 CACHE_INFO = "cache_info.json"
 "The file next to cached shards that says what made them (`cascade_nb.data.cache`)."
@@ -342,7 +367,7 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
                   p_random_ratio: float = 0.0, min_side: int | None = None, max_pixels: int | None = None,
                   drop_last: bool = True, seed: int = 0, epoch_length: int | None = None, folder_chunk: int = 64,
                   cache_fingerprint: str | None = None, allow_pipe: bool = False,
-                  split_by_node: bool = True) -> ImageTextDataset:
+                  split_by_node: bool = True, caption_recipe: CaptionRecipe | None = None) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
     shards = resolve_shards(source, folder_chunk, allow_pipe)
     n_distinct = len({s["url"] for s in shards})
@@ -351,7 +376,11 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
             [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node if split_by_node else None,
              wds.split_by_worker])
     info = find_cache_info(shards)   # cached shards: latents instead of images
+    recipe = caption_recipe or CaptionRecipe()
     if info is not None or cache_fingerprint is not None:
+        if changing := recipe.keys_in_use():
+            raise ConfigError(f"data: {source} is a cache of fixed captions and their text embeddings, so "
+                              f"{', '.join(changing)} cannot change them; turn them off or train from the images")
         body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=n_distinct)]
         group_key = "bucket"
     else:
@@ -359,6 +388,7 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
         body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
                               n_distinct, buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
                               max_pixels=max_pixels or default_max_pixels(image_size), lazy=True),
+                CaptionTransform(recipe, seed, resampled),
                 BucketResize(buckets, resolve_crop(crop, multi_aspect_ratio), p_random_ratio, seed)]
         group_key = "bucket"
     ds = ImageTextDataset(*head, ShardReader(counter, allow_pipe),
@@ -441,7 +471,7 @@ def dataloader_from_config(data, batch_size: int, seed: int = 0, **overrides) ->
               captions_getter=data.captions_getter, dataset_filters=data.dataset_filters,
               resampled=data.resampled, shuffle_buffer=data.shuffle_buffer,
               crop=data.crop, p_random_ratio=data.bucketeer_random_ratio if data.multi_aspect_ratio else 0.0,
-              allow_pipe=getattr(data, "allow_pipe_sources", False),
+              allow_pipe=getattr(data, "allow_pipe_sources", False), caption_recipe=CaptionRecipe.from_config(data),
               num_workers=data.num_workers, pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor, seed=seed)
     return build_dataloader(data.webdataset_path, batch_size, **{**kw, **overrides})
 
