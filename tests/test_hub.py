@@ -250,3 +250,22 @@ def test_controlnet_and_lora_files_by_hub_id(hub, tmp_path):
     assert all(torch.equal(v, twin.state_dict()[k]) for k, v in base.state_dict().items())
     assert not all(torch.equal(v, before[k]) for k, v in base.state_dict().items())   # the LoRA was merged
     assert len(gets(hub)) == 2
+
+
+def test_a_lora_run_on_a_hub_base_finds_its_base(hub, tmp_path):
+    """A LoRA run whose `generator_checkpoint_path` is a hub id samples (`lora_base_generator`): the base is fetched,
+    not looked for as a local file (bench/real_size.py found `python -m cascade_nb.sample` refusing such a run)."""
+    from cascade_nb.config import config_from_dict
+    from cascade_nb.lora import lora_base_generator
+    data, model = tiny_stage_c_bytes(tmp_path)
+    hub["repos"]["own/base"] = {"stage_c_base.safetensors": data}
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = "hf://own/base/stage_c_base.safetensors"
+    (run / "info.json").write_text(json.dumps({"config": {"generator_checkpoint_path": spec}}))
+    cfg = config_from_dict({"experiment_id": "x", "webdataset_path": "x", "model_version": "tiny",
+                            "module_filters": [".attn"]})
+    base = lora_base_generator(cfg, run)
+    assert all(torch.equal(v, base.state_dict()[k]) for k, v in model.state_dict().items())
+    (run / "info.json").write_text(json.dumps({"config": {"generator_checkpoint_path": str(tmp_path / "gone.st")}}))
+    with pytest.raises(FileNotFoundError, match="gone.st, is not here"): lora_base_generator(cfg, run)
