@@ -84,7 +84,10 @@ def cmd_inspect(args) -> int:
     if args.config is None and _is_config_file(args.source): args.config, args.source = args.source, None
     cfg = _load_cfg(args.config)
     if args.source is None and cfg is None: raise SystemExit("inspect: give a SOURCE, or a CONFIG (or --config)")
-    if args.source is None: args.source = cfg.data.webdataset_path
+    if args.source is None:
+        from cascade_nb.config import REQUIRED
+        if cfg.data.webdataset_path is REQUIRED: raise SystemExit(f"inspect: {args.config} sets no webdataset_path")
+        args.source = cfg.data.webdataset_path
     image_size = args.image_size or (cfg.data.image_size if cfg is not None else 768)
     kw = (dict(captions_getter=cfg.data.captions_getter, dataset_filters=cfg.data.dataset_filters)
           if cfg is not None else {})
