@@ -91,13 +91,13 @@ def _upscaled(h: int, w: int, cfg: Config) -> bool:
 
 def scan_data(cfg: Config, limit: int = 2000) -> DataStats:
     "Read at most `limit` usable samples of the config's training data as the trainer decodes them; see `DataStats`."
-    from cascade_nb.data.sources import resolve_shards, ShardReader, SkipCounter
+    from cascade_nb.data.sources import resolve_sources, ShardReader, SkipCounter
     from cascade_nb.data.pipeline import SampleDecoder, default_min_side, default_max_pixels
     d = cfg.data
-    shards = resolve_shards(d.webdataset_path, allow_pipe=d.allow_pipe_sources)
+    entries, shards = resolve_sources(d.webdataset_path, allow_pipe=d.allow_pipe_sources)   # each entry once
     counter = SkipCounter()
     dec = SampleDecoder(counter, d.captions_getter, d.dataset_filters, default_min_side(d.image_size), len(shards),
-                        strict=False, max_pixels=default_max_pixels(d.image_size))
+                        strict=False, max_pixels=default_max_pixels(d.image_size), sources=entries)
     n, complete, first, upscaled, dups = 0, True, {}, [], []
     for s in dec(ShardReader(counter, d.allow_pipe_sources)(shards)):
         if n >= limit: complete = False; break

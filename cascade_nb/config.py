@@ -20,12 +20,13 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
          "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
 
 # %% auto #0
-__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES', 'NULL_TURNS_OFF',
-           'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'ModelConfig', 'GDFConfig',
-           'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'check_range',
-           'config_section', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'dump_config',
-           'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY',
-           'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
+__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SOURCE_KEYS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES',
+           'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'ModelConfig',
+           'GDFConfig', 'DataConfig', 'SourceEntry', 'source_entry', 'source_entries', 'TrainConfig',
+           'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'check_range', 'config_section', 'Config',
+           'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'dump_config', 'save_config',
+           'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce',
+           'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"
@@ -80,7 +81,8 @@ class GDFConfig:
 @dataclass
 class DataConfig:
     "Where images and captions come from and how they are batched."
-    webdataset_path: Union[str, list[str]] = REQUIRED  # folder, tar(s), brace pattern, list, pipe:/s3:// URL
+    # folder, tar(s), brace pattern, pipe:/s3:// URL, or a list of these and of mixture entries (`SourceEntry`)
+    webdataset_path: Union[str, list[Union[str, dict[str, Any]]]] = REQUIRED
     allow_pipe_sources: bool = False     # run pipe:CMD sources (shell commands); off so a YAML cannot run code
     image_size: int = 768                 # side of the square training image (bucket area = image_size**2)
     # [[update, side], ...]: train at `side` from `update` on; largest = image_size
@@ -110,6 +112,58 @@ class DataConfig:
     prefetch_factor: Optional[int] = 2
     val_webdataset_path: Optional[Union[str, list[str]]] = None  # held-out data for the validation loss
     val_batches: int = 4                  # batches of held-out data per validation
+
+# %% ../nbs/01_config.ipynb #623d12e2
+@dataclass(frozen=True)
+class SourceEntry:
+    "One entry of `webdataset_path`: a source, how often an epoch visits it, its loss weight and its caption prefix."
+    path: str
+    weight: float = 1.0         # each sample is seen `weight` times an epoch, on average; 0: the entry is off
+    loss_weight: float = 1.0    # multiplies the loss of its samples
+    caption_prefix: str = ""    # put before each of its captions
+
+SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix")
+"The keys of a mapping entry of `webdataset_path`."
+
+# %% ../nbs/01_config.ipynb #397834c0
+def _entry_value(entry: dict, name: str, tp, rng: Range | None, key: str, default):
+    "`entry[name]` coerced to `tp` and inside `rng`, or `default`; a ConfigError names `key.name`."
+    if name not in entry: return default
+    v = coerce(entry[name], tp, f"{key}.{name}")
+    if rng is not None and v not in rng:
+        raise ConfigError(f"key '{key}.{name}': {entry[name]!r} is out of range; expected {rng}")
+    return v
+
+def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
+    "One `webdataset_path` entry, a path or a mapping of `SOURCE_KEYS`, as a `SourceEntry`; ConfigError naming the key."
+    if isinstance(entry, (str, os.PathLike)): return SourceEntry(os.fspath(entry))
+    if not isinstance(entry, dict):
+        raise ConfigError(f"key '{key}': {entry!r} is not a source; expected a path or a mapping of {SOURCE_KEYS}")
+    for k in entry:
+        if k in SOURCE_KEYS: continue
+        close = difflib.get_close_matches(str(k), SOURCE_KEYS, n=1, cutoff=0.5)
+        raise ConfigError(f"key '{key}.{k}' is unknown; " + (f"did you mean '{close[0]}'?" if close
+                                                              else f"expected one of {', '.join(SOURCE_KEYS)}"))
+    if "path" not in entry: raise ConfigError(f"key '{key}.path' is missing (the folder, tar(s) or URL to read)")
+    if "weight" in entry and "repeats" in entry:
+        raise ConfigError(f"key '{key}': give 'weight' or 'repeats', not both ('repeats: N' is 'weight: N')")
+    weight = _entry_value(entry, "weight", float, AT_LEAST_0, key, None)
+    repeats = _entry_value(entry, "repeats", int, AT_LEAST_1, key, 1)
+    return SourceEntry(_entry_value(entry, "path", str, None, key, ""),
+                       float(repeats) if weight is None else weight,
+                       _entry_value(entry, "loss_weight", float, AT_LEAST_0, key, 1.0),
+                       _entry_value(entry, "caption_prefix", str, None, key, ""))
+
+# %% ../nbs/01_config.ipynb #a5cf2721
+def source_entries(value, key: str = "webdataset_path") -> list[SourceEntry]:
+    "The `SourceEntry`s of a `webdataset_path` value (a path, or a list of paths and mappings); one has weight > 0."
+    if isinstance(value, (str, os.PathLike, dict)): return [source_entry(value, key)]
+    entries = [source_entry(e, f"{key}[{i}]") for i, e in enumerate(value)]
+    if not entries: raise ConfigError(f"key '{key}': [] names no source")
+    if not any(e.weight > 0 for e in entries):
+        raise ConfigError(f"key '{key}': every entry has weight 0, so nothing is left to train on; "
+                          "give at least one a weight > 0")
+    return entries
 
 # %% ../nbs/01_config.ipynb #b2d2bb91
 @dataclass
@@ -453,6 +507,16 @@ def _check_resolution_schedule(cfg: Config, need):
          f"{key} needs images: latents cached by `python -m cascade_nb.data cache` have one "
          "fixed size (latent_space: cached); train from the images (latent_space: effnet)")
 
+# %% ../nbs/01_config.ipynb #0409078b
+def _check_sources(cfg: Config, need):
+    "`webdataset_path`'s entries are well formed; a caption prefix needs captions, which cached latents have encoded."
+    try: entries = source_entries(cfg.data.webdataset_path)
+    except ConfigError as e: need(False, str(e))
+    for i, e in enumerate(entries):
+        need(not (e.caption_prefix and cfg.model.latent_space == "cached"),
+             f"key 'webdataset_path[{i}].caption_prefix' changes captions, but latent_space: cached trains on text "
+             "embeddings encoded by `python -m cascade_nb.data cache`; put the prefix into the captions before caching")
+
 # %% ../nbs/01_config.ipynb #8dddb117
 def _check(cfg: Config, where: str, training: bool):
     def need(cond, msg):
@@ -476,6 +540,7 @@ def _check(cfg: Config, where: str, training: bool):
     # what later modules check (the training mode, `ConfigHook`), then the rules that need several keys
     for hook in list(CONFIG_HOOKS.values()): hook.after(cfg, where)
     if d.resolution_schedule is not None: _check_resolution_schedule(cfg, need)
+    if d.webdataset_path is not REQUIRED: _check_sources(cfg, need)
     if t.stochastic_rounding:
         need(t.fused_backward, "key 'stochastic_rounding' needs fused_backward: true (each weight's step runs on an "
                                "fp32 copy of that one tensor, inside backward)")

@@ -216,7 +216,7 @@ def _check_header_fits(model: torch.nn.Module, path, what: str):
              for k in want if k in shapes and shapes[k] != want[k]]
     if wrong: raise ValueError(f"{path} does not match {what}: {len(wrong)} shapes differ, e.g. {wrong[0]}")
 
-# %% ../nbs/00_core.ipynb #cf6e245d
+# %% ../nbs/00_core.ipynb #a75b1d2b
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                        "U8": torch.uint8, "BOOL": torch.bool}

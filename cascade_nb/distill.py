@@ -138,6 +138,7 @@ class TeacherMode(FullTraining):
     ("What the distillation modes share: the frozen teacher, its conditioning, its sample row and the student's "
      "sampling defaults.")
     student_from_teacher = True   # the student starts as an exact copy of the teacher (lcm, progressive)
+    takes_loss_weights = False    # the loss matches the teacher: no per-sample loss_weight
 
     @classmethod
     def student_sampling(cls, cfg: Config) -> dict: return {}   # sample_* defaults of the student

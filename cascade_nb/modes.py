@@ -15,7 +15,7 @@ from torch import nn
 from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, images_to_device
 from typing import NamedTuple
 from .config import (Config, ConfigError, ConfigHook, SECTIONS, SECTION_MODES, import_modules,
-    register_config_hook)
+    register_config_hook, REQUIRED, source_entries)
 from .registry import registry, UnknownChoice
 from .gdf.presets import training_shift
 from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
@@ -24,8 +24,8 @@ from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 __all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage',
            'load_released_generator', 'TrainingMode', 'build_generator', 'check_model_overrides', 'build_text_encoder',
            'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen',
-           'build_latent_space', 'diffusion_loss', 'training_mode', 'build_training_mode', 'resolve_mode',
-           'check_mode_sections', 'ModeHook', 'FullTraining', 'StageBTraining']
+           'build_latent_space', 'diffusion_loss', 'sample_weights', 'training_mode', 'build_training_mode',
+           'refuse_loss_weights', 'resolve_mode', 'check_mode_sections', 'ModeHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -101,7 +101,7 @@ class TrainingMode:
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
     stages = ("c",)              # the stages it trains (`encode` makes Stage C's inputs); StageBTraining's: ("b",)
     name = None                  # set by @training_mode
-
+    takes_loss_weights = True    # its loss weights each sample by `extras`' `weight` (a mixture's loss_weight)
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,
                  compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model = cfg, generator, tokenizer, text_model
@@ -143,7 +143,7 @@ class TrainingMode:
 
     # --- the data: a batch → the network's inputs, and per-sample extras for `loss` (e.g. `weight`: a loss mask)
     def encode(self, batch, device, training=True, rng=None): return stage_c_inputs(self, batch, device, training, rng)
-    def extras(self, batch, x0) -> dict: return {}
+    def extras(self, batch, x0) -> dict: return sample_weights(batch, x0, self)
     def uncond(self, conds: dict) -> dict:
         "Unconditional inputs for CFG: empty captions, zero image embedding."
         return conditions([""] * len(next(iter(conds.values()))), self.tokenizer, self.text_model, self.c_clip_img)
@@ -329,6 +329,16 @@ def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None 
     raw = per_element.mean(dim=tuple(range(1, pred.ndim)))   # (B,)
     return (raw * d.loss_weight).mean(), raw, d
 
+# %% ../nbs/40b_modes.ipynb #8bd0c289
+def sample_weights(batch: dict, x0: torch.Tensor, mode=None) -> dict:
+    "`{weight: (B, 1, ..., 1)}` from the batch's per-sample `loss_weights` when one is not 1, else {}."
+    w = batch.get("loss_weights")
+    if w is None or all(v == 1 for v in w): return {}
+    if mode is not None and not mode.takes_loss_weights:
+        raise ConfigError(f"data: samples carry a loss_weight (their metadata's or their webdataset_path entry's), but "
+                          f"mode '{mode.name}' does not weight its loss per sample; remove it")
+    return {"weight": torch.tensor([float(v) for v in w], device=x0.device).view(-1, *[1] * (x0.ndim - 1))}
+
 # %% ../nbs/40b_modes.ipynb #891820f1
 TRAINING_MODES = registry("training_mode", how="@training_mode('name') in a module the config lists in 'imports'")
 "Training modes by name (`mode:` in a config)."
@@ -349,6 +359,15 @@ def build_training_mode(cfg: Config, generator, tokenizer, text_model, image_mod
     return resolve_mode(cfg).build(cfg, generator, tokenizer, text_model, image_model, space,
                                    compute_dtype=compute_dtype)
 
+# %% ../nbs/40b_modes.ipynb #92214ef1
+def refuse_loss_weights(cfg: Config, mode: type):
+    "A mode whose loss does not weight samples takes no `webdataset_path` entry with a `loss_weight` other than 1."
+    if cfg.data.webdataset_path is REQUIRED: return
+    for i, e in enumerate(source_entries(cfg.data.webdataset_path)):
+        if e.loss_weight != 1:
+            raise ConfigError(f"key 'webdataset_path[{i}].loss_weight': mode '{cfg.train.mode}' does not weight its "
+                              "loss per sample (it matches a teacher); remove it")
+
 # %% ../nbs/40b_modes.ipynb #c6a088f8
 PLUGIN_MODULES = ("cascade_nb.lora", "cascade_nb.controlnet", "cascade_nb.distill")
 "The modules, after this one, that register the built-in modes (and their config sections)."
@@ -366,6 +385,7 @@ def resolve_mode(cfg: Config, where: str = "config") -> type:
         mode.check_config(cfg)
         # a mode trains the stages it declares (`TrainingMode.for_stage`): said now, not after the models are built
         if cfg.model.stage is not None: mode.for_stage(cfg.model.stage)
+        if not mode.takes_loss_weights: refuse_loss_weights(cfg, mode)
     except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
     return mode
 

@@ -150,13 +150,15 @@ def batch_stream(loader, skip: int = 0):
 # %% ../nbs/41_train.ipynb #4c6f4d0a
 def whole_source(cfg: Config, source, batch_size: int, **overrides):
     """A loader over all of `source`, read once, in order, centre-cropped, the same on every process (not this process's
-    share of the shards): for everything read outside the training stream (validation, sample grids, evaluation)."""
+    share of the shards; a mixture's entries once each, unweighted): for everything read outside the training stream
+    (validation, sample grids, evaluation)."""
     import dataclasses
     from cascade_nb.data.pipeline import dataloader_from_config
     # the trigger word and the list's pick stay (seeded, epoch 0); tags are neither shuffled nor dropped there
     data = dataclasses.replace(cfg.data, webdataset_path=source, resampled=False, shuffle_buffer=0, crop="center",
                                num_workers=0, bucketeer_random_ratio=0., shuffle_tags=False, tag_dropout=0.)
-    return dataloader_from_config(data, batch_size, **{"split_by_node": False, "pin_memory": False, **overrides})
+    return dataloader_from_config(data, batch_size, **{"split_by_node": False, "pin_memory": False, "weighted": False,
+                                                       **overrides})
 
 # %% ../nbs/41_train.ipynb #3c93d0ce
 def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):

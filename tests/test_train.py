@@ -162,15 +162,22 @@ RECIPE = ["logsnr_min=-5", "logsnr_max=6", "timestep_sampling=mode", "mode_scale
 # the caption transforms (issue 28), drawn per (sample, epoch) in the data pipeline: the same under resume and DDP
 CAPTION_KEYS = ["caption_prefix=emoji", "shuffle_tags=true", "keep_tokens=1", "tag_dropout=0.1"]
 
+# a mixture (issue 28): a fractional weight, a per-sample loss weight and a caption prefix; a loose folder repeated
+SAMPLES = ROOT / "data_samples"
+MIX = (f"webdataset_path=[{{path: '{SAMPLES}/emoji/shard-{{000002..000005}}.tar', weight: 1.5, loss_weight: 0.5, "
+       f"caption_prefix: 'emoji, '}}, {{path: '{SAMPLES}/photos', repeats: 2}}]")
+
 def test_recipe_knobs_kill_then_resume_is_exact(tmp_path):
-    "With every recipe key set, a run killed inside a save resumes to the state it had written, file for file."
+    """With every recipe key set and a mixture of sources, a run killed inside a save resumes to the state it had
+    written, file for file."""
     resumes_to_the_killed_state(tmp_path / "ckpt" / "recipe", demo_args(tmp_path, "recipe", "updates=4", "save_every=2",
-                                                                        *RECIPE, *CAPTION_KEYS))
+                                                                        *RECIPE, *CAPTION_KEYS, MIX))
 
 def test_two_process_ddp(tmp_path):
-    "2-process DDP with the recipe and caption keys set (their draws per process): the processes' weights stay equal."
+    """2-process DDP with the recipe and caption keys set (their draws and noise per process) and a mixture of
+    sources: the processes' weights stay equal."""
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8",
-                                                       *RECIPE, *CAPTION_KEYS))
+                                                       *RECIPE, *CAPTION_KEYS, MIX))
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 4

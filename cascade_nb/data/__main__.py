@@ -11,8 +11,8 @@ from pathlib import Path
 from ..cli import cli_parser, parse_cli, cli_errors
 
 # %% auto #0
-__all__ = ['format_report', 'cmd_pack', 'cmd_inspect', 'ClipTextEncoder', 'image_embedder_from_config', 'encoders_from_config',
-           'cmd_cache', 'make_parser', 'main']
+__all__ = ['mix_lines', 'format_report', 'cmd_pack', 'cmd_inspect', 'ClipTextEncoder', 'image_embedder_from_config',
+           'encoders_from_config', 'cmd_cache', 'make_parser', 'main']
 
 # %% ../../nbs/34_data.cli.ipynb #a1d2f500
 def _ratios(cfg, args):
@@ -26,6 +26,17 @@ def _load_cfg(path):
     import_modules(["cascade_nb.modes"], "data")
     return load_config(path, training=False)
 
+# %% ../../nbs/34_data.cli.ipynb #b10d2c63
+def mix_lines(mix: list[dict]) -> list[str]:
+    "The effective mix of a mixture (`data.pipeline.effective_mix`), one line per entry."
+    lines = ["effective mix per epoch (finite epochs exactly; resampled streams on average):"]
+    for i, m in enumerate(mix):
+        extra = "".join([f", loss_weight {m['loss_weight']:g}" if m["loss_weight"] != 1 else "",
+                         f", caption_prefix {m['caption_prefix']!r}" if m["caption_prefix"] else ""])
+        lines.append(f"  [{i}] {m['path']}: {m['samples']} samples x weight {m['weight']:g} = {m['per_epoch']:g} "
+                     f"({m['share']:.1%}){extra}")
+    return lines
+
 # %% ../../nbs/34_data.cli.ipynb #1f3cca3f
 def format_report(rep: dict) -> str:
     "Human-readable lines for an `inspect_source` report."
@@ -36,6 +47,7 @@ def format_report(rep: dict) -> str:
     for url, skips in rep["bad_shards"]:
         why = rep.get("errors", {}).get(url)
         lines.append(f"  unusable shard: {url} {skips}" + (f": {why}" if why else ""))
+    if len(rep.get("mix", ())) > 1: lines += mix_lines(rep["mix"])
     if rep["caption_chars"]:
         c, w = rep["caption_chars"], rep["caption_words"]
         lines.append(f"caption length: chars min {c['min']} mean {c['mean']} max {c['max']}; "
@@ -58,10 +70,24 @@ def cmd_pack(args) -> int:
     print("skipped: " + (", ".join(f"{k} {v}" for k, v in sorted(counter.total.items())) or "none"))
     return 0
 
+# %% ../../nbs/34_data.cli.ipynb #df883c69
+def _is_config_file(source) -> bool:
+    "Is `source` a YAML file holding a mapping (a training config), not a .yml listing of sources?"
+    from cascade_nb.typed_yaml import read_yaml_file
+    if not isinstance(source, str) or not source.endswith((".yml", ".yaml")) or not Path(source).is_file(): return False
+    return isinstance(read_yaml_file(source), dict)
+
 # %% ../../nbs/34_data.cli.ipynb #adfec2a0
 def cmd_inspect(args) -> int:
     from cascade_nb.data.pipeline import inspect_source
+    # `inspect CONFIG`: a training config's webdataset_path, with its settings
+    if args.config is None and _is_config_file(args.source): args.config, args.source = args.source, None
     cfg = _load_cfg(args.config)
+    if args.source is None and cfg is None: raise SystemExit("inspect: give a SOURCE, or a CONFIG (or --config)")
+    if args.source is None:
+        from cascade_nb.config import REQUIRED
+        if cfg.data.webdataset_path is REQUIRED: raise SystemExit(f"inspect: {args.config} sets no webdataset_path")
+        args.source = cfg.data.webdataset_path
     image_size = args.image_size or (cfg.data.image_size if cfg is not None else 768)
     kw = (dict(captions_getter=cfg.data.captions_getter, dataset_filters=cfg.data.dataset_filters)
           if cfg is not None else {})
@@ -141,7 +167,8 @@ def make_parser() -> argparse.ArgumentParser:
     pk.add_argument("--overwrite", action="store_true", help="replace the shards of a non-empty OUT_DIR")
     pk.set_defaults(fn=cmd_pack)
     ins = sub.add_parser("inspect", help="count samples, skips, caption lengths, sizes and buckets")
-    ins.add_argument("source", nargs="+", help="folder, tar(s), brace pattern or URL")
+    ins.add_argument("source", nargs="*", help="folder, tar(s), brace pattern or URL; or a training config "
+                                               "(its webdataset_path, with the mix of its entries)")
     ins.add_argument("--config",
                      help="take image_size, multi_aspect_ratio, captions_getter and dataset_filters from a config")
     ins.add_argument("--image-size", type=int, default=None)
@@ -162,7 +189,7 @@ def make_parser() -> argparse.ArgumentParser:
 # %% ../../nbs/34_data.cli.ipynb #e25238e7
 def main(argv=None) -> int:
     args = parse_cli(make_parser(), argv)   # options anywhere, as in every cascade_nb command
-    if args.command == "inspect" and len(args.source) == 1: args.source = args.source[0]
+    if args.command == "inspect": args.source = args.source[0] if len(args.source) == 1 else args.source or None
     from cascade_nb.data.sources import DataError
     # missing/unreadable files and folders, data that cannot be read, bad values: one line, exit 2
     with cli_errors(OSError, ValueError, DataError):

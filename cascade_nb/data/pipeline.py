@@ -16,18 +16,19 @@ from safetensors.torch import load as st_load
 from PIL import Image, ImageOps
 from ..filters import CaptionsGetter, DatasetFilter, CaptionRecipe
 from ..registry import ConfigError
-from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_shards, ShardList,
+from ..config import SourceEntry
+from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_sources, ShardList,
                                      ResampledShardList, ShardReader, _worker_seed, is_remote, local_path, DataError)
 from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize,
                                      BucketBatcher, COUNTS_ONLY)
 
 # %% auto #0
 __all__ = ['MAX_CAPTION_CHARS', 'CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'UnsupportedImage', 'to_rgb',
-           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'decode_sample', 'no_usable_shard_error',
-           'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform', 'find_cache_info', 'safetensors_metadata',
-           'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset', 'resolve_crop', 'build_dataset',
-           'FilterReportingLoader', 'build_dataloader', 'dataloader_from_config', 'default_num_workers', 'sum_skips',
-           'inspect_source']
+           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'sample_loss_weight', 'with_caption_prefix',
+           'decode_sample', 'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform',
+           'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset',
+           'resolve_crop', 'build_dataset', 'FilterReportingLoader', 'build_dataloader', 'dataloader_from_config',
+           'default_num_workers', 'sum_skips', 'effective_mix', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -92,7 +93,7 @@ class SampleDecoder:
     nothing usable."""
     def __init__(self, counter: SkipCounter, captions_getter=None, dataset_filters=None, min_side: int = 16,
                  n_shards: int = 1, strict: bool = True, buckets=None, p_random_ratio: float = 0.0, seed: int = 0,
-                 max_pixels: int | None = None, lazy: bool = False):
+                 max_pixels: int | None = None, lazy: bool = False, sources=None):
         self.lazy = lazy   # True: header checks only; pixels decoded when the batch is emitted (`LazyImage`)
         self.counter, self.getter, self.filters = (counter, as_captions_getter(captions_getter),
                                                    as_dataset_filters(dataset_filters))
@@ -101,6 +102,8 @@ class SampleDecoder:
         self.buckets, self.p_random_ratio, self.seed, self.epoch = buckets, p_random_ratio, seed, 0
         self.shard_errors = {}   # url → why it could not be read (`failure_reason`), for reports
         self._rng, self._pass = random.Random(seed), 0
+        # the mixture's entries (`cascade_nb.config.SourceEntry`), by the index `ShardReader` tags samples with
+        self.sources = list(sources) if sources else [SourceEntry("")]
 
     def decode(self, s: dict) -> tuple[dict | None, str | None]:
         "One raw sample → (decoded sample, None) or (None, skip reason) (`decode_sample`)."
@@ -111,6 +114,7 @@ class SampleDecoder:
         url, usable, skips = marker[SHARD_END], stats["usable"], Counter(marker["skips"]) + stats["skips"]
         if marker.get("error"): self.shard_errors[url] = marker["error"]
         if usable: self._unusable.clear(); return
+        if marker["n"] and marker.get("left_out") == marker["n"]: return   # a partial visit that kept none of them
         self._unusable[url] = dict(skips)
         only_filtered = all(set(s) <= {"filtered"} and s for s in self._unusable.values())
         if not self.strict: self.bad_shards.append((url, dict(skips))); return
@@ -155,6 +159,18 @@ class SampleDecoder:
             warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: "
                           f"{dict(self.counter.total)}")
 
+# %% ../../nbs/32_data.pipeline.ipynb #0795a263
+def sample_loss_weight(entry_weight: float, meta: dict) -> float | None:
+    """A sample's loss weight: its entry's `loss_weight` × its metadata's `loss_weight` (default 1); None when the
+    metadata's is not a number >= 0."""
+    w = meta.get("loss_weight", 1.0)
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0: return None
+    return entry_weight * float(w)
+
+def with_caption_prefix(caption: str, prefix: str = "") -> str:
+    "The caption with its source entry's `caption_prefix` before it (the last step, after the caption transforms)."
+    return prefix + caption if prefix else caption
+
 # %% ../../nbs/32_data.pipeline.ipynb #99a377e1
 def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]:
     "One raw sample → (decoded sample, None) or (None, skip reason), with the settings of the decoder `dec`."
@@ -164,6 +180,9 @@ def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]
         except (ValueError, UnicodeDecodeError): return None, "bad_json"
         if not isinstance(meta, dict): return None, "bad_json"
     if not all(f(meta) for f in dec.filters): return None, "filtered"
+    source = s.get("__source__", 0)
+    entry = dec.sources[source]
+    if (loss_weight := sample_loss_weight(entry.loss_weight, meta)) is None: return None, "bad_json"
     try: caption = dec.getter(s)
     except KeyError: return None, "missing_caption"
     except UnicodeDecodeError: return None, "bad_text"
@@ -171,7 +190,9 @@ def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]
     if not isinstance(caption, str) or not caption.strip(): return None, "empty_caption"
     ext = next((e for e in IMAGE_EXTS if e in s), None)
     if ext is None: return None, "missing_image"
-    out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(), "meta": meta}
+    out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(),
+           "meta": meta, "source": source, "loss_weight": loss_weight,
+           "__caption_prefix__": entry.caption_prefix}
     # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
     if len(out["caption"]) > MAX_CAPTION_CHARS:
         out["caption"], out["caption_cut"] = out["caption"][:MAX_CAPTION_CHARS], True
@@ -287,7 +308,9 @@ class CaptionTransform:
         for s in samples:
             draw = stream.getrandbits(64) if self.resampled else 0
             rng = caption_rng(self.seed, s.get("__url__"), s["__key__"], epoch, draw)
-            yield {**s, "caption": self.recipe(s["caption"], rng)}
+            # the source entry's prefix last, in front of the transformed caption (and of the config's prefix)
+            caption = self.recipe(s["caption"], rng)
+            yield {**s, "caption": with_caption_prefix(caption, s.get("__caption_prefix__", ""))}
 
 # %% ../../nbs/32_data.pipeline.ipynb #ebc35b76
 CACHE_INFO = "cache_info.json"
@@ -314,8 +337,11 @@ class CacheMismatchError(RuntimeError):
 class CachedDecoder(SampleDecoder):
     "Pipeline stage: cached raw samples → `{latents, text, caption, meta, bucket}`; refuses another fingerprint."
     def __init__(self, counter: SkipCounter, expected_fingerprint: str | None = None, info: dict | None = None,
-                 n_shards: int = 1):
-        super().__init__(counter, n_shards=n_shards, min_side=0)
+                 n_shards: int = 1, sources=None):
+        super().__init__(counter, n_shards=n_shards, min_side=0, sources=sources)
+        if any(e.caption_prefix for e in self.sources):
+            raise ValueError("caption_prefix cannot change cached shards, whose captions are already text embeddings; "
+                             "put the prefix into the captions before caching")
         if expected_fingerprint is not None and info is not None and info["fingerprint"] != expected_fingerprint:
             raise CacheMismatchError(f"the cache was made with fingerprint {info['fingerprint']} (encoder "
                                      f"{info.get('encoder')}, image_size {info.get('image_size')}, multi_aspect_ratio "
@@ -339,9 +365,11 @@ class CachedDecoder(SampleDecoder):
         try: meta = json.loads(s["json"]) if "json" in s else {}
         except (ValueError, UnicodeDecodeError): return None, "bad_cache"
         if not isinstance(meta, dict): return None, "bad_cache"
+        source = s.get("__source__", 0)
+        if (loss_weight := sample_loss_weight(self.sources[source].loss_weight, meta)) is None: return None, "bad_json"
         latents = tensors.pop("latents")
         return {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
-                "bucket": tuple(latents.shape)}, None
+                "bucket": tuple(latents.shape), "source": source, "loss_weight": loss_weight}, None
 
 # %% ../../nbs/32_data.pipeline.ipynb #a631c588
 class ImageTextDataset(wds.DataPipeline):
@@ -367,34 +395,37 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
                   p_random_ratio: float = 0.0, min_side: int | None = None, max_pixels: int | None = None,
                   drop_last: bool = True, seed: int = 0, epoch_length: int | None = None, folder_chunk: int = 64,
                   cache_fingerprint: str | None = None, allow_pipe: bool = False,
-                  split_by_node: bool = True, caption_recipe: CaptionRecipe | None = None) -> ImageTextDataset:
+                  split_by_node: bool = True, caption_recipe: CaptionRecipe | None = None,
+                  weighted: bool = True) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
-    shards = resolve_shards(source, folder_chunk, allow_pipe)
+    entries, shards = resolve_sources(source, folder_chunk, allow_pipe)
+    # a mixture's weights (`weighted=False`: each entry once, as validation and sample grids read a source)
+    weights = [e.weight for e in entries] if weighted else None
     n_distinct = len({s["url"] for s in shards})
     counter = SkipCounter()
-    head = ([ResampledShardList(shards, seed)] if resampled else
-            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed), wds.split_by_node if split_by_node else None,
-             wds.split_by_worker])
+    head = ([ResampledShardList(shards, seed, weights)] if resampled else
+            [ShardList(shards, shuffle=shuffle_buffer > 1, seed=seed, weights=weights),
+             wds.split_by_node if split_by_node else None, wds.split_by_worker])
     info = find_cache_info(shards)   # cached shards: latents instead of images
     recipe = caption_recipe or CaptionRecipe()
     if info is not None or cache_fingerprint is not None:
         if changing := recipe.keys_in_use():
             raise ConfigError(f"data: {source} is a cache of fixed captions and their text embeddings, so "
                               f"{', '.join(changing)} cannot change them; turn them off or train from the images")
-        body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=n_distinct)]
+        body = [CachedDecoder(counter, cache_fingerprint, info, n_shards=n_distinct, sources=entries)]
         group_key = "bucket"
     else:
         buckets = bucket_sizes(image_size, multi_aspect_ratio)
         body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
                               n_distinct, buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
-                              max_pixels=max_pixels or default_max_pixels(image_size), lazy=True),
+                              max_pixels=max_pixels or default_max_pixels(image_size), lazy=True, sources=entries),
                 CaptionTransform(recipe, seed, resampled),
                 BucketResize(buckets, resolve_crop(crop, multi_aspect_ratio), p_random_ratio, seed)]
         group_key = "bucket"
     ds = ImageTextDataset(*head, ShardReader(counter, allow_pipe),
                           Shuffle(shuffle_buffer, seed) if shuffle_buffer > 1 else None,
                           *body, BucketBatcher(batch_size, counter, drop_last, group_key))
-    ds.shards, ds.counter, ds.resampled = shards, counter, resampled
+    ds.shards, ds.counter, ds.resampled, ds.entries = shards, counter, resampled, entries
     if epoch_length: ds = ds.with_epoch(epoch_length)
     return ds
 
@@ -490,26 +521,37 @@ def sum_skips(batches_or_counts, into: Counter | None = None) -> Counter:
     for b in batches_or_counts: total.update(b.get("skipped", b) if isinstance(b, dict) else b)
     return total
 
+# %% ../../nbs/32_data.pipeline.ipynb #58ec36e1
+def effective_mix(entries, samples: dict) -> list[dict]:
+    """Per mixture entry: its settings, its usable `samples` (by entry index), the samples an epoch gives and their
+    share of the epoch."""
+    per_epoch = [e.weight * samples.get(i, 0) for i, e in enumerate(entries)]
+    total = sum(per_epoch) or 1
+    return [dict(path=e.path, weight=e.weight, loss_weight=e.loss_weight, caption_prefix=e.caption_prefix,
+                 samples=samples.get(i, 0), per_epoch=round(p, 2), share=round(p / total, 4))
+            for i, (e, p) in enumerate(zip(entries, per_epoch))]
+
 # %% ../../nbs/32_data.pipeline.ipynb #bfd11ad5
 def inspect_source(source, image_size: int = 768, multi_aspect_ratio=None, captions_getter=None, dataset_filters=None,
                    min_side: int | None = None, limit: int | None = None, allow_pipe: bool = False) -> dict:
-    "Read `source` once and summarise it: samples, skips per reason, caption lengths, size histogram, buckets."
-    shards = resolve_shards(source, allow_pipe=allow_pipe)
+    """Read `source` once and summarise it: samples, skips per reason, caption lengths, size histogram, buckets, and
+    the mixture's effective mix (`effective_mix`)."""
+    entries, shards = resolve_sources(source, allow_pipe=allow_pipe)
     counter = SkipCounter()
     dec = SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
-                        len(shards), strict=False, max_pixels=default_max_pixels(image_size))
+                        len(shards), strict=False, max_pixels=default_max_pixels(image_size), sources=entries)
     buckets = bucket_sizes(image_size, multi_aspect_ratio)
-    sizes, chars, words, n = Counter(), [], [], 0
+    sizes, chars, words, n, per_entry = Counter(), [], [], 0, Counter()
     for s in dec(ShardReader(counter, allow_pipe)(shards)):
         sizes[(s["image"].height, s["image"].width)] += 1
         chars.append(len(s["caption"])); words.append(len(s["caption"].split()))
-        n += 1
+        n += 1; per_entry[s["source"]] += 1
         if limit and n >= limit: break
     stats = lambda v: dict(min=min(v), mean=round(sum(v) / len(v), 1), max=max(v)) if v else {}
     # the config's choice: not skips
     filters = {k: counter.filters[k] for k in ("kept", "excluded")} if dec.filters else {}
     return dict(source=str(source), shards=len(shards), samples=n, skipped=dict(counter.total), filters=filters,
-                bad_shards=dec.bad_shards, errors=dec.shard_errors,
+                mix=effective_mix(entries, per_entry), bad_shards=dec.bad_shards, errors=dec.shard_errors,
                 caption_chars=stats(chars), caption_words=stats(words),
                 sizes={f"{h}x{w}": c for (h, w), c in sizes.most_common()},
                 bucket_of_size={f"{h}x{w}": "{}x{}".format(*closest_bucket(h, w, buckets)) for (h, w) in sizes})

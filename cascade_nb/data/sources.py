@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.sources.html.md"""
 
 # %% ../../nbs/30_data.sources.ipynb #2067da0c
 from __future__ import annotations
-import errno, io, os, re, json, random, shutil, socket, tarfile, warnings
+import errno, io, itertools, os, re, json, random, shutil, socket, tarfile, warnings
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
@@ -14,14 +14,15 @@ import webdataset as wds
 from webdataset.shardlists import expand_urls
 from webdataset.utils import pytorch_worker_info
 from ..registry import ConfigError
+from ..config import source_entries
 from ..typed_yaml import read_yaml
 
 # %% auto #0
 __all__ = ['SKIP_REASONS', 'KEPT_REASONS', 'FILTER_COUNTS', 'IMAGE_EXTS', 'OTHER_IMAGE_EXTS', 'SAMPLE_EXTS', 'REMOTE_CLIENTS',
            'REMOTE_TIMEOUT_S', 'SHARD_END', 'SkipCounter', 'format_skips', 'DataError', 'SourceNotFoundError',
            'split_key', 'folder_split', 'is_remote', 'local_path', 'folder_keys', 'resolve_shards', 'check_remote',
-           'ShardList', 'ResampledShardList', 'remote_timeout', 'remote_options', 'is_timeout', 'failure_reason',
-           'open_url', 'ShardReader', 'safe_key', 'write_shards', 'pack_folder']
+           'resolve_sources', 'epoch_visits', 'ShardList', 'ResampledShardList', 'remote_timeout', 'remote_options',
+           'is_timeout', 'failure_reason', 'open_url', 'ShardReader', 'safe_key', 'write_shards', 'pack_folder']
 
 # %% ../../nbs/30_data.sources.ipynb #175a818d
 SKIP_REASONS = {
@@ -40,7 +41,7 @@ SKIP_REASONS = {
     "bad_text": "the caption is not valid UTF-8",
     "empty_caption": "the caption is empty or only whitespace",
     "caption_cut": "the caption was longer than `MAX_CAPTION_CHARS` and was cut to that length: the sample is KEPT",
-    "bad_json": "the .json member is not a valid JSON object",
+    "bad_json": "the .json member is not a valid JSON object (or its `loss_weight` is not a number >= 0)",
     "bad_cache": "a cached sample that is corrupt or lacks the expected tensors",
     "other_file": "a file in a loose folder that is not an image, caption or JSON (README, .DS_Store, ...)",
 }
@@ -218,6 +219,27 @@ def check_remote(url: str, allow_pipe: bool = False):
         extra = '"cascade_nb[remote]"' if scheme != "gs" and scheme != "gcs" else "gcsfs"
         raise ConfigError(f"data source {url!r} needs the {REMOTE_CLIENTS[scheme]} package: pip install {extra}") from e
 
+# %% ../../nbs/30_data.sources.ipynb #6c431281
+def resolve_sources(source, folder_chunk: int = 64, allow_pipe: bool = False) -> tuple[list, list[dict]]:
+    """(the `SourceEntry`s of a source or mixture, the shard dicts of the entries with weight > 0, each tagged with its
+    entry's index `source`)."""
+    entries = source_entries(source)
+    shards = [{**s, "source": i} for i, e in enumerate(entries) if e.weight > 0
+              for s in resolve_shards(e.path, folder_chunk, allow_pipe)]
+    return entries, shards
+
+# %% ../../nbs/30_data.sources.ipynb #ea1e3406
+def epoch_visits(shards: list[dict], weights, seed) -> list[dict]:
+    """One finite epoch's shard visits: a shard of an entry of weight w ⌊w⌋ times, then once keeping a random w − ⌊w⌋
+    share of its samples (`keep`, drawn from `keep_seed`); no weights, or all 1: the shards as they are."""
+    if not weights or all(w == 1 for w in weights): return list(shards)
+    rng, visits = random.Random(seed), []
+    for s in shards:
+        w = weights[s.get("source", 0)]
+        visits += [s] * int(w)
+        if w > int(w): visits.append({**s, "keep": w - int(w), "keep_seed": rng.getrandbits(32)})
+    return visits
+
 # %% ../../nbs/30_data.sources.ipynb #533eca2b
 def _worker_seed(seed: int, epoch: int) -> int:
     rank, world, worker, nworkers = pytorch_worker_info()
@@ -226,11 +248,12 @@ def _worker_seed(seed: int, epoch: int) -> int:
 # %% ../../nbs/30_data.sources.ipynb #1da8c41e
 class ShardList:
     "Pipeline source: the shards in an epoch-seeded order (same on every rank), for finite epochs."
-    def __init__(self, shards: list[dict], shuffle: bool = True, seed: int = 0):
-        self.shards, self.shuffle, self.seed, self.epoch = list(shards), shuffle, seed, 0
+    def __init__(self, shards: list[dict], shuffle: bool = True, seed: int = 0, weights=None):
+        self.shards, self.shuffle, self.seed, self.epoch, self.weights = list(shards), shuffle, seed, 0, weights
     def set_epoch(self, epoch: int): self.epoch = epoch
     def __call__(self):
-        shards = list(self.shards)
+        # the epoch's visits (`epoch_visits`): each shard once, unless `weights` say otherwise
+        shards = epoch_visits(self.shards, self.weights, f"visits {self.seed} {self.epoch}")
         if self.shuffle: random.Random(self.seed * 1_000_003 + self.epoch).shuffle(shards)
         self.epoch += 1   # persistent workers and num_workers=0 advance on their own; otherwise call set_epoch
         yield from shards
@@ -238,13 +261,18 @@ class ShardList:
 # %% ../../nbs/30_data.sources.ipynb #7559d287
 class ResampledShardList:
     "Pipeline source: an endless stream of shards drawn at random, seeded per rank, worker and epoch."
-    def __init__(self, shards: list[dict], seed: int = 0):
+    def __init__(self, shards: list[dict], seed: int = 0, weights=None):
         self.shards, self.seed, self.epoch = list(shards), seed, 0
+        # a shard is drawn in proportion to its entry's weight; all alike: the plain uniform draw
+        w = [weights[s.get("source", 0)] for s in self.shards] if weights else []
+        self.cum_weights = list(itertools.accumulate(w)) if len(set(w)) > 1 else None
     def set_epoch(self, epoch: int): self.epoch = epoch
     def __call__(self):
         rng = random.Random(_worker_seed(self.seed, self.epoch))
         self.epoch += 1
-        while True: yield rng.choice(self.shards)
+        while True:
+            if self.cum_weights is None: yield rng.choice(self.shards)
+            else: yield rng.choices(self.shards, cum_weights=self.cum_weights)[0]
 
 # %% ../../nbs/30_data.sources.ipynb #d1a0e004
 REMOTE_TIMEOUT_S = 60.0
@@ -319,6 +347,14 @@ def open_url(url: str, allow_pipe: bool = False):
 # %% ../../nbs/30_data.sources.ipynb #0a2080b7
 SHARD_END = "__shard_end__"
 
+# %% ../../nbs/30_data.sources.ipynb #7e0dbe30
+def _keeper(shard: dict):
+    """None, or for a mixture's partial visit (`epoch_visits`, `keep` < 1) a draw per sample: True for the share
+    `keep` it keeps; the others are left out this epoch (not skipped: nothing is wrong with them)."""
+    if "keep" not in shard: return None
+    rng, p = random.Random(shard["keep_seed"]), shard["keep"]
+    return lambda: rng.random() < p
+
 # %% ../../nbs/30_data.sources.ipynb #095df072
 class ShardReader:
     "Pipeline stage: shard dicts → raw samples (dicts of bytes), then an end-of-shard marker per shard."
@@ -326,24 +362,24 @@ class ShardReader:
         self.counter, self.allow_pipe = counter, allow_pipe
 
     def _skip(self, reason: str, n: int = 1):
-        """Count a skip in the shared counter and in this shard's own tally (the decoder adds to the counter
-        meanwhile)."""
+        "Count a skip in the shared counter and in this shard's own tally (the decoder adds to the counter meanwhile)."
         self.counter.add(reason, n); self._own[reason] += n
 
     def __call__(self, shards):
         for visit, shard in enumerate(shards):   # `visit` tells apart two reads of one shard (resampled streams)
-            n, self._own, self._error = 0, Counter(), None
+            n, left_out, keep, self._own, self._error = 0, 0, _keeper(shard), Counter(), None
             for sample in (self._folder(shard) if "keys" in shard else self._tar(shard["url"])):
                 # an image only in a format not trained on: named the same by `pack`, `inspect` and training
                 if not any(e in sample for e in IMAGE_EXTS) and any(e in sample for e in OTHER_IMAGE_EXTS):
                     self._skip("unsupported_format"); continue
                 n += 1
-                sample["__shard__"] = visit
+                if keep is not None and not keep(): left_out += 1; continue
+                sample["__shard__"], sample["__source__"] = visit, shard.get("source", 0)
                 yield sample
             if n == 0 and not self._own: self._skip("empty_shard")   # opened fine, held nothing
             self.counter.add_filter("shards"); self.counter.add_filter("read", n)
             yield {SHARD_END: shard["url"], "__shard__": visit, "n": n, "skips": dict(self._own),
-                   "error": self._error}
+                   "error": self._error, **({"left_out": left_out} if keep is not None else {})}
 
     def _folder(self, shard):
         root = Path(shard["root"])
