@@ -216,6 +216,10 @@ class CheckpointConfig:
     backup_every: int = 20000             # keep a copy with a _{N}k suffix every N updates
     val_every: Optional[int] = None       # validation loss every N updates (needs val_webdataset_path)
     eval_every: Optional[int] = None      # sample metrics (cascade_nb.eval) every N updates; None: off
+    # a YAML or JSON-lines file of prompts (text, seed, cfg, steps, size, negative_prompt, adapter_scale) sampled at
+    # update 0 and every sample_every into {output_path}/{experiment_id}/samples/ (cascade_nb.prompt_samples)
+    sample_prompts: Optional[str] = None
+    sample_every: Optional[int] = None    # updates between the sample_prompts samples; None: at each save_every
     eval_captions: Union[int, list[str]] = 16  # N captions spread over the reference data, or the captions themselves
     eval_metrics: list[str] = field(default_factory=lambda: ["retrieval"])  # 'retrieval', 'fid', 'kid', 'clip_score'
     eval_reference: Optional[Union[str, list[str]]] = None  # images samples are compared with; None: the training data
@@ -271,7 +275,7 @@ RANGES: dict[str, Range] = dict(
     seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0, ema_iters=AT_LEAST_1, ema_beta=DECAY,
     max_nan_steps=AT_LEAST_1,
     save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,    # checkpoint
-    eval_captions=AT_LEAST_1,
+    eval_captions=AT_LEAST_1, sample_every=AT_LEAST_1,
     log_every=AT_LEAST_1)                                                                           # log
 ("The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field "
  "of each entry).")

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/lora.html.md"""
 
 # %% ../nbs/60_lora.ipynb #b1ecc563
 from __future__ import annotations
-import json, math, re, warnings
+import contextlib, json, math, re, warnings
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -22,11 +22,11 @@ from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
 # %% auto #0
 __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers',
-           'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora', 'unmerge_lora',
-           'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'to_kohya', 'from_kohya',
-           'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
-           'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
-           'LoraTraining']
+           'scaled_adapters', 'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora',
+           'unmerge_lora', 'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'to_kohya',
+           'from_kohya', 'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora',
+           'to_reference', 'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator',
+           'merged_lora_run', 'LoraTraining']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -129,6 +129,18 @@ def lora_layers(model: nn.Module) -> dict[str, LoRA]:
                     for pre in ("module.", "_orig_mod.", "generator."): path = path.removeprefix(pre)
                     out[path] = p
     return out
+
+# %% ../nbs/60_lora.ipynb #4a65be8e
+@contextlib.contextmanager
+def scaled_adapters(model: nn.Module, scale: float):
+    "A context in which every adapter of `model` acts at `scale` × its trained strength (each LoRA's alpha scaled)."
+    layers = list(lora_layers(model).values())
+    alphas = [l.alpha for l in layers]
+    try:
+        for l in layers: l.alpha *= scale
+        yield model
+    finally:
+        for l, a in zip(layers, alphas): l.alpha = a
 
 # %% ../nbs/60_lora.ipynb #ae91af72
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -732,6 +744,10 @@ class LoraTraining(TrainingMode):
         if not self.tokens: return self.full.uncond(conds)
         n, device = len(conds["input_ids"]), conds["input_ids"].device
         return {**self._token_conds([""] * n, device), "clip_img": torch.zeros_like(conds["clip_img"])}
+
+    def adapter_scaled(self, net, scale: float):
+        "A context in which the adapters of `net` act at `scale` × their trained strength (`scaled_adapters`)."
+        return scaled_adapters(net, scale)
 
     def released(self, accelerator, net) -> dict:
         "`lora.safetensors`: the adapters in cascade_nb's layout plus the trained tokens."

@@ -19,8 +19,8 @@ from .train import (build_text_encoder, build_latent_space, build_training_mode,
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'load_run', 'sample_run', 'chunk_seed', 'sample_chunks',
-           'unused_paths', 'save_png', 'sample_parser', 'main']
+__all__ = ['TEXT_CONDS', 'GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'load_run', 'negative_conds', 'sample_run',
+           'chunk_seed', 'sample_chunks', 'unused_paths', 'save_png', 'sample_parser', 'main']
 
 # %% ../nbs/42_sample.ipynb #c1881518
 def run_config(checkpoint_dir):
@@ -76,13 +76,28 @@ def load_run(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False)
     mode.weights_file = weights
     return mode, gdf_from_config(cfg.gdf), cfg
 
+# %% ../nbs/42_sample.ipynb #a22ad17c
+TEXT_CONDS = ("clip_text", "clip_text_pooled")
+"The CFG inputs a negative prompt replaces: CLIP's text embeddings (`encode_text`, as Stage C's `conditions`)."
+
+def negative_conds(mode, conds: dict, negative_prompt: str = "") -> dict:
+    "The mode's unconditional CFG inputs for `conds`, with the text embeddings of `negative_prompt` when one is given."
+    uncond = mode.uncond(conds)
+    if not negative_prompt: return uncond
+    if not all(k in uncond for k in TEXT_CONDS):
+        raise ValueError(f"a negative prompt replaces the CLIP text embeddings {TEXT_CONDS} of CFG's unconditional "
+                         f"inputs; this '{mode.name}' mode's are {sorted(uncond)}: leave negative_prompt empty")
+    from cascade_nb.models.clip import encode_text
+    neg = encode_text(mode.tokenizer, mode.text_model, [negative_prompt] * len(uncond[TEXT_CONDS[0]]))
+    return {**uncond, **{k: neg[k].to(uncond[k].device, uncond[k].dtype) for k in TEXT_CONDS}}
+
 # %% ../nbs/42_sample.ipynb #8356ae43
 @torch.no_grad()
 def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None = None,
                cfg_scale: float | None = None, sampler: str | None = None, seed: int = 0, size: int | None = None,
-               device="cpu", net=None) -> torch.Tensor:
+               device="cpu", net=None, negative_prompt: str = "") -> torch.Tensor:
     """Images in [0, 1], `n` per prompt, from a run loaded with `load_run` (or from `net`, e.g. an EMA, with its
-    conditioning)."""
+    conditioning); CFG pushes away from `negative_prompt` (`negative_conds`)."""
     captions = [p for p in prompts for _ in range(n)]
     size = size or cfg.data.image_size
     probe = torch.zeros(1, 3, size, size, device=device)
@@ -93,8 +108,8 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
                  if v is not None}
     from dataclasses import replace
     cfg = replace(cfg, gdf=replace(cfg.gdf, **overrides))
-    x0 = sample_latents(net if net is not None else mode.net, gdf, conds, mode.uncond(conds), shape, cfg, seed=seed,
-                        device=device)
+    uncond = negative_conds(mode, conds, negative_prompt)
+    x0 = sample_latents(net if net is not None else mode.net, gdf, conds, uncond, shape, cfg, seed=seed, device=device)
     return mode.space.decode(x0.float())
 
 # %% ../nbs/42_sample.ipynb #66e02fb3
@@ -148,6 +163,7 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=float, default=None,
                    help="classifier-free guidance scale (default: the run's sample_cfg)")
+    p.add_argument("--negative-prompt", default="", help="text CFG steers away from (default: none, the empty caption)")
     p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
                    "(default: the run's sample_sampler)")
     # torch's CPU generator keeps a seed's low 32 bits: a larger one would repeat a smaller one's images
@@ -174,7 +190,7 @@ def main(argv=None):
     shown = {}
     with cli_errors(OSError):   # a disk that fills up, a file that appeared meanwhile
         for start, images in sample_chunks(mode, gdf, cfg, a.prompt, a.n, a.batch, a.seed, steps=a.steps,
-                                           cfg_scale=a.cfg, sampler=a.sampler):
+                                           cfg_scale=a.cfg, sampler=a.sampler, negative_prompt=a.negative_prompt):
             for i, img in enumerate(images, start):
                 save_png(img, paths[i], a.overwrite); print(paths[i])
                 if i // a.n < GRID_MAX and i % a.n < GRID_MAX: shown.setdefault(i // a.n, []).append(img)

@@ -43,8 +43,8 @@ __all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'LAUNCH_CHECK_MODULES', 'sample_l
            'validation_loss', 'per_process_batch', 'batch_stream', 'whole_source', 'training_data', 'preview_batch',
            'Run', 'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite',
            'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
-           'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers', 'duration', 'Clock',
-           'report_partial_states', 'run_summary', 'check_optimizer', 'run_launch_checks', 'start_launch',
+           'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers', 'start_logging', 'duration',
+           'Clock', 'report_partial_states', 'run_summary', 'check_optimizer', 'run_launch_checks', 'start_launch',
            'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
@@ -351,7 +351,8 @@ def resume(run: Run) -> Path:
 # %% ../nbs/41_train.ipynb #7205deae
 # keys a relaunch may change without a word: how long, how often, where, with how many readers
 QUIET_ON_RESUME = {"updates", "save_every", "backup_every", "log_every", "eval_every", "val_every", "checkpoint_path",
-                   "output_path", "num_workers", "prefetch_factor", "tracker", "wandb_project"}
+                   "output_path", "num_workers", "prefetch_factor", "tracker", "wandb_project", "sample_every",
+                   "sample_prompts"}
 
 def resume_changes(saved: dict, now: dict) -> list[str]:
     "The settings a resumed run changes ('lr 0.004 -> 0.001'), except `QUIET_ON_RESUME`'s."
@@ -368,13 +369,18 @@ def run_info(run: Run) -> dict:
                          "accelerate": accelerate.__version__}}
 
 # %% ../nbs/41_train.ipynb #ac5d393d
-def tracker_image(acc, tag: str, path, step: int):
-    "Add the PNG at `path` to the run's TensorBoard as image `tag` at `step` (main process; other trackers: nothing)."
+def tracker_image(acc, tag: str, path, step: int, caption: str | None = None):
+    """Add the PNG at `path` to the run's tracker as image `tag` at `step` (main process), with its `caption`:
+    TensorBoard shows it as text under the same tag, wandb under the image."""
     import numpy as np
     from PIL import Image
     for tr in acc.trackers:
         if tr.name == "tensorboard":
             tr.writer.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
+            if caption is not None: tr.writer.add_text(tag, caption, step)
+        elif tr.name == "wandb":
+            import wandb
+            tr.tracker.log({tag: wandb.Image(str(path), caption=caption)}, step=step)
 
 # %% ../nbs/41_train.ipynb #1537a69c
 def log_samples(run: Run, batch):
@@ -466,6 +472,13 @@ def init_trackers(acc, cfg: Config):
         acc.init_trackers(cfg.log.wandb_project or "cascade_nb", config=_hparams(cfg),
                           init_kwargs={"wandb": {"name": cfg.checkpoint.experiment_id}})
     else: acc.init_trackers("tensorboard", config=_hparams(cfg))
+
+def start_logging(run: Run, hooks: list):
+    """Start the run's tracker (`init_trackers`), then each hook's optional `before_training(run)` (e.g. the prompt
+    samples of update 0), which may log to it."""
+    init_trackers(run.acc, run.cfg)
+    for hook in hooks:
+        if hasattr(hook, "before_training"): hook.before_training(run)
 
 # %% ../nbs/41_train.ipynb #cf11b3a2
 def _peak_memory_gb(device) -> float:
@@ -559,8 +572,8 @@ def check_optimizer(name: str, distributed_type, fused: bool = False) -> None:
 LAUNCH_CHECKS = registry("launch_check", how="@LAUNCH_CHECKS.register('name') on a function (cfg, acc)")
 "Functions `check(cfg, acc)` that `start_launch` runs before any model is built: they warn, or raise `ConfigError`."
 
-LAUNCH_CHECK_MODULES = ("cascade_nb.check",)
-"The modules, later in the reading order, that register launch checks (imported by `run_launch_checks`)."
+LAUNCH_CHECK_MODULES = ("cascade_nb.check", "cascade_nb.prompt_samples")
+"The modules, later in the reading order, that register launch checks and training hooks (`run_launch_checks`)."
 
 def run_launch_checks(cfg: Config, acc) -> None:
     "Import `LAUNCH_CHECK_MODULES`, then run every registered launch check on `cfg` with the accelerator `acc`."
@@ -686,7 +699,7 @@ def train(cfg: Config) -> dict:
     # --- data: this process's share of the stream, fast-forwarded to the restored data position; the grid's inputs
     stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
     preview = preview_batch(cfg)
-    init_trackers(acc, cfg)
+    start_logging(run, hooks)
     if state.update >= t.updates:
         acc.print(f"{run_dir.path} is at update {state.update}, and updates is {t.updates}: nothing to train "
                   "(raise `updates` to continue, or give a new `experiment_id` for a new run)")

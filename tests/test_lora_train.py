@@ -45,7 +45,15 @@ def assert_identical(a, b):
     assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:3]}"
 
 def test_official_lora_config_trains_at_tiny_size(tmp_path):
-    run_cli("-m", "cascade_nb.train", *lora_args(tmp_path, EXP, "updates=2", "save_every=2"), env={"OMP_NUM_THREADS": "1"})
+    # one prompt at three adapter strengths (sample_prompts' adapter_scale, nbs/44_prompt_samples)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"text": "a [fernando] face", "seed": 0, "adapter_scale": {s}}}\n' for s in (0, 1, 2)))
+    run_cli("-m", "cascade_nb.train", *lora_args(tmp_path, EXP, "updates=2", "save_every=2", f"sample_prompts={prompts}"),
+            env={"OMP_NUM_THREADS": "1"})
+    samples = tmp_path / "out" / EXP / "samples"
+    png = lambda u, i: (samples / f"{u:06d}" / f"{i:02d}_a_fernando_face.png").read_bytes()
+    assert png(0, 0) == png(0, 1) == png(0, 2)                               # fresh adapters (D = 0): no effect yet
+    assert len({png(2, 0), png(2, 1), png(2, 2)}) == 3                        # trained: the scale changes the image
     assert info(tmp_path, EXP)["update"] == 2
     run = tmp_path / "ckpt" / EXP
     assert not (run / "generator.safetensors").exists()                     # only the adapters are released

@@ -167,11 +167,33 @@ SAMPLES = ROOT / "data_samples"
 MIX = (f"webdataset_path=[{{path: '{SAMPLES}/emoji/shard-{{000002..000005}}.tar', weight: 1.5, loss_weight: 0.5, "
        f"caption_prefix: 'emoji, '}}, {{path: '{SAMPLES}/photos', repeats: 2}}]")
 
+PROMPTS = """- {text: red apple, seed: 3, cfg: 2, steps: 3}
+- {text: banana, size: 16, negative_prompt: yellow}
+"""
+
 def test_recipe_knobs_kill_then_resume_is_exact(tmp_path):
     """With every recipe key set and a mixture of sources, a run killed inside a save resumes to the state it had
-    written, file for file."""
+    written, file for file; its prompt samples (sample_prompts, update 0 and every sample_every) are the same files too
+    (nbs/44_prompt_samples)."""
+    (tmp_path / "prompts.yaml").write_text(PROMPTS)
+    samples, before = tmp_path / "out" / "recipe" / "samples", {}
+    def launch(*argv, check=True):
+        res = run_cli(DRIVER, *argv, check=check)
+        # the killed launch sampled update 4 before the kill inside its save: the uninterrupted run's files
+        before.update(before or {p.name: p.read_bytes() for p in (samples / "000004").iterdir()})
+        return res
     resumes_to_the_killed_state(tmp_path / "ckpt" / "recipe", demo_args(tmp_path, "recipe", "updates=4", "save_every=2",
-                                                                        *RECIPE, *CAPTION_KEYS, MIX))
+                                f"sample_prompts={tmp_path}/prompts.yaml", "sample_every=2", *RECIPE, *CAPTION_KEYS,
+                                MIX), launch=launch)
+    assert sorted(p.name for p in samples.iterdir()) == ["000000", "000002", "000004"]
+    assert sorted(before) == ["00_red_apple.png", "00_red_apple_ema.png", "00_red_apple_pair.png", "01_banana.png",
+                              "01_banana_ema.png", "01_banana_pair.png", "index.json", "index.md"]
+    after = {p.name: p.read_bytes() for p in (samples / "000004").iterdir()}
+    assert after == before, sorted(k for k in after if after[k] != before.get(k))
+    index = json.loads(after["index.json"])
+    assert [(e["seed"], e["cfg"], e["steps"], e["negative_prompt"]) for e in index["prompts"]] == \
+        [(3, 2.0, 3, ""), (1, 3.0, 2, "yellow")]   # the demo's sample_cfg, TINY's sample_steps
+    assert before["00_red_apple.png"] != (samples / "000000" / "00_red_apple.png").read_bytes()   # it trained
 
 def test_two_process_ddp(tmp_path):
     """2-process DDP with the recipe and caption keys set (their draws and noise per process) and a mixture of
