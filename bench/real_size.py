@@ -93,6 +93,11 @@ def write_one(name: str, scale: str, cache: Path):
         return
     torch.set_default_dtype(dtype)
     model = build(kind, preset)
+    # the reference's init zeroes the output conv and the timestep blocks, which trained weights never are; left at
+    # zero, no gradient would reach an adapter (a LoRA would train nothing): small random values instead
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1 and not p.any(): p.normal_(std=0.02)
     save_safetensors_atomic({k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()},
                             out)
 
@@ -398,12 +403,14 @@ def step_fsdp(ctx):
 
 def step_generate(ctx):
     "`python -m cascade_nb.generate` at 1024x1024 from the cache's snapshot folder, one step per stage, bf16."
-    side = 1024 if ctx.scale == "official" else 256
+    if ctx.scale == "tiny":   # the CLI's --stage-c/--stage-b take the official presets only
+        print("real_size generate: official scale only", flush=True)
+        return
+    side = 1024
     out = ctx.work/"generated"
-    stage_c = ["--stage-c", "3.6B", "--stage-b", "3B"] if ctx.scale == "official" else []
     cmd = [sys.executable, "-m", "cascade_nb.generate", "a photo of a dog", "--models", str(snapshot(ctx.cache)),
            "--out", str(out), "--height", str(side), "--width", str(side), "--steps-c", "1", "--steps-b", "1",
-           "--seed", "0", "--device", "cpu", "--dtype", "bfloat16", *stage_c]
+           "--seed", "0", "--device", "cpu", "--dtype", "bfloat16", "--stage-c", "3.6B", "--stage-b", "3B"]
     rec = measured(cmd, ctx.env, ctx.log("generate"))
     assert rec["rc"] == 0, f"generate failed: see {ctx.log('generate')}"
     from PIL import Image
