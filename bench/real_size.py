@@ -213,7 +213,7 @@ def step_load(ctx):
             # every weight read once after the load, as a first forward would: a memory map counts only when used
             code = (f"from {module} import {loader} as load; "
                     f"m = load({hub_id(name)!r}, dtype={dtype!r}{tiny_kwargs(name, ctx.scale)}); "
-                    "[t.float().sum() for t in m.state_dict().values()]")
+                    "[t.sum() for t in m.state_dict().values()]")
             rec = measured([sys.executable, "-c", code], ctx.env, ctx.log("load"))
             assert rec["rc"] == 0, f"loading {name} failed: see {ctx.log('load')}"
             model_gb = weights_of(path) * BYTES[dtype] / GB

@@ -221,28 +221,6 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                        "U8": torch.uint8, "BOOL": torch.bool}
 
-def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a `.safetensors` file (floats cast to `dtype`), read one at a time without a memory map: peak
-    memory = the result + one tensor."""
-    safetensors_header(path)   # a truncated or corrupt file is one line naming it
-    out = {}
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            if info["dtype"] not in _SAFETENSORS_DTYPES:
-                raise ValueError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which cascade_nb does not read; "
-                                 f"expected one of {sorted(_SAFETENSORS_DTYPES)}")
-            start, end = info["data_offsets"]
-            raw = torch.empty(end - start, dtype=torch.uint8)
-            f.seek(8 + n + start)
-            if f.readinto(memoryview(raw.numpy())) != end - start: raise ValueError(f"{path}: truncated at {key!r}")
-            t = raw.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-            out[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-    return out
-
-# %% ../nbs/00_core.ipynb #afe7f9d5
 _FLOAT_NAMES = {"F64", "F32", "F16", "BF16"}
 
 def _header_dtypes(path) -> tuple[dict, set[str]]:
@@ -251,6 +229,32 @@ def _header_dtypes(path) -> tuple[dict, set[str]]:
     header.pop("__metadata__", None)
     return header, {info["dtype"] for info in header.values()}
 
+def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a `.safetensors` file (floats cast to `dtype`), read one at a time without a memory map: peak
+    memory = the result + one tensor."""
+    safetensors_header(path)   # a truncated or corrupt file is one line naming it
+    header, _ = _header_dtypes(path)
+    spans = {k: info["data_offsets"] for k, info in header.items()}
+    # one buffer for the file's bytes, the size of its largest tensor: no large allocation freed per tensor, which
+    # the allocator may keep (a test measured the whole source again in resident memory)
+    scratch = torch.empty(max((b - a for a, b in spans.values()), default=0), dtype=torch.uint8)
+    out = {}
+    with open(path, "rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which cascade_nb does not read; "
+                                 f"expected one of {sorted(_SAFETENSORS_DTYPES)}")
+            a, b = spans[key]
+            f.seek(start + a)
+            if f.readinto(memoryview(scratch[:b - a].numpy())) != b - a:
+                raise ValueError(f"{path}: truncated at tensor {key!r}")
+            t = scratch[:b - a].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+            cast = dtype is not None and t.is_floating_point() and t.dtype != dtype
+            out[key] = t.to(dtype) if cast else t.clone()
+    return out
+
+# %% ../nbs/00_core.ipynb #afe7f9d5
 def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | None = None,
                             device=None) -> torch.nn.Module:
     """Assign a `.safetensors` file's tensors (floats cast to `dtype`) to `model` (e.g. on meta); refuse any key or
