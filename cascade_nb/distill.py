@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import torch
 from torch import nn
+from .hub import weights_file, parse_hub_spec
 from .core import append_dims, frozen, resolve_dtype, seeded_rand, seeded_randn
 from .config import Config, ConfigError, config_section, GDFConfig
 from .typed_yaml import Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, DECAY
@@ -36,7 +37,7 @@ __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 
 class DistillConfig:
     ("Distillation of a trained Stage C: the teacher, its guidance and the student's objective "
      "(modes lcm, progressive, distill).")
-    # the teacher: a run directory {checkpoint_path}/{experiment_id} or a Stage C .safetensors
+    # the teacher: a run directory {checkpoint_path}/{experiment_id}, a Stage C .safetensors or its hub id
     teacher_checkpoint_path: Optional[str] = None
     teacher_ema: bool = True             # from a run directory: its EMA weights when it kept some
     # a weights-file teacher's preset; None = the file's own config (or its shapes)
@@ -79,7 +80,7 @@ def teacher_config(cfg: Config) -> Config:
         return config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(path/"info.json"))
     g, w = GDFConfig(), dc.cfg_scale if not isinstance(dc.cfg_scale, tuple) else sum(dc.cfg_scale) / 2
     m = replace(cfg.model, model_version=dc.teacher_model_version or cfg.model.model_version,
-                generator_checkpoint_path=str(path), model_overrides=dc.teacher_model_overrides or {})
+                generator_checkpoint_path=dc.teacher_checkpoint_path, model_overrides=dc.teacher_model_overrides or {})
     return replace(cfg, model=m, gdf=replace(cfg.gdf, sample_sampler=g.sample_sampler, sample_steps=g.sample_steps,
                                              sample_cfg=w))
 
@@ -102,8 +103,10 @@ class FrozenTeacher(nn.Module):
 
 # %% ../nbs/62_distill.ipynb #643fd1f9
 def load_teacher(cfg: Config, device="cpu") -> tuple[nn.Module, Config]:
-    "(the teacher generator in float32 on `device`, its config) from `teacher_checkpoint_path`."
-    dc, path = cfg.distill, Path(cfg.distill.teacher_checkpoint_path)
+    "(the teacher generator in float32 on `device`, its config) from `teacher_checkpoint_path` (a run, a file, a hub id)."
+    dc, spec = cfg.distill, cfg.distill.teacher_checkpoint_path
+    # a hub id names a .safetensors file: fetched into the hub cache (or one line saying why not), header checked
+    path = weights_file(spec) if parse_hub_spec(spec) is not None else Path(spec)
     if not path.exists():
         raise ConfigError(f"key 'teacher_checkpoint_path': {str(path)!r} does not exist; expected a run directory or a "
                           "Stage C .safetensors")

@@ -269,3 +269,17 @@ def test_a_lora_run_on_a_hub_base_finds_its_base(hub, tmp_path):
     assert all(torch.equal(v, base.state_dict()[k]) for k, v in model.state_dict().items())
     (run / "info.json").write_text(json.dumps({"config": {"generator_checkpoint_path": str(tmp_path / "gone.st")}}))
     with pytest.raises(FileNotFoundError, match="gone.st, is not here"): lora_base_generator(cfg, run)
+
+
+def test_a_distillation_teacher_by_hub_id(hub, tmp_path):
+    "`teacher_checkpoint_path: hf://...` (an LCM student's teacher): fetched and loaded as the local file would be."
+    from cascade_nb.config import config_from_dict
+    from cascade_nb.distill import load_teacher
+    data, model = tiny_stage_c_bytes(tmp_path)
+    hub["repos"]["own/teacher"] = {"stage_c_teacher.safetensors": data}
+    cfg = config_from_dict({"experiment_id": "x", "webdataset_path": "x", "model_version": "tiny", "mode": "lcm",
+                            "teacher_checkpoint_path": "hf://own/teacher/stage_c_teacher.safetensors",
+                            "teacher_model_version": "tiny"})
+    teacher, tcfg = load_teacher(cfg)
+    assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in model.state_dict().items())
+    assert tcfg.model.generator_checkpoint_path == "hf://own/teacher/stage_c_teacher.safetensors"
