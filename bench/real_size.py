@@ -112,14 +112,36 @@ def lay_out_cache(cache: Path):
 
 # --- measuring a child process ------------------------------------------------------------------------------------
 
+WRAPPER = """
+import json, os, resource, subprocess, sys, threading, time
+def anon(pid):
+    try: return int(next(l.split()[1] for l in open(f"/proc/{pid}/status") if l.startswith("RssAnon:"))) * 1024
+    except (OSError, StopIteration): return 0
+def tree(pid):
+    kids = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return [pid] + [d for k in kids for d in tree(k)]
+t = time.time()
+p = subprocess.Popen(sys.argv[2:], stdout=open(sys.argv[1], "ab"), stderr=subprocess.STDOUT)
+peak = {"anon": 0, "anon_sum": 0}
+def poll():
+    while p.poll() is None:
+        sizes = [anon(q) for q in tree(p.pid)]
+        peak["anon"], peak["anon_sum"] = max(peak["anon"], *sizes), max(peak["anon_sum"], sum(sizes))
+        time.sleep(0.5)
+threading.Thread(target=poll, daemon=True).start()
+rc = p.wait()
+print(json.dumps(dict(rc=rc, wall_s=time.time() - t, peak_anon_gb=peak["anon"] / 1e9,
+                      peak_anon_sum_gb=peak["anon_sum"] / 1e9,
+                      peak_rss_gb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9)))
+"""
+
+
 def measured(cmd: list[str], env: dict, log: Path, stop_when=None) -> dict:
-    """Run `cmd` in a wrapper process; its wall time, exit status and peak RSS (GB, the largest descendant's). With
-    `stop_when` (a function), SIGTERM the command once it returns True (a stop signal through the launcher)."""
-    wrapper = ("import resource, subprocess, sys, json, time\n"
-               "t = time.time(); rc = subprocess.call(sys.argv[2:], stdout=open(sys.argv[1], 'ab'), "
-               "stderr=subprocess.STDOUT)\n"
-               "print(json.dumps(dict(rc=rc, wall_s=time.time() - t, "
-               "peak_rss_gb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9)))\n")
+    """Run `cmd` in a wrapper process; its wall time, exit status, peak RSS (GB, the largest descendant's
+    `ru_maxrss`, which counts the pages of memory-mapped files too) and peak anonymous memory (RssAnon sampled every
+    0.5 s: the largest process's, and the sum over the processes). With `stop_when` (a function), SIGTERM the
+    command once it returns True (a stop signal through the launcher)."""
+    wrapper = WRAPPER
     if stop_when is None:
         out = subprocess.run([sys.executable, "-c", wrapper, str(log), *cmd], env=env, capture_output=True,
                              text=True, cwd=ROOT)
@@ -130,7 +152,7 @@ def measured(cmd: list[str], env: dict, log: Path, stop_when=None) -> dict:
     while p.poll() is None:
         time.sleep(2)
         if signalled is None and stop_when():
-            # the launcher is the wrapper's child: signal the whole group of the command
+            # the command (the launcher) is the wrapper's child: it forwards the signal to the trainers
             for child in _children(p.pid):
                 os.kill(child, signal.SIGTERM)
             signalled = time.time()
@@ -218,10 +240,12 @@ def step_load(ctx):
             assert rec["rc"] == 0, f"loading {name} failed: see {ctx.log('load')}"
             model_gb = weights_of(path) * BYTES[dtype] / GB
             held = rec["peak_rss_gb"] - base["peak_rss_gb"]
-            rec.update(file_gb=file_bytes(path) / GB, model_gb=model_gb, held_gb=held)
+            anon = rec["peak_anon_gb"] - base["peak_anon_gb"]
+            rec.update(file_gb=file_bytes(path) / GB, model_gb=model_gb, held_gb=held, held_anon_gb=anon)
             record(ctx.results, "load", f"{name} as {dtype}", rec,
-                   f"{rec['wall_s']:.1f} s, peak RSS above imports {held:.2f} GB for a {model_gb:.2f} GB model "
-                   f"from a {rec['file_gb']:.2f} GB file: {held / model_gb:.2f}x the model")
+                   f"{rec['wall_s']:.1f} s; above the imports, peak RSS {held:.2f} GB ({held / model_gb:.2f}x), "
+                   f"anonymous {anon:.2f} GB ({anon / model_gb:.2f}x) for a {model_gb:.2f} GB model from a "
+                   f"{rec['file_gb']:.2f} GB file")
 
 
 

@@ -1,7 +1,8 @@
 """What bench/real_size.py found at the official sizes, caught here at a size a test can afford: saving a weights
 file or loading it in another dtype must not hold a second copy of the tensors (at 3.6B parameters that copy was
-7-14 GB). Each measurement runs in a fresh process and compares its peak resident memory (`ru_maxrss`) with what it
-held before the save or load."""
+7-14 GB). Each measurement runs in a fresh process and compares its peak resident memory (`ru_maxrss`) after the save or
+load with the peak before it: a high-water mark, so library pages that a busy machine evicts and the process reads
+back (they count in the resident size too) do not show as growth."""
 import json, subprocess, sys
 from pathlib import Path
 import pytest
@@ -12,16 +13,15 @@ MB = 2**20
 PEAK = """
 import json, resource, sys, torch
 from cascade_nb.core import save_safetensors_atomic, load_safetensors_strict
-def rss(): return int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:'))) * 1024
 def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 path, what = sys.argv[1], sys.argv[2]
 # 48 tensors of 4 MB in bf16 (192 MB), the shape of a model's weights
 if what == "save":
     tensors = {f"w{i}.weight": torch.randn(1024, 2048).bfloat16() for i in range(48)}
-    before = rss(); save_safetensors_atomic(tensors, path)
+    before = peak(); save_safetensors_atomic(tensors, path)
 else:
     model = torch.nn.ModuleDict({f"w{i}": torch.nn.Linear(2048, 1024, bias=False, device="meta") for i in range(48)})
-    before = rss(); load_safetensors_strict(model, path, torch.float32)
+    before = peak(); load_safetensors_strict(model, path, torch.float32)
     [p.sum() for p in model.parameters()]
 print(json.dumps(dict(before=before, peak=peak())))
 """
