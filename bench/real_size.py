@@ -340,7 +340,7 @@ def summarise_run(ctx, step: str, config: Path, overrides: list[str], run_id, fi
     record(ctx.results, step, "run", rec,
            f"stopped by SIGTERM at update {stopped_at}, resumed to {rec['updates'][-1]}; "
            f"{min(rec['step_time_s']):.0f}-{max(rec['step_time_s']):.0f} s per update, peak RSS {peak:.1f} GB vs "
-           f"planner {rec['planned_gb']:.1f} GB (+{rec['planned_gb'] and peak / rec['planned_gb'] - 1:+.0%}); "
+           f"planner {rec['planned_gb']:.1f} GB ({rec['planned_gb'] and peak / rec['planned_gb'] - 1:+.0%}); "
            f"training state {rec['state_gb']:.2f} GB, saves {', '.join(f'{s:.0f} s' for s in saves)}")
     return rec
 
@@ -398,11 +398,14 @@ def step_fsdp(ctx):
     resumes from the shards and makes 1 more; per-process peak RSS against the planner's FSDP plan."""
     config = official_config(ctx, "finetune_c_1b.yaml")
     make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256)
-    # 8-bit AdamW cannot step FSDP2's DTensor shards (the planner refuses it): AdamW, sharded; 384 px keeps the two
-    # single-core processes at a few minutes per update (weights, gradients and state, most of the memory, are the same)
+    # 8-bit AdamW cannot step FSDP2's DTensor shards (the planner refuses it): AdamW, sharded; bf16 weights, because
+    # both processes share this machine's 24 GB (with fp32 weights, 11.4 GB planned each, rank 0 was killed for memory
+    # at 11.8 GB), and no DataLoader workers (with two per process, the resume was killed for memory at 9.3 GB in rank
+    # 1); 384 px keeps the two single-core processes at a few minutes per update
     base = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "fsdp_1b", "1B") + [
         "log_every=1", "batch_size=2", "grad_accum_steps=1", "sample_steps=2", "gradient_checkpointing=true",
-        "frozen_dtype=bfloat16"] + (["image_size=384"] if ctx.scale == "official" else [])
+        "frozen_dtype=bfloat16", "dtype=bfloat16", "num_workers=0"] + (
+            ["image_size=384"] if ctx.scale == "official" else [])
     launch = ["--config_file", str(ROOT/"configs"/"accelerate"/"cpu_2proc.yaml"), "--main_process_port", "29533"]
     script = [str(ROOT/"tests"/"train_driver.py"), "--fsdp-cpu"]
     recs = []
