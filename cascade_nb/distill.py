@@ -103,7 +103,7 @@ class FrozenTeacher(nn.Module):
 
 # %% ../nbs/62_distill.ipynb #643fd1f9
 def load_teacher(cfg: Config, device="cpu") -> tuple[nn.Module, Config]:
-    "(the teacher generator in float32 on `device`, its config) from `teacher_checkpoint_path` (a run, a file, a hub id)."
+    "(the teacher generator in float32 on `device`, its config) from `teacher_checkpoint_path` (run, file, hub id)."
     dc, spec = cfg.distill, cfg.distill.teacher_checkpoint_path
     # a hub id names a .safetensors file: fetched into the hub cache (or one line saying why not), header checked
     path = weights_file(spec) if parse_hub_spec(spec) is not None else Path(spec)
