@@ -141,23 +141,17 @@ def measured(cmd: list[str], env: dict, log: Path, stop_when=None) -> dict:
     `ru_maxrss`, which counts the pages of memory-mapped files too) and peak anonymous memory (RssAnon sampled every
     0.5 s: the largest process's, and the sum over the processes). With `stop_when` (a function), SIGTERM the
     command once it returns True (a stop signal through the launcher)."""
-    wrapper = WRAPPER
-    if stop_when is None:
-        out = subprocess.run([sys.executable, "-c", wrapper, str(log), *cmd], env=env, capture_output=True,
-                             text=True, cwd=ROOT)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    p = subprocess.Popen([sys.executable, "-c", wrapper, str(log), *cmd], env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", WRAPPER, str(log), *cmd], env=env, stdout=subprocess.PIPE,
                          text=True, cwd=ROOT)
-    signalled = None
+    signalled = False
     while p.poll() is None:
         time.sleep(2)
-        if signalled is None and stop_when():
+        if stop_when is not None and not signalled and stop_when():
             # the command (the launcher) is the wrapper's child: it forwards the signal to the trainers
-            for child in _children(p.pid):
-                os.kill(child, signal.SIGTERM)
-            signalled = time.time()
+            for child in _children(p.pid): os.kill(child, signal.SIGTERM)
+            signalled = True
     rec = json.loads(p.stdout.read().strip().splitlines()[-1])
-    rec["sigterm"] = signalled is not None
+    if stop_when is not None: rec["sigterm"] = signalled
     return rec
 
 
@@ -310,7 +304,7 @@ def train_stop_resume(ctx, step: str, config: Path, overrides: list[str], launch
 
 
 
-def run_overrides(ctx, generator: str, run_id: str, model_version: str) -> list[str]:
+def run_overrides(ctx, generator: str, run_id: str) -> list[str]:
     "Only paths and the run's name: the cache's hub ids, this work folder, the generated images."
     paths = {**PATHS, "generator_checkpoint_path": f"{H}/{generator}"}
     out = [f"{k}={v}" for k, v in paths.items()] + [
@@ -349,7 +343,7 @@ def step_lora(ctx):
     """The official finetune_c_3b_lora.yaml (3.6B Stage C, LoRA rank 4 on '.attn', a new token), 3 updates."""
     config = official_config(ctx, "finetune_c_3b_lora.yaml")
     make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256, prefix="[fernando] ")
-    overrides = run_overrides(ctx, "stage_c_bf16.safetensors", "lora_3b", "3.6B") + [
+    overrides = run_overrides(ctx, "stage_c_bf16.safetensors", "lora_3b") + [
         "updates=3", "log_every=1",
         # for this CPU (bench/RESULTS.md says why): one image per update instead of 32 in 4 micro-steps, bf16
         # weights (fp32 plans 29 GB > 24 GB), 2 sampler steps for the in-training sample grid instead of 20
@@ -386,7 +380,7 @@ def step_full_1b(ctx):
     """The official finetune_c_1b.yaml (1B Stage C, full fine-tune), 3 updates, with the planner's levers."""
     config = official_config(ctx, "finetune_c_1b.yaml")
     make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256)
-    overrides = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "full_1b", "1B") + [
+    overrides = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "full_1b") + [
         "updates=3", "log_every=1", "batch_size=1", "grad_accum_steps=1", "sample_steps=2", *LEVERS_1B]
     run_id, first, second, stopped = train_stop_resume(ctx, "full_1b", config, overrides, ONE_PROCESS,
                                                        [str(ROOT/"cascade_nb"/"train.py")])
@@ -402,7 +396,7 @@ def step_fsdp(ctx):
     # both processes share this machine's 24 GB (with fp32 weights, 11.4 GB planned each, rank 0 was killed for memory
     # at 11.8 GB), and no DataLoader workers (with two per process, the resume was killed for memory at 9.3 GB in rank
     # 1); 384 px keeps the two single-core processes at a few minutes per update
-    base = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "fsdp_1b", "1B") + [
+    base = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "fsdp_1b") + [
         "log_every=1", "batch_size=2", "grad_accum_steps=1", "sample_steps=2", "gradient_checkpointing=true",
         "frozen_dtype=bfloat16", "dtype=bfloat16", "num_workers=0"] + (
             ["image_size=384"] if ctx.scale == "official" else [])
