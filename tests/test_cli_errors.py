@@ -80,6 +80,15 @@ def test_data_cli_file_errors_and_option_order(tmp_path):
     res = run_cli("-m", "cascade_nb.data", "inspect", "--limit", "3", ROOT / "data_samples" / "emoji", "--image-size", "32")
     assert "usable samples: 3" in res.stdout
 
+def test_data_inspect_config_takes_overrides_not_sources():
+    # `inspect CONFIG key=value`: the override applies (image_size 32 -> a 32x32 bucket for the 64x64 emoji)
+    res = run_cli("-m", "cascade_nb.data", "inspect", DEMO, "image_size=32", "--limit", "2")
+    assert "usable samples: 2" in res.stdout and "-> 32x32" in res.stdout, res.stdout
+    one_line_error(run_cli("-m", "cascade_nb.data", "inspect", DEMO, "image_sizee=32", check=False),
+                   "unknown key 'image_sizee'; did you mean 'image_size'?")
+    one_line_error(run_cli("-m", "cascade_nb.data", "inspect", DEMO, ROOT / "data_samples" / "emoji", check=False),
+                   "is not a key=value override", "inspect SOURCE --config CONFIG")
+
 def test_sample_never_overwrites_and_refuses_a_huge_seed(fake_run, tmp_path):
     out = tmp_path / "s"; out.mkdir()
     mine = out / "0_1_x.png"; mine.write_bytes(b"a user's file")

@@ -19,12 +19,12 @@ def _ratios(cfg, args):
     if args.multi_aspect_ratio: return args.multi_aspect_ratio
     return cfg.data.multi_aspect_ratio if cfg is not None else None
 
-def _load_cfg(path):
+def _load_cfg(path, overrides=()):
     if path is None: return None
     from cascade_nb.config import load_config, import_modules
     # a training config of any mode: the modes (later in the reading order) register their sections' keys on import
     import_modules(["cascade_nb.modes"], "data")
-    return load_config(path, training=False)
+    return load_config(path, overrides, training=False)
 
 # %% ../../nbs/34_data.cli.ipynb #b10d2c63
 def mix_lines(mix: list[dict]) -> list[str]:
@@ -80,9 +80,15 @@ def _is_config_file(source) -> bool:
 # %% ../../nbs/34_data.cli.ipynb #adfec2a0
 def cmd_inspect(args) -> int:
     from cascade_nb.data.pipeline import inspect_source
-    # `inspect CONFIG`: a training config's webdataset_path, with its settings
-    if args.config is None and _is_config_file(args.source): args.config, args.source = args.source, None
-    cfg = _load_cfg(args.config)
+    # `inspect CONFIG [key=value ...]`: a training config's webdataset_path, with its settings and overrides
+    sources, overrides = args.source, []
+    if args.config is None and sources and _is_config_file(sources[0]):
+        args.config, overrides, sources = sources[0], sources[1:], []
+        if bad := [o for o in overrides if "=" not in o]:
+            raise SystemExit(f"inspect {args.config}: {bad[0]!r} is not a key=value override; after a CONFIG come "
+                             "overrides only (a source with a config's settings: inspect SOURCE --config CONFIG)")
+    args.source = sources[0] if len(sources) == 1 else sources or None
+    cfg = _load_cfg(args.config, overrides)
     if args.source is None and cfg is None: raise SystemExit("inspect: give a SOURCE, or a CONFIG (or --config)")
     if args.source is None:
         from cascade_nb.config import REQUIRED
@@ -168,7 +174,7 @@ def make_parser() -> argparse.ArgumentParser:
     pk.set_defaults(fn=cmd_pack)
     ins = sub.add_parser("inspect", help="count samples, skips, caption lengths, sizes and buckets")
     ins.add_argument("source", nargs="*", help="folder, tar(s), brace pattern or URL; or a training config "
-                                               "(its webdataset_path, with the mix of its entries)")
+                     "(its webdataset_path, with the mix of its entries), then key=value overrides")
     ins.add_argument("--config",
                      help="take image_size, multi_aspect_ratio, captions_getter and dataset_filters from a config")
     ins.add_argument("--image-size", type=int, default=None)
@@ -189,7 +195,6 @@ def make_parser() -> argparse.ArgumentParser:
 # %% ../../nbs/34_data.cli.ipynb #e25238e7
 def main(argv=None) -> int:
     args = parse_cli(make_parser(), argv)   # options anywhere, as in every cascade_nb command
-    if args.command == "inspect": args.source = args.source[0] if len(args.source) == 1 else args.source or None
     from cascade_nb.data.sources import DataError
     # missing/unreadable files and folders, data that cannot be read, bad values: one line, exit 2
     with cli_errors(OSError, ValueError, DataError):
