@@ -13,8 +13,8 @@ from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import nn
-from cascade_nb.core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
-    seeded_rand)
+from .core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
+    seeded_rand, _header_dtypes, _SAFETENSORS_DTYPES)
 from .registry import registry, ConfigError
 from .config import Config, ConfigHook, register_config_hook
 from .typed_yaml import Range, coerce
@@ -29,8 +29,10 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'evaluation_view', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
            'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
            'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
-           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid', 'StopWaiting',
-           'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
+           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'frozen_parameters',
+           'trained_tensors_only', 'check_saved_tensors', 'file_fingerprint', 'base_fingerprints', 'check_base',
+           'save_model_state', 'load_model_state', 'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch',
+           'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -970,8 +972,9 @@ def _check_torch_file(path: Path):
     from accelerate.utils.other import load   # accelerate's own safe loader: weights_only=True + numpy array globals
     load(path, map_location="cpu", mmap=True)  # mmap: tensors are mapped, not read
 
-def _check_dcp_metadata(path: Path):
-    with path.open("rb") as f: _DCPMetadataUnpickler(f).load()
+def _dcp_metadata(path: Path):
+    "The metadata of a torch.distributed.checkpoint directory, through `_DCPMetadataUnpickler`."
+    with path.open("rb") as f: return _DCPMetadataUnpickler(f).load()
 
 _CHECKS = {".bin": _check_torch_file, ".pkl": _check_torch_file, ".pt": _check_torch_file, ".pth": _check_torch_file,
            # the last two: clear errors
@@ -986,12 +989,114 @@ def check_checkpoint_files(state_dir):
             raise RuntimeError(f"resume: refusing {f}: cascade_nb never writes custom_checkpoint files, and accelerate "
                                "would unpickle it with weights_only=False (able to run code). Remove it if the run is "
                                "yours.")
-        check = _CHECKS.get(f.suffix) or (_check_dcp_metadata if f.name.endswith(".metadata") else None)
+        check = _CHECKS.get(f.suffix) or (_dcp_metadata if f.name.endswith(".metadata") else None)
         if check is None: continue
         try: check(f)
         except Exception as e:
             raise RuntimeError(f"resume: refusing {f}: it does not load as plain tensors and data "
                                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+# %% ../nbs/40_run_state.ipynb #b5e70a02
+def frozen_parameters(module: nn.Module) -> list[str]:
+    "The names of `module`'s parameters that training never changes (`requires_grad` False): a LoRA's base generator."
+    return [n for n, p in module.named_parameters() if not p.requires_grad]
+
+@contextlib.contextmanager
+def trained_tensors_only(module: nn.Module):
+    """While inside, `module.state_dict()` leaves out its frozen parameters and `load_state_dict` does not miss them,
+    under whatever prefix a wrapper puts them (DDP's `module.`); yields their names."""
+    frozen, prefixes = frozen_parameters(module), []
+    def drop(mod, sd, prefix, local_metadata):
+        for n in frozen: sd.pop(prefix + n, None)
+    def note_prefix(mod, sd, prefix, *args): prefixes.append(prefix)
+    def not_missing(mod, keys):
+        absent = {p + n for p in prefixes for n in frozen}
+        keys.missing_keys[:] = [k for k in keys.missing_keys if k not in absent]
+    hooks = [module.register_state_dict_post_hook(drop), module.register_load_state_dict_pre_hook(note_prefix),
+             module.register_load_state_dict_post_hook(not_missing)]
+    try: yield frozen
+    finally:
+        for h in hooks: h.remove()
+
+# %% ../nbs/40_run_state.ipynb #b5e70a06
+def _saved_model_layout(state_dir) -> tuple[Path, dict]:
+    """(file, {key: (shape, dtype)}) of the weights accelerate saved in `state_dir`: `model.safetensors`, or under FSDP
+    the `torch.distributed.checkpoint` metadata of `pytorch_model_fsdp_0/`, read without loading a tensor."""
+    d = Path(state_dir)
+    if (f := d/"model.safetensors").exists():
+        header, _ = _read(f, _header_dtypes)
+        return f, {k: (tuple(v["shape"]), _SAFETENSORS_DTYPES.get(v["dtype"])) for k, v in header.items()}
+    f = d/"pytorch_model_fsdp_0"/".metadata"
+    meta = _read(f, _dcp_metadata)
+    # accelerate saves {"model": state_dict}; torch.distributed.checkpoint flattens it to "model.<key>"
+    return f, {k.removeprefix("model."): (tuple(m.size), m.properties.dtype)
+               for k, m in meta.state_dict_metadata.items() if hasattr(m, "properties")}
+
+def _layout(sd: dict) -> dict: return {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+
+# %% ../nbs/40_run_state.ipynb #b5e70a07
+def check_saved_tensors(state_dir, net: nn.Module, module: nn.Module | None = None):
+    """Refuse, naming the file and the key, a state whose saved weights do not fit `net` (`module`: the unwrapped
+    net): each saved tensor is one of its tensors, of its shape and dtype, and each trained tensor is saved."""
+    f, saved = _saved_model_layout(state_dir)
+    whole = _layout(net.state_dict())
+    with trained_tensors_only(module or net): trained = _layout(net.state_dict())
+    for k, (shape, dtype) in saved.items():
+        if k not in whole:
+            raise RuntimeError(f"resume: {f}: key {k!r} is not a tensor of this model (saved by another model or mode)")
+        if (shape, dtype) != whole[k]:
+            raise RuntimeError(f"resume: {f}: key {k!r} is {dtype} {list(shape)} there, {whole[k][1]} "
+                               f"{list(whole[k][0])} in this model")
+    if missing := [k for k in trained if k not in saved]:
+        raise RuntimeError(f"resume: {f}: the trained key {missing[0]!r} is not saved ({len(missing)} trained keys "
+                           "missing)")
+
+# %% ../nbs/40_run_state.ipynb #b5e70a11
+def file_fingerprint(path, blocks: int = 16, block: int = 1 << 16) -> dict:
+    """A cheap identity of a weights file: its size and a SHA-256 of its safetensors header (a non-safetensors file:
+    its first block) and of `blocks` evenly spaced reads of `block` bytes."""
+    path, h = Path(path), hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = 8 + n if 8 + n <= size else min(size, block)
+        f.seek(0); h.update(f.read(head))
+        for i in range(blocks):
+            f.seek(head + i * max(0, size - head - block) // max(1, blocks - 1)); h.update(f.read(block))
+    return {"path": str(path), "bytes": size, "sha256": h.hexdigest()}
+
+def base_fingerprints(config: dict) -> dict:
+    "The `file_fingerprint` of each `*_checkpoint_path` of a flat config (`Config.to_yaml_dict`) that is a local file."
+    return {k: file_fingerprint(v) for k, v in sorted(config.items())
+            if k.endswith("_checkpoint_path") and isinstance(v, str) and Path(v).is_file()}
+
+# %% ../nbs/40_run_state.ipynb #b5e70a12
+def check_base(state_dir, config: dict):
+    """Refuse to resume a state that holds no frozen weights (`base.json`) with other base files than it was saved
+    with; a state without `base.json` holds every weight and passes."""
+    f = Path(state_dir)/"base.json"
+    if not f.exists(): return
+    saved, now = _read(f, lambda p: json.loads(p.read_text())), base_fingerprints(config)
+    for k, was in saved.items():
+        got = now.get(k)
+        if got is None or (got["bytes"], got["sha256"]) != (was["bytes"], was["sha256"]):
+            what = f"now {config.get(k)!r}, " + ("not a file" if got is None else "another file")
+            raise RuntimeError(f"resume: {f}: the state holds no frozen weights; they came from {k} {was['path']} "
+                               f"({was['bytes']} bytes), {what}: set {k} back to that file, or use a new experiment_id")
+
+# %% ../nbs/40_run_state.ipynb #b5e70a16
+def save_model_state(acc, net: nn.Module, state_dir, config: dict):
+    """accelerate's state of the prepared `net` (weights, optimizer, its random states) without the frozen parameters,
+    and, when there are any, the fingerprint of the files a resume rebuilds them from (`base.json`)."""
+    with trained_tensors_only(acc.unwrap_model(net)) as frozen: acc.save_state(str(state_dir))
+    if frozen and acc.is_main_process: atomic_write_json(Path(state_dir)/"base.json", base_fingerprints(config))
+
+def load_model_state(acc, net: nn.Module, state_dir, config: dict):
+    "Load what `save_model_state` wrote into a `net` built as a fresh run builds it, after `check_base` and the keys."
+    check_base(state_dir, config)
+    module = acc.unwrap_model(net)
+    check_saved_tensors(state_dir, net, module)
+    with trained_tensors_only(module): acc.load_state(str(state_dir))
 
 # %% ../nbs/40_run_state.ipynb #b50ab80a
 def save_sample_grid(rows: dict[str, torch.Tensor], path, value_range=(0., 1.)) -> Path:
