@@ -16,6 +16,7 @@ from torch import nn
 from .core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
     seeded_rand, _header_dtypes, _SAFETENSORS_DTYPES)
 from .registry import registry, ConfigError
+from .hub import parse_hub_spec, hub_settings
 from .config import Config, ConfigHook, register_config_hook
 from .typed_yaml import Range, coerce
 
@@ -30,9 +31,9 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
            'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
            'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'frozen_parameters',
-           'trained_tensors_only', 'check_saved_tensors', 'file_fingerprint', 'base_fingerprints', 'check_base',
-           'save_model_state', 'load_model_state', 'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch',
-           'die_with_parent', 'StopAgreement']
+           'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint', 'local_weights',
+           'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state', 'save_sample_grid', 'StopWaiting',
+           'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -145,7 +146,6 @@ class OptimizerSpec:
         "The options' values: their defaults, updated by the config's `optimizer_args`."
         return {**{k: default for k, (_, default, _) in cls.options.items()}, **(t.optimizer_args or {})}
 
-
 # %% ../nbs/40_run_state.ipynb #84a18a90
 OPTIMIZERS = registry("optimizer")
 register_optimizer = OPTIMIZERS.register
@@ -176,7 +176,6 @@ def check_optimizer_args(name: str, given: dict, where: str = "config") -> dict:
         if rng is not None and any(x is not None and x not in rng for x in values):
             raise ConfigError(f"{where}: key 'optimizer_args.{k}': {v!r} is out of range; expected {rng}")
     return out
-
 
 # %% ../nbs/40_run_state.ipynb #6d9d193b
 @register_optimizer("adamw8bit")
@@ -380,7 +379,6 @@ def ema_beta_at(update: int, start: int, every: int, beta: float) -> float | Non
     if update % every: return None
     return beta if update > start else 0.0
 
-
 # %% ../nbs/40_run_state.ipynb #9575be9c
 def resharded(net: nn.Module) -> nn.Module:
     """`net` with every FSDP2 module sharded: while one is unsharded (FSDP2 leaves the root so after a forward without
@@ -429,7 +427,6 @@ class EMA:
         "What this process holds: the module's state dict, or its shards (and the buffers)."
         return self.module.state_dict() if not self.sharded else {**self.shards, **self.buffers}
 
-
 # %% ../nbs/40_run_state.ipynb #dfd790b1
 def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
     """`local` as this process's shard of a DTensor laid out as `spec` (the parameter's mesh, placements, shape,
@@ -469,7 +466,6 @@ def ema_weights(ema: EMA, net: nn.Module):
             resharded(net)   # the forwards leave the root unsharded, holding the EMA's weights
             torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(kept, mine)])
 
-
 # %% ../nbs/40_run_state.ipynb #98275f6e
 @contextlib.contextmanager
 def schedule_free_view(opt, net: nn.Module | None = None):
@@ -489,7 +485,6 @@ def schedule_free_view(opt, net: nn.Module | None = None):
         with torch.no_grad(): torch._foreach_copy_(params, kept)
         for o, fl in zip(inner, flags):
             for g, f in zip(o.param_groups, fl): g["train_mode"] = f
-
 
 # %% ../nbs/40_run_state.ipynb #9f9b5bae
 @register_optimizer("schedulefree_adamw")
@@ -519,13 +514,11 @@ class ScheduleFreeAdamW(OptimizerSpec):
             return (f"replaces the LR decay with its average, so lr_schedule: {t.lr_schedule} would decay it twice; "
                     "set lr_schedule: constant (warmup_updates still ramps the LR up)")
 
-
 # %% ../nbs/40_run_state.ipynb #fe698de7
 def evaluation_view(run):
     """The context in which `run`'s weights are the ones to sample, score, average and release (its optimizer spec's
     `evaluated`); every process enters it."""
     return OPTIMIZERS.choose(run.cfg.train.optimizer).evaluated(run.opt, run.acc.unwrap_model(run.net))
-
 
 # %% ../nbs/40_run_state.ipynb #add04565
 @dataclass
@@ -890,7 +883,6 @@ def write_weights(weights, path):
     try: os.fsync(fd)   # the new name is on disk
     finally: os.close(fd)
 
-
 # %% ../nbs/40_run_state.ipynb #4cdbda14
 def fsync_tree(path) -> int:
     "fsync every file under `path`, then the folders (what a library wrote without fsync); the number of files."
@@ -947,7 +939,6 @@ def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Gene
     if not (d/f"rng_{rank}.safetensors").exists(): return False
     rng.set_state(_read(d/f"rng_{rank}.safetensors", lambda p: load_file(str(p))["state"]))
     return True
-
 
 # %% ../nbs/40_run_state.ipynb #4c709f5d
 _DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -1018,6 +1009,10 @@ def trained_tensors_only(module: nn.Module):
     finally:
         for h in hooks: h.remove()
 
+def state_view(module: nn.Module, base_is_rebuilt: bool):
+    "`trained_tensors_only(module)` where the mode rebuilds its frozen base (`TrainingMode.base_is_rebuilt`), else as is."
+    return trained_tensors_only(module) if base_is_rebuilt else contextlib.nullcontext([])
+
 # %% ../nbs/40_run_state.ipynb #b5e70a06
 def _saved_model_layout(state_dir) -> tuple[Path, dict]:
     """(file, {key: (shape, dtype)}) of the weights accelerate saved in `state_dir`: `model.safetensors`, or under FSDP
@@ -1035,12 +1030,13 @@ def _saved_model_layout(state_dir) -> tuple[Path, dict]:
 def _layout(sd: dict) -> dict: return {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
 
 # %% ../nbs/40_run_state.ipynb #b5e70a07
-def check_saved_tensors(state_dir, net: nn.Module, module: nn.Module | None = None):
-    """Refuse, naming the file and the key, a state whose saved weights do not fit `net` (`module`: the unwrapped
-    net): each saved tensor is one of its tensors, of its shape and dtype, and each trained tensor is saved."""
+def check_saved_tensors(state_dir, module: nn.Module, base_is_rebuilt: bool = True):
+    """Refuse, naming the file and the key, a state whose saved weights do not fit `module` (the unwrapped net, whose
+    keys accelerate saves): each saved tensor is one of its tensors, of its shape and dtype, and each tensor it must
+    hold is saved (with `base_is_rebuilt` the trained ones, else all)."""
     f, saved = _saved_model_layout(state_dir)
-    whole = _layout(net.state_dict())
-    with trained_tensors_only(module or net): trained = _layout(net.state_dict())
+    whole = _layout(module.state_dict())
+    with state_view(module, base_is_rebuilt): trained = _layout(module.state_dict())
     for k, (shape, dtype) in saved.items():
         if k not in whole:
             raise RuntimeError(f"resume: {f}: key {k!r} is not a tensor of this model (saved by another model or mode)")
@@ -1065,10 +1061,22 @@ def file_fingerprint(path, blocks: int = 16, block: int = 1 << 16) -> dict:
             f.seek(head + i * max(0, size - head - block) // max(1, blocks - 1)); h.update(f.read(block))
     return {"path": str(path), "bytes": size, "sha256": h.hexdigest()}
 
+# %% ../nbs/40_run_state.ipynb #b5e70a19
+def local_weights(spec) -> Path | None:
+    """The file on this machine that a weights spec names: a local path, or a hub id's copy in the hub cache (looked up,
+    never downloaded); None when there is none (a run directory, a file not cached)."""
+    if not isinstance(spec, str): return None
+    hub = parse_hub_spec(spec)
+    if hub is None: return Path(spec) if Path(spec).is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+    got = try_to_load_from_cache(hub.repo_id, hub.path, revision=hub.revision, cache_dir=hub_settings()["cache_dir"])
+    return Path(got) if isinstance(got, str) else None
+
 def base_fingerprints(config: dict) -> dict:
-    "The `file_fingerprint` of each `*_checkpoint_path` of a flat config (`Config.to_yaml_dict`) that is a local file."
-    return {k: file_fingerprint(v) for k, v in sorted(config.items())
-            if k.endswith("_checkpoint_path") and isinstance(v, str) and Path(v).is_file()}
+    """The `file_fingerprint` of the file each `*_checkpoint_path` of a flat config (`Config.to_yaml_dict`) names, by
+    path or hub id (`local_weights`), under the value the config gives."""
+    files = {k: local_weights(v) for k, v in sorted(config.items()) if k.endswith("_checkpoint_path")}
+    return {k: {**file_fingerprint(f), "file": str(f), "path": config[k]} for k, f in files.items() if f is not None}
 
 # %% ../nbs/40_run_state.ipynb #b5e70a12
 def check_base(state_dir, config: dict):
@@ -1085,18 +1093,18 @@ def check_base(state_dir, config: dict):
                                f"({was['bytes']} bytes), {what}: set {k} back to that file, or use a new experiment_id")
 
 # %% ../nbs/40_run_state.ipynb #b5e70a16
-def save_model_state(acc, net: nn.Module, state_dir, config: dict):
+def save_model_state(acc, net: nn.Module, state_dir, config: dict, base_is_rebuilt: bool = True):
     """accelerate's state of the prepared `net` (weights, optimizer, its random states) without the frozen parameters,
     and, when there are any, the fingerprint of the files a resume rebuilds them from (`base.json`)."""
-    with trained_tensors_only(acc.unwrap_model(net)) as frozen: acc.save_state(str(state_dir))
+    with state_view(acc.unwrap_model(net), base_is_rebuilt) as frozen: acc.save_state(str(state_dir))
     if frozen and acc.is_main_process: atomic_write_json(Path(state_dir)/"base.json", base_fingerprints(config))
 
-def load_model_state(acc, net: nn.Module, state_dir, config: dict):
+def load_model_state(acc, net: nn.Module, state_dir, config: dict, base_is_rebuilt: bool = True):
     "Load what `save_model_state` wrote into a `net` built as a fresh run builds it, after `check_base` and the keys."
     check_base(state_dir, config)
     module = acc.unwrap_model(net)
-    check_saved_tensors(state_dir, net, module)
-    with trained_tensors_only(module): acc.load_state(str(state_dir))
+    check_saved_tensors(state_dir, module, base_is_rebuilt)
+    with state_view(module, base_is_rebuilt): acc.load_state(str(state_dir))
 
 # %% ../nbs/40_run_state.ipynb #b50ab80a
 def save_sample_grid(rows: dict[str, torch.Tensor], path, value_range=(0., 1.)) -> Path:
