@@ -1010,7 +1010,7 @@ def trained_tensors_only(module: nn.Module):
         for h in hooks: h.remove()
 
 def state_view(module: nn.Module, base_is_rebuilt: bool):
-    "`trained_tensors_only(module)` where the mode rebuilds its frozen base (`TrainingMode.base_is_rebuilt`), else as is."
+    "`trained_tensors_only(module)` where the mode rebuilds its frozen base (`TrainingMode.base_is_rebuilt`)."
     return trained_tensors_only(module) if base_is_rebuilt else contextlib.nullcontext([])
 
 # %% ../nbs/40_run_state.ipynb #b5e70a06
