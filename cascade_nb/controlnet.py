@@ -406,6 +406,7 @@ class ControlNetTraining(TrainingMode):
     """ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` (official layout)
     is released."""
     supports_ema = False   # an EMA of `net` would copy the frozen generator
+    base_is_rebuilt = True   # the state holds the ControlNet, not the frozen generator
     trains_generator = False
     @classmethod
     def selected_by(cls, cfg):   # official ControlNet keys

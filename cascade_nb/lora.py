@@ -692,7 +692,7 @@ class LoraTraining(TrainingMode):
     """LoRA (+ token) training of Stage C: frozen generator and text encoder, adapters and token deltas train,
     `lora.safetensors` is released."""
     supports_ema = False   # an EMA would copy the frozen generator too; average the adapters offline if needed
-    trains_generator = False
+    trains_generator, base_is_rebuilt = False, True   # the state: adapters and token rows, not the frozen generator
     @classmethod
     def selected_by(cls, cfg): return bool(cfg.lora.module_filters or cfg.lora.train_tokens)   # official LoRA keys
     @classmethod

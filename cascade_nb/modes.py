@@ -102,12 +102,12 @@ class TrainingMode:
     stages = ("c",)              # the stages it trains (`encode` makes Stage C's inputs); StageBTraining's: ("b",)
     name = None                  # set by @training_mode
     takes_loss_weights = True    # its loss weights each sample by `extras`' `weight` (a mixture's loss_weight)
+    base_is_rebuilt = False      # True: the state leaves out the frozen base, rebuilt from its files on resume
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,
                  compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model = cfg, generator, tokenizer, text_model
         self.image_model, self.space, self.compute_dtype = image_model, space, compute_dtype
         self.c_clip_img = generator.clip_img_mapper.in_features if hasattr(generator, "clip_img_mapper") else 0
-
     # --- the config: which keys select the mode, its own rules, and what it costs in memory
     @classmethod
     def selected_by(cls, cfg: Config) -> bool:

@@ -13,9 +13,10 @@ from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import nn
-from cascade_nb.core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
-    seeded_rand)
+from .core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
+    seeded_rand, _header_dtypes, _SAFETENSORS_DTYPES)
 from .registry import registry, ConfigError
+from .hub import parse_hub_spec, hub_settings
 from .config import Config, ConfigHook, register_config_hook
 from .typed_yaml import Range, coerce
 
@@ -29,7 +30,9 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'evaluation_view', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
            'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
            'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
-           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'save_sample_grid', 'StopWaiting',
+           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'frozen_parameters',
+           'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint', 'local_weights',
+           'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state', 'save_sample_grid', 'StopWaiting',
            'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
@@ -143,7 +146,6 @@ class OptimizerSpec:
         "The options' values: their defaults, updated by the config's `optimizer_args`."
         return {**{k: default for k, (_, default, _) in cls.options.items()}, **(t.optimizer_args or {})}
 
-
 # %% ../nbs/40_run_state.ipynb #84a18a90
 OPTIMIZERS = registry("optimizer")
 register_optimizer = OPTIMIZERS.register
@@ -174,7 +176,6 @@ def check_optimizer_args(name: str, given: dict, where: str = "config") -> dict:
         if rng is not None and any(x is not None and x not in rng for x in values):
             raise ConfigError(f"{where}: key 'optimizer_args.{k}': {v!r} is out of range; expected {rng}")
     return out
-
 
 # %% ../nbs/40_run_state.ipynb #6d9d193b
 @register_optimizer("adamw8bit")
@@ -378,7 +379,6 @@ def ema_beta_at(update: int, start: int, every: int, beta: float) -> float | Non
     if update % every: return None
     return beta if update > start else 0.0
 
-
 # %% ../nbs/40_run_state.ipynb #9575be9c
 def resharded(net: nn.Module) -> nn.Module:
     """`net` with every FSDP2 module sharded: while one is unsharded (FSDP2 leaves the root so after a forward without
@@ -427,7 +427,6 @@ class EMA:
         "What this process holds: the module's state dict, or its shards (and the buffers)."
         return self.module.state_dict() if not self.sharded else {**self.shards, **self.buffers}
 
-
 # %% ../nbs/40_run_state.ipynb #dfd790b1
 def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
     """`local` as this process's shard of a DTensor laid out as `spec` (the parameter's mesh, placements, shape,
@@ -467,7 +466,6 @@ def ema_weights(ema: EMA, net: nn.Module):
             resharded(net)   # the forwards leave the root unsharded, holding the EMA's weights
             torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(kept, mine)])
 
-
 # %% ../nbs/40_run_state.ipynb #98275f6e
 @contextlib.contextmanager
 def schedule_free_view(opt, net: nn.Module | None = None):
@@ -487,7 +485,6 @@ def schedule_free_view(opt, net: nn.Module | None = None):
         with torch.no_grad(): torch._foreach_copy_(params, kept)
         for o, fl in zip(inner, flags):
             for g, f in zip(o.param_groups, fl): g["train_mode"] = f
-
 
 # %% ../nbs/40_run_state.ipynb #9f9b5bae
 @register_optimizer("schedulefree_adamw")
@@ -517,13 +514,11 @@ class ScheduleFreeAdamW(OptimizerSpec):
             return (f"replaces the LR decay with its average, so lr_schedule: {t.lr_schedule} would decay it twice; "
                     "set lr_schedule: constant (warmup_updates still ramps the LR up)")
 
-
 # %% ../nbs/40_run_state.ipynb #fe698de7
 def evaluation_view(run):
     """The context in which `run`'s weights are the ones to sample, score, average and release (its optimizer spec's
     `evaluated`); every process enters it."""
     return OPTIMIZERS.choose(run.cfg.train.optimizer).evaluated(run.opt, run.acc.unwrap_model(run.net))
-
 
 # %% ../nbs/40_run_state.ipynb #add04565
 @dataclass
@@ -888,7 +883,6 @@ def write_weights(weights, path):
     try: os.fsync(fd)   # the new name is on disk
     finally: os.close(fd)
 
-
 # %% ../nbs/40_run_state.ipynb #4cdbda14
 def fsync_tree(path) -> int:
     "fsync every file under `path`, then the folders (what a library wrote without fsync); the number of files."
@@ -946,7 +940,6 @@ def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Gene
     rng.set_state(_read(d/f"rng_{rank}.safetensors", lambda p: load_file(str(p))["state"]))
     return True
 
-
 # %% ../nbs/40_run_state.ipynb #4c709f5d
 _DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                 ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
@@ -970,8 +963,9 @@ def _check_torch_file(path: Path):
     from accelerate.utils.other import load   # accelerate's own safe loader: weights_only=True + numpy array globals
     load(path, map_location="cpu", mmap=True)  # mmap: tensors are mapped, not read
 
-def _check_dcp_metadata(path: Path):
-    with path.open("rb") as f: _DCPMetadataUnpickler(f).load()
+def _dcp_metadata(path: Path):
+    "The metadata of a torch.distributed.checkpoint directory, through `_DCPMetadataUnpickler`."
+    with path.open("rb") as f: return _DCPMetadataUnpickler(f).load()
 
 _CHECKS = {".bin": _check_torch_file, ".pkl": _check_torch_file, ".pt": _check_torch_file, ".pth": _check_torch_file,
            # the last two: clear errors
@@ -986,12 +980,131 @@ def check_checkpoint_files(state_dir):
             raise RuntimeError(f"resume: refusing {f}: cascade_nb never writes custom_checkpoint files, and accelerate "
                                "would unpickle it with weights_only=False (able to run code). Remove it if the run is "
                                "yours.")
-        check = _CHECKS.get(f.suffix) or (_check_dcp_metadata if f.name.endswith(".metadata") else None)
+        check = _CHECKS.get(f.suffix) or (_dcp_metadata if f.name.endswith(".metadata") else None)
         if check is None: continue
         try: check(f)
         except Exception as e:
             raise RuntimeError(f"resume: refusing {f}: it does not load as plain tensors and data "
                                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+# %% ../nbs/40_run_state.ipynb #b5e70a02
+def frozen_parameters(module: nn.Module) -> list[str]:
+    "The names of `module`'s parameters that training never changes (`requires_grad` False): a LoRA's base generator."
+    return [n for n, p in module.named_parameters() if not p.requires_grad]
+
+@contextlib.contextmanager
+def trained_tensors_only(module: nn.Module):
+    """While inside, `module.state_dict()` leaves out its frozen parameters and `load_state_dict` does not miss them,
+    under whatever prefix a wrapper puts them (DDP's `module.`); yields their names."""
+    frozen, prefixes = frozen_parameters(module), []
+    def drop(mod, sd, prefix, local_metadata):
+        for n in frozen: sd.pop(prefix + n, None)
+    def note_prefix(mod, sd, prefix, *args): prefixes.append(prefix)
+    def not_missing(mod, keys):
+        absent = {p + n for p in prefixes for n in frozen}
+        keys.missing_keys[:] = [k for k in keys.missing_keys if k not in absent]
+    hooks = [module.register_state_dict_post_hook(drop), module.register_load_state_dict_pre_hook(note_prefix),
+             module.register_load_state_dict_post_hook(not_missing)]
+    try: yield frozen
+    finally:
+        for h in hooks: h.remove()
+
+def state_view(module: nn.Module, base_is_rebuilt: bool):
+    "`trained_tensors_only(module)` where the mode rebuilds its frozen base (`TrainingMode.base_is_rebuilt`)."
+    return trained_tensors_only(module) if base_is_rebuilt else contextlib.nullcontext([])
+
+# %% ../nbs/40_run_state.ipynb #b5e70a06
+def _saved_model_layout(state_dir) -> tuple[Path, dict]:
+    """(file, {key: (shape, dtype)}) of the weights accelerate saved in `state_dir`: `model.safetensors`, or under FSDP
+    the `torch.distributed.checkpoint` metadata of `pytorch_model_fsdp_0/`, read without loading a tensor."""
+    d = Path(state_dir)
+    if (f := d/"model.safetensors").exists():
+        header, _ = _read(f, _header_dtypes)
+        return f, {k: (tuple(v["shape"]), _SAFETENSORS_DTYPES.get(v["dtype"])) for k, v in header.items()}
+    f = d/"pytorch_model_fsdp_0"/".metadata"
+    meta = _read(f, _dcp_metadata)
+    # accelerate saves {"model": state_dict}; torch.distributed.checkpoint flattens it to "model.<key>"
+    return f, {k.removeprefix("model."): (tuple(m.size), m.properties.dtype)
+               for k, m in meta.state_dict_metadata.items() if hasattr(m, "properties")}
+
+def _layout(sd: dict) -> dict: return {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+
+# %% ../nbs/40_run_state.ipynb #b5e70a07
+def check_saved_tensors(state_dir, module: nn.Module, base_is_rebuilt: bool = True):
+    """Refuse, naming the file and the key, a state whose saved weights do not fit `module` (the unwrapped net, whose
+    keys accelerate saves): each saved tensor is one of its tensors, of its shape and dtype, and each tensor it must
+    hold is saved (with `base_is_rebuilt` the trained ones, else all)."""
+    f, saved = _saved_model_layout(state_dir)
+    whole = _layout(module.state_dict())
+    with state_view(module, base_is_rebuilt): trained = _layout(module.state_dict())
+    for k, (shape, dtype) in saved.items():
+        if k not in whole:
+            raise RuntimeError(f"resume: {f}: key {k!r} is not a tensor of this model (saved by another model or mode)")
+        if (shape, dtype) != whole[k]:
+            raise RuntimeError(f"resume: {f}: key {k!r} is {dtype} {list(shape)} there, {whole[k][1]} "
+                               f"{list(whole[k][0])} in this model")
+    if missing := [k for k in trained if k not in saved]:
+        raise RuntimeError(f"resume: {f}: the trained key {missing[0]!r} is not saved ({len(missing)} trained keys "
+                           "missing)")
+
+# %% ../nbs/40_run_state.ipynb #b5e70a11
+def file_fingerprint(path, blocks: int = 16, block: int = 1 << 16) -> dict:
+    """A cheap identity of a weights file: its size and a SHA-256 of its safetensors header (a non-safetensors file:
+    its first block) and of `blocks` evenly spaced reads of `block` bytes."""
+    path, h = Path(path), hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = 8 + n if 8 + n <= size else min(size, block)
+        f.seek(0); h.update(f.read(head))
+        for i in range(blocks):
+            f.seek(head + i * max(0, size - head - block) // max(1, blocks - 1)); h.update(f.read(block))
+    return {"path": str(path), "bytes": size, "sha256": h.hexdigest()}
+
+# %% ../nbs/40_run_state.ipynb #b5e70a19
+def local_weights(spec) -> Path | None:
+    """The file on this machine that a weights spec names: a local path, or a hub id's copy in the hub cache (looked up,
+    never downloaded); None when there is none (a run directory, a file not cached)."""
+    if not isinstance(spec, str): return None
+    hub = parse_hub_spec(spec)
+    if hub is None: return Path(spec) if Path(spec).is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+    got = try_to_load_from_cache(hub.repo_id, hub.path, revision=hub.revision, cache_dir=hub_settings()["cache_dir"])
+    return Path(got) if isinstance(got, str) else None
+
+def base_fingerprints(config: dict) -> dict:
+    """The `file_fingerprint` of the file each `*_checkpoint_path` of a flat config (`Config.to_yaml_dict`) names, by
+    path or hub id (`local_weights`), under the value the config gives."""
+    files = {k: local_weights(v) for k, v in sorted(config.items()) if k.endswith("_checkpoint_path")}
+    return {k: {**file_fingerprint(f), "file": str(f), "path": config[k]} for k, f in files.items() if f is not None}
+
+# %% ../nbs/40_run_state.ipynb #b5e70a12
+def check_base(state_dir, config: dict):
+    """Refuse to resume a state that holds no frozen weights (`base.json`) with other base files than it was saved
+    with; a state without `base.json` holds every weight and passes."""
+    f = Path(state_dir)/"base.json"
+    if not f.exists(): return
+    saved, now = _read(f, lambda p: json.loads(p.read_text())), base_fingerprints(config)
+    for k, was in saved.items():
+        got = now.get(k)
+        if got is None or (got["bytes"], got["sha256"]) != (was["bytes"], was["sha256"]):
+            what = f"now {config.get(k)!r}, " + ("not a file" if got is None else "another file")
+            raise RuntimeError(f"resume: {f}: the state holds no frozen weights; they came from {k} {was['path']} "
+                               f"({was['bytes']} bytes), {what}: set {k} back to that file, or use a new experiment_id")
+
+# %% ../nbs/40_run_state.ipynb #b5e70a16
+def save_model_state(acc, net: nn.Module, state_dir, config: dict, base_is_rebuilt: bool = True):
+    """accelerate's state of the prepared `net` (weights, optimizer, its random states) without the frozen parameters,
+    and, when there are any, the fingerprint of the files a resume rebuilds them from (`base.json`)."""
+    with state_view(acc.unwrap_model(net), base_is_rebuilt) as frozen: acc.save_state(str(state_dir))
+    if frozen and acc.is_main_process: atomic_write_json(Path(state_dir)/"base.json", base_fingerprints(config))
+
+def load_model_state(acc, net: nn.Module, state_dir, config: dict, base_is_rebuilt: bool = True):
+    "Load what `save_model_state` wrote into a `net` built as a fresh run builds it, after `check_base` and the keys."
+    check_base(state_dir, config)
+    module = acc.unwrap_model(net)
+    check_saved_tensors(state_dir, module, base_is_rebuilt)
+    with state_view(module, base_is_rebuilt): acc.load_state(str(state_dir))
 
 # %% ../nbs/40_run_state.ipynb #b50ab80a
 def save_sample_grid(rows: dict[str, torch.Tensor], path, value_range=(0., 1.)) -> Path:

@@ -34,7 +34,8 @@ from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LR
                                   ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
                                   NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
                                   RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
-                                  load_training_state, check_checkpoint_files, save_sample_grid)
+                                  load_training_state, check_checkpoint_files, save_sample_grid,
+                                  save_model_state, load_model_state)
 from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover, LATENT_COMPRESSION,
                                      size_rule, check_resolution_schedule, at_resolution)
 
@@ -285,7 +286,8 @@ def _save(run: Run):
     acc.wait_for_everyone()
     staging = run_dir.staging_dir(state.update) if is_main else run_dir.path/f"state-{state.update:08d}"
     acc.wait_for_everyone()
-    acc.save_state(str(staging))
+    # without the frozen parameters (a LoRA's base): a resume rebuilds them from their files
+    save_model_state(acc, run.net, staging, run.cfg.to_yaml_dict(), run.mode.base_is_rebuilt)
     save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema, run.fused)
     # accelerate's files are not fsynced: on disk before info.json names them (each process, its node)
     fsync_tree(staging)
@@ -330,7 +332,7 @@ def load_checkpoint(run: Run, state_dir):
     """Load one state dir (`resume` has checked that no file in it could run code): accelerate's state and the loop's
     own (counters, streams, EMA, buckets); refuse weights that hold NaN or inf (the caller falls back to the previous
     state)."""
-    run.acc.load_state(str(state_dir))
+    load_model_state(run.acc, run.net, state_dir, run.cfg.to_yaml_dict(), run.mode.base_is_rebuilt)
     # False (no stream of this rank): a fresh one
     load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema, run.fused)
     if not weights_finite(run): raise ValueError("its weights hold NaN or inf")

@@ -3,7 +3,8 @@
 import json
 from pathlib import Path
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from conftest import ROOT, free_port, run_cli
 from official_configs import OFFICIAL_CONFIGS
 from test_train import resumes_to_the_killed_state
@@ -72,6 +73,27 @@ def test_lora_resume_after_kill_is_bit_identical(tmp_path):
     "Killed committing update 4, resumed from update 2: it commits the killed process's own state of update 4."
     resumes_to_the_killed_state(tmp_path / "ckpt" / "r", lora_args(tmp_path, "r", *RUN))
     assert info(tmp_path, "r")["update"] == 6
+    assert_state_without_the_base(tmp_path / "ckpt" / "r", tmp_path / "pretrained.safetensors")
+    # the base of a state without it must be the file it was trained on: a same-shaped other base is refused
+    base = tmp_path / "pretrained.safetensors"
+    with safe_open(str(base), "pt") as f: meta = f.metadata()
+    save_file({k: v + 1 for k, v in load_file(str(base)).items()}, str(tmp_path / "other.safetensors"), metadata=meta)
+    res = run_cli(DRIVER, *lora_args(tmp_path, "r", "updates=8", "save_every=2",
+                                     f"generator_checkpoint_path={tmp_path / 'other.safetensors'}"), check=False)
+    assert res.returncode != 0 and "they came from generator_checkpoint_path" in res.stderr, res.stderr[-2000:]
+    assert info(tmp_path, "r")["update"] == 6
+
+def assert_state_without_the_base(run_dir, base):
+    """The committed state's model file holds the adapters and the token tensors only (a resume rebuilds the frozen
+    generator from `generator_checkpoint_path`), and base.json fingerprints that file."""
+    from cascade_nb.run_state import _saved_model_layout
+    state = run_dir / json.loads((run_dir / "info.json").read_text())["state_dir"]
+    _, saved = _saved_model_layout(state)
+    tokens = "text_model.text_model.embeddings.token_embedding."
+    assert saved and all(".lora_" in k or k.startswith(tokens) for k in saved), sorted(saved)
+    assert sum(".lora_up" in k for k in saved) == 12                        # all of them: the resume checks each one
+    fp = json.loads((state / "base.json").read_text())["generator_checkpoint_path"]
+    assert fp["path"] == str(base) and fp["bytes"] == base.stat().st_size
 
 def test_lora_two_process_ddp(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
