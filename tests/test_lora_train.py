@@ -71,7 +71,9 @@ RUN = ["updates=6", "save_every=2"]
 # target is the frozen base's prediction (nbs/60_lora), at prior_loss_weight 0.5
 EMOJI = ROOT / "data_samples" / "emoji"
 PRIOR = [f"webdataset_path=[{{path: '{EMOJI}/shard-{{000000..000001}}.tar', caption_prefix: '[fernando] '}}, "
-         f"{{path: '{EMOJI}/shard-{{000002..000005}}.tar', prior: true}}]", "prior_loss_weight=0.5"]
+         f"{{path: '{EMOJI}/shard-{{000002..000005}}.tar', prior: true}}]", "prior_loss_weight=0.5",
+         # and a density over the schedule's time (OneTrainer's SIGMOID) in a range whose lower edge moves
+         "timestep_sampling=sigmoid_t", "t_density_weight=2", "logsnr_min=-6", "logsnr_min_end=-2"]
 
 def test_lora_resume_after_kill_is_bit_identical(tmp_path):
     """Killed committing update 4, resumed from update 2: it commits the killed process's own state of update 4 (with
