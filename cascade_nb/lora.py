@@ -24,9 +24,10 @@ from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sampl
 __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers',
            'scaled_adapters', 'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora',
            'unmerge_lora', 'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled',
-           'prior_retarget', 'has_prior_entries', 'prior_extras', 'to_kohya', 'from_kohya', 'save_peft_adapter',
-           'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
-           'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator', 'merged_lora_run', 'LoraTraining']
+           'prior_retarget', 'has_prior_entries', 'prior_extras', 'prior_loss', 'to_kohya', 'from_kohya',
+           'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
+           'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
+           'LoraTraining']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -358,6 +359,11 @@ def prior_extras(mode, batch: dict, x0: torch.Tensor) -> dict:
         w = torch.where(prior, lam, 1.).view(-1, *[1] * (x0.ndim - 1))
         out["weight"] = out["weight"] * w if "weight" in out else w
     return {**out, "prior": prior}
+
+def prior_loss(mode, net, gdf, x0, conds: dict, rng=None, **kw):
+    "`TrainingMode.loss`, where the extras' `prior` samples target the frozen base's own prediction (`prior_retarget`)."
+    if (prior := kw.pop("prior", None)) is not None: kw["retarget"] = prior_retarget(net, conds, prior)
+    return TrainingMode.loss(mode, net, gdf, x0, conds, rng=rng, **kw)
 
 # %% ../nbs/60_lora.ipynb #edabb6b7
 _FUSED = 'attention.attn.in_proj_weight'
@@ -730,6 +736,16 @@ def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model):
     if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
     return load_tokens(tokenizer, text_model, load_file(str(path)))
 
+# %% ../nbs/60_lora.ipynb #ddf0513c
+def _lora_check_config(cfg):
+    "`LoraTraining.check_config`: adapters or tokens to train; `prior_loss_weight` only with `prior: true` entries."
+    if not (cfg.lora.module_filters or cfg.lora.train_tokens):
+        raise ConfigError("a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
+    if cfg.lora.rank is None: cfg.lora.rank = 4
+    if cfg.lora.prior_loss_weight != 1 and not has_prior_entries(cfg):
+        raise ConfigError(f"key 'prior_loss_weight': {cfg.lora.prior_loss_weight:g} weights the samples of "
+                          "`prior: true` entries, but no webdataset_path entry has `prior: true`")
+
 # %% ../nbs/60_lora.ipynb #96e9b7f7
 @training_mode("lora")
 class LoraTraining(TrainingMode):
@@ -741,13 +757,7 @@ class LoraTraining(TrainingMode):
     @classmethod
     def selected_by(cls, cfg): return bool(cfg.lora.module_filters or cfg.lora.train_tokens)   # official LoRA keys
     @classmethod
-    def check_config(cls, cfg):
-        if not (cfg.lora.module_filters or cfg.lora.train_tokens):
-            raise ConfigError("a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
-        if cfg.lora.rank is None: cfg.lora.rank = 4
-        if cfg.lora.prior_loss_weight != 1 and not has_prior_entries(cfg):
-            raise ConfigError(f"key 'prior_loss_weight': {cfg.lora.prior_loss_weight:g} weights the samples of "
-                              "`prior: true` entries, but no webdataset_path entry has `prior: true`")
+    def check_config(cls, cfg): return _lora_check_config(cfg)
     @classmethod
     def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
         "fp32 adapters (+ token deltas) train; each forward merges W + up@down; trained tokens run CLIP with gradients."
@@ -771,14 +781,7 @@ class LoraTraining(TrainingMode):
         if not self.tokens: return self.full.encode(batch, device, training, rng)
         return _lora_token_encode(self, batch=batch, device=device, training=training, rng=rng)
 
-    def extras(self, batch, x0) -> dict:
-        "The sample weights, and the regularisation samples' `prior` mask (`prior_extras`)."
-        return prior_extras(self, batch, x0)
-
-    def loss(self, net, gdf, x0, conds, rng=None, **kw):
-        "The GDF loss; `prior` samples target the frozen base's own prediction (`prior_retarget`)."
-        if (prior := kw.pop("prior", None)) is not None: kw["retarget"] = prior_retarget(net, conds, prior)
-        return super().loss(net, gdf, x0, conds, rng=rng, **kw)
+    extras, loss = prior_extras, prior_loss   # the regularisation samples' mask and target (prior preservation)
 
     def trainable_modules(self, net) -> list:
         "The adapters (their dropout) and token deltas; the frozen generator and text encoder stay in eval mode."

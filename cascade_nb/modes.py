@@ -116,8 +116,7 @@ class TrainingMode:
         "True: `mode` is unset and this mode's keys are set."
         return False
     @classmethod
-    def check_config(cls, cfg: Config):
-        "Raise ConfigError on what this mode cannot train; may fill defaults (e.g. LoRA rank)."
+    def check_config(cls, cfg: Config): "ConfigError on what it cannot train; may fill defaults (e.g. LoRA rank)."
     @classmethod
     def for_stage(cls, stage: str) -> type:
         "The class that trains `stage`: this one if it is in `stages`, else a ConfigError that says what to do."

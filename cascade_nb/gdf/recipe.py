@@ -155,7 +155,7 @@ class DensitySchedule(BaseSchedule):
     def logsnr(self, t): return self.base.logsnr(t)
 
     def range_at(self, update: int) -> tuple:
-        "(logsnr_min, logsnr_max) at `update`: an edge with an end moves to it linearly over `range_updates`, then stays."
+        "(logsnr_min, logsnr_max) at `update`: an edge with an end moves to it linearly over `range_updates`."
         frac = min(update / self.range_updates, 1.) if self.range_updates else 0.
         lims = self.limits or (-math.inf, math.inf)
         def edge(start, end, limit):
@@ -342,7 +342,8 @@ class RecipeHook(ConfigHook):
     "Loading a config: the recipe's range (and its end) must hold noise levels; Stage B keeps its own pyramid noise."
     def after(self, cfg, where: str):
         r, base = cfg.recipe, SCHEDULES.choose(cfg.gdf.noise_schedule)()
-        check_range(r.logsnr_min, r.logsnr_max, ("logsnr_min", "logsnr_max"), cfg.gdf.noise_schedule, base.limits, where)
+        check_range(r.logsnr_min, r.logsnr_max, ("logsnr_min", "logsnr_max"), cfg.gdf.noise_schedule, base.limits,
+                    where)
         check_moving_range(cfg, base.limits, where)
         if cfg.model.stage == "b" and r.pyramid_noise_discount:
             raise ConfigError(f"{where}: key 'pyramid_noise_discount': {r.pyramid_noise_discount} is not valid for "
