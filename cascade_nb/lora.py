@@ -16,9 +16,9 @@ from .core import save_safetensors_atomic, count_params, human_count, seeded_ran
 from .hub import weights_file, parse_hub_spec
 from dataclasses import dataclass
 from typing import Literal, Optional
-from .config import ConfigError, config_section, source_entries, REQUIRED
+from .config import ConfigError, ConfigHook, config_section, register_config_hook, source_entries, REQUIRED
 from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY
-from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights
+from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights, TRAINING_MODES
 
 # %% auto #0
 __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers',
@@ -27,7 +27,7 @@ __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 
            'prior_retarget', 'has_prior_entries', 'prior_extras', 'prior_loss', 'to_kohya', 'from_kohya',
            'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
            'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
-           'LoraTraining']
+           'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -827,3 +827,13 @@ class LoraTraining(TrainingMode):
     def inference(cls, cfg, *models, **kw):
         "A released run samples as a plain Stage C: adapters merged (`released_generator`), tokens in the text encoder."
         return FullTraining.build(cfg, *models, **kw)
+
+# %% ../nbs/60_lora.ipynb #4a5d79da
+class PriorHook(ConfigHook):
+    "Loading a config: `prior_loss_weight` only in a mode that predicts the prior (`predicts_prior`, LoRA)."
+    def after(self, cfg, where: str):
+        if cfg.lora.prior_loss_weight == 1 or TRAINING_MODES.choose(cfg.train.mode).predicts_prior: return
+        raise ConfigError(f"{where}: key 'prior_loss_weight': mode '{cfg.train.mode}' does not predict the prior "
+                          "(mode lora does); remove it")
+
+register_config_hook("prior", PriorHook())
