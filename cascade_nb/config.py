@@ -121,8 +121,10 @@ class SourceEntry:
     weight: float = 1.0         # each sample is seen `weight` times an epoch, on average; 0: the entry is off
     loss_weight: float = 1.0    # multiplies the loss of its samples
     caption_prefix: str = ""    # put before each of its captions
+    # regularisation samples (prior preservation): their target is the frozen base's own prediction (nbs/60_lora)
+    prior: bool = False
 
-SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix")
+SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior")
 "The keys of a mapping entry of `webdataset_path`."
 
 # %% ../nbs/01_config.ipynb #397834c0
@@ -152,7 +154,8 @@ def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
     return SourceEntry(_entry_value(entry, "path", str, None, key, ""),
                        float(repeats) if weight is None else weight,
                        _entry_value(entry, "loss_weight", float, AT_LEAST_0, key, 1.0),
-                       _entry_value(entry, "caption_prefix", str, None, key, ""))
+                       _entry_value(entry, "caption_prefix", str, None, key, ""),
+                       _entry_value(entry, "prior", bool, None, key, False))
 
 # %% ../nbs/01_config.ipynb #a5cf2721
 def source_entries(value, key: str = "webdataset_path") -> list[SourceEntry]:

@@ -16,17 +16,18 @@ from .core import save_safetensors_atomic, count_params, human_count, seeded_ran
 from .hub import weights_file, parse_hub_spec
 from dataclasses import dataclass
 from typing import Literal, Optional
-from .config import ConfigError, config_section
-from .typed_yaml import AT_LEAST_1, POSITIVE, DECAY
-from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
+from .config import ConfigError, ConfigHook, config_section, register_config_hook, source_entries, REQUIRED
+from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY
+from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights, TRAINING_MODES
 
 # %% auto #0
 __all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers',
            'scaled_adapters', 'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora',
-           'unmerge_lora', 'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'to_kohya',
-           'from_kohya', 'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora',
-           'to_reference', 'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator',
-           'merged_lora_run', 'LoraTraining']
+           'unmerge_lora', 'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled',
+           'prior_retarget', 'has_prior_entries', 'prior_extras', 'prior_loss', 'to_kohya', 'from_kohya',
+           'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
+           'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
+           'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -227,6 +228,7 @@ class TokenDeltas(nn.Module):
         self.register_buffer('ids', ids.to(embedding.weight.device))
         self.register_buffer('slot', slot.to(embedding.weight.device))           # vocab id → row of delta (n = none)
         self.delta = nn.Parameter(torch.zeros(len(ids), embedding.embedding_dim, device=embedding.weight.device))
+        self.enabled = True   # False: the frozen base's embedding (`adapters_disabled`)
 
     @property
     def weight(self): return self.base.weight
@@ -236,6 +238,7 @@ class TokenDeltas(nn.Module):
     def embedding_dim(self): return self.base.embedding_dim
 
     def forward(self, input_ids):
+        if not self.enabled: return self.base(input_ids)
         padded = torch.cat([self.delta, self.delta.new_zeros(1, self.delta.shape[1])])   # row n: no change
         return self.base(input_ids) + padded[self.slot[input_ids]].to(self.base.weight.dtype)
 
@@ -317,6 +320,50 @@ def load_tokens(tokenizer, text_model, lora: dict) -> list[str]:
     E = text_model.get_input_embeddings().weight
     for i, e in zip(ids, lora["tokens.embeddings"]): E[i] = e.to(E)
     return names
+
+# %% ../nbs/60_lora.ipynb #bc25c39a
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    "A context in which `model` is its frozen base: every `LoRA` and `TokenDeltas` inside it switched off."
+    parts = [m for m in model.modules() if isinstance(m, (LoRA, TokenDeltas))]
+    states = [m.enabled for m in parts]
+    try:
+        for m in parts: m.enabled = False
+        yield model
+    finally:
+        for m, s in zip(parts, states): m.enabled = s
+
+# %% ../nbs/60_lora.ipynb #28ec22f4
+def prior_retarget(net: nn.Module, conds: dict, prior: torch.Tensor):
+    """`diffusion_loss`'s `retarget`: on the `prior` samples ((B,) bool) the target is the frozen base's prediction on
+    the same noised input (adapters off, no gradient), elsewhere the GDF target."""
+    def retarget(d):
+        with torch.no_grad(), adapters_disabled(net): base = net(d.noised, d.noise_cond, **conds)
+        keep = prior.to(base.device).view(-1, *[1] * (base.ndim - 1))
+        return torch.where(keep, base.to(d.target.dtype), d.target)
+    return retarget
+
+# %% ../nbs/60_lora.ipynb #fb33aa88
+def has_prior_entries(cfg) -> bool:
+    "True when a `webdataset_path` entry of `cfg` has `prior: true` (regularisation samples)."
+    return cfg.data.webdataset_path is not REQUIRED and any(e.prior for e in source_entries(cfg.data.webdataset_path))
+
+def prior_extras(mode, batch: dict, x0: torch.Tensor) -> dict:
+    """`sample_weights` plus, in a run with `prior: true` entries, the batch's `prior` mask (B,) and
+    `prior_loss_weight` on those samples' weight."""
+    out = sample_weights(batch, x0, mode)
+    if not mode.prior_run: return out
+    prior = torch.tensor([bool(p) for p in batch.get("priors", [False] * len(x0))], device=x0.device)
+    lam = mode.cfg.lora.prior_loss_weight
+    if lam != 1:
+        w = torch.where(prior, lam, 1.).view(-1, *[1] * (x0.ndim - 1))
+        out["weight"] = out["weight"] * w if "weight" in out else w
+    return {**out, "prior": prior}
+
+def prior_loss(mode, net, gdf, x0, conds: dict, rng=None, **kw):
+    "`TrainingMode.loss`, where the extras' `prior` samples target the frozen base's own prediction (`prior_retarget`)."
+    if (prior := kw.pop("prior", None)) is not None: kw["retarget"] = prior_retarget(net, conds, prior)
+    return TrainingMode.loss(mode, net, gdf, x0, conds, rng=rng, **kw)
 
 # %% ../nbs/60_lora.ipynb #edabb6b7
 _FUSED = 'attention.attn.in_proj_weight'
@@ -538,7 +585,8 @@ def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, 
     return lora
 
 # %% ../nbs/60_lora.ipynb #dbea53f5
-@config_section("lora", ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY))
+@config_section("lora", ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,
+                                    prior_loss_weight=AT_LEAST_0))
 @dataclass
 class LoraConfig:
     "LoRA and token training (official train_c_lora keys)."
@@ -550,6 +598,7 @@ class LoraConfig:
     lora_init: Literal["reference", "peft"] = "reference"
     train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
     lora_checkpoint_path: Optional[str] = None
+    prior_loss_weight: float = 1.0        # lambda on the `prior: true` entries' samples (prior prediction)
 
 # %% ../nbs/60_lora.ipynb #8d9c9858
 class LoraNet(nn.Module):
@@ -627,6 +676,7 @@ def _lora_build(mode, cfg, generator, tokenizer, text_model, image_model, space,
     for l in lora_layers(generator).values(): l.float()            # fp32 adapters even on bf16 weights
     mode.tokens = add_train_tokens(tokenizer, text_model, lc.train_tokens) if lc.train_tokens else {}
     if lc.lora_checkpoint_path: mode._load(lc.lora_checkpoint_path, generator)
+    mode.prior_run = has_prior_entries(cfg)
     mode.net = LoraNet(generator, text_model if mode.tokens else None)
 
 # %% ../nbs/60_lora.ipynb #bdb8ea17
@@ -686,6 +736,16 @@ def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model):
     if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
     return load_tokens(tokenizer, text_model, load_file(str(path)))
 
+# %% ../nbs/60_lora.ipynb #ddf0513c
+def _lora_check_config(cfg):
+    "`LoraTraining.check_config`: adapters or tokens to train; `prior_loss_weight` only with `prior: true` entries."
+    if not (cfg.lora.module_filters or cfg.lora.train_tokens):
+        raise ConfigError("a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
+    if cfg.lora.rank is None: cfg.lora.rank = 4
+    if cfg.lora.prior_loss_weight != 1 and not has_prior_entries(cfg):
+        raise ConfigError(f"key 'prior_loss_weight': {cfg.lora.prior_loss_weight:g} weights the samples of "
+                          "`prior: true` entries, but no webdataset_path entry has `prior: true`")
+
 # %% ../nbs/60_lora.ipynb #96e9b7f7
 @training_mode("lora")
 class LoraTraining(TrainingMode):
@@ -693,13 +753,11 @@ class LoraTraining(TrainingMode):
     `lora.safetensors` is released."""
     supports_ema = False   # an EMA would copy the frozen generator too; average the adapters offline if needed
     trains_generator, base_is_rebuilt = False, True   # the state: adapters and token rows, not the frozen generator
+    predicts_prior = True  # `prior: true` samples: the target is the base's prediction (adapters off)
     @classmethod
     def selected_by(cls, cfg): return bool(cfg.lora.module_filters or cfg.lora.train_tokens)   # official LoRA keys
     @classmethod
-    def check_config(cls, cfg):
-        if not (cfg.lora.module_filters or cfg.lora.train_tokens):
-            raise ConfigError("a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
-        if cfg.lora.rank is None: cfg.lora.rank = 4
+    def check_config(cls, cfg): return _lora_check_config(cfg)
     @classmethod
     def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
         "fp32 adapters (+ token deltas) train; each forward merges W + up@down; trained tokens run CLIP with gradients."
@@ -722,6 +780,8 @@ class LoraTraining(TrainingMode):
         if training: self._count_micro_step()
         if not self.tokens: return self.full.encode(batch, device, training, rng)
         return _lora_token_encode(self, batch=batch, device=device, training=training, rng=rng)
+
+    extras, loss = prior_extras, prior_loss   # the regularisation samples' mask and target (prior preservation)
 
     def trainable_modules(self, net) -> list:
         "The adapters (their dropout) and token deltas; the frozen generator and text encoder stay in eval mode."
@@ -767,3 +827,13 @@ class LoraTraining(TrainingMode):
     def inference(cls, cfg, *models, **kw):
         "A released run samples as a plain Stage C: adapters merged (`released_generator`), tokens in the text encoder."
         return FullTraining.build(cfg, *models, **kw)
+
+# %% ../nbs/60_lora.ipynb #4a5d79da
+class PriorHook(ConfigHook):
+    "Loading a config: `prior_loss_weight` only in a mode that predicts the prior (`predicts_prior`, LoRA)."
+    def after(self, cfg, where: str):
+        if cfg.lora.prior_loss_weight == 1 or TRAINING_MODES.choose(cfg.train.mode).predicts_prior: return
+        raise ConfigError(f"{where}: key 'prior_loss_weight': mode '{cfg.train.mode}' does not predict the prior "
+                          "(mode lora does); remove it")
+
+register_config_hook("prior", PriorHook())

@@ -25,7 +25,8 @@ __all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_d
            'load_released_generator', 'TrainingMode', 'build_generator', 'check_model_overrides', 'build_text_encoder',
            'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen',
            'build_latent_space', 'diffusion_loss', 'sample_weights', 'training_mode', 'build_training_mode',
-           'refuse_loss_weights', 'resolve_mode', 'check_mode_sections', 'ModeHook', 'FullTraining', 'StageBTraining']
+           'refuse_loss_weights', 'refuse_prior_entries', 'resolve_mode', 'check_mode_sections', 'ModeHook',
+           'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -103,6 +104,7 @@ class TrainingMode:
     name = None                  # set by @training_mode
     takes_loss_weights = True    # its loss weights each sample by `extras`' `weight` (a mixture's loss_weight)
     base_is_rebuilt = False      # True: the state leaves out the frozen base, rebuilt from its files on resume
+    predicts_prior = False       # it targets `prior: true` samples at its frozen base's own prediction (LoRA)
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,
                  compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model = cfg, generator, tokenizer, text_model
@@ -114,8 +116,7 @@ class TrainingMode:
         "True: `mode` is unset and this mode's keys are set."
         return False
     @classmethod
-    def check_config(cls, cfg: Config):
-        "Raise ConfigError on what this mode cannot train; may fill defaults (e.g. LoRA rank)."
+    def check_config(cls, cfg: Config): "ConfigError on what it cannot train; may fill defaults (e.g. LoRA rank)."
     @classmethod
     def for_stage(cls, stage: str) -> type:
         "The class that trains `stage`: this one if it is in `stages`, else a ConfigError that says what to do."
@@ -318,12 +319,14 @@ def build_latent_space(cfg: Config, device=None, dtype=torch.float32) -> nn.Modu
 # %% ../nbs/40b_modes.ipynb #8fc91b8c
 def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None = None, shift: float = 1.,
                    epsilon=None, t=None, weight: torch.Tensor | None = None, loss_type: str | None = None,
-                   huber_c: float | None = None):
+                   huber_c: float | None = None, retarget=None):
     """(weighted mean loss, per-sample raw loss, Diffused); `weight`: per-element, broadcast; `epsilon`/`t` fix the
-    noise; `loss_type`/`huber_c` (gdf.recipe.LOSS_TYPES; default: the GDF's) compare prediction and target."""
+    noise; `loss_type`/`huber_c` (gdf.recipe.LOSS_TYPES; default: the GDF's) compare prediction and target;
+    `retarget(d)` replaces the target (prior prediction, nbs/60_lora)."""
     d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
+    target = d.target if retarget is None else retarget(d)
     pred = generator(d.noised, d.noise_cond, **conds)
-    per_element = LOSS_TYPES.choose(loss_type or gdf.loss_type)(pred.float(), d.target.float(), d.logsnr,
+    per_element = LOSS_TYPES.choose(loss_type or gdf.loss_type)(pred.float(), target.float(), d.logsnr,
                                                                 gdf.huber_c if huber_c is None else huber_c)
     if weight is not None: per_element = per_element * weight.to(per_element.device, torch.float32)
     raw = per_element.mean(dim=tuple(range(1, pred.ndim)))   # (B,)
@@ -368,6 +371,15 @@ def refuse_loss_weights(cfg: Config, mode: type):
             raise ConfigError(f"key 'webdataset_path[{i}].loss_weight': mode '{cfg.train.mode}' does not weight its "
                               "loss per sample (it matches a teacher); remove it")
 
+def refuse_prior_entries(cfg: Config, mode: type):
+    "A mode without a frozen base inside its net takes no `prior: true` entry (prior prediction, nbs/60_lora)."
+    if cfg.data.webdataset_path is REQUIRED: return
+    for i, e in enumerate(source_entries(cfg.data.webdataset_path)):
+        if e.prior:
+            raise ConfigError(f"key 'webdataset_path[{i}].prior': mode '{cfg.train.mode}' has no frozen base to "
+                              "predict regularisation targets with (adapter and token runs do: mode lora); give class "
+                              "images as a plain entry with a loss_weight instead")
+
 # %% ../nbs/40b_modes.ipynb #c6a088f8
 PLUGIN_MODULES = ("cascade_nb.lora", "cascade_nb.controlnet", "cascade_nb.distill")
 "The modules, after this one, that register the built-in modes (and their config sections)."
@@ -386,6 +398,7 @@ def resolve_mode(cfg: Config, where: str = "config") -> type:
         # a mode trains the stages it declares (`TrainingMode.for_stage`): said now, not after the models are built
         if cfg.model.stage is not None: mode.for_stage(cfg.model.stage)
         if not mode.takes_loss_weights: refuse_loss_weights(cfg, mode)
+        if not mode.predicts_prior: refuse_prior_entries(cfg, mode)
     except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
     return mode
 

@@ -26,6 +26,7 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, co
                               EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
                               FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)
 from .gdf.presets import gdf_from_config, training_shift
+from .gdf.recipe import schedule_at_update
 from .gdf.samplers import SAMPLERS
 from .data.sources import format_skips
 from fastprogress.fastprogress import progress_bar
@@ -725,6 +726,8 @@ def train(cfg: Config) -> dict:
             break
         # the LR is a function of the update count only
         lr_now = set_lr(opt, base_lrs, lr_at, state.update)
+        # ... and so is the noise-level range (a moving range: recipe logsnr_*_end)
+        schedule_at_update(gdf, state.update)
         for micro in range(t.grad_accum_steps):
             # at the side of this update (resolution_schedule)
             batch = at_resolution(first if micro == 0 else next(stream), cfg, state.update, device)

@@ -1,5 +1,6 @@
 """LoRA and ControlNet nets under FSDP2 (`fully_shard` per block, frozen generator sharded too) on 2 CPU processes
-(gloo): a training step matches a single-process step, and the released weights are gathered from the shards.
+(gloo): a training step (LoRA's with a prior-prediction target) matches a single-process step, and the released
+weights are gathered from the shards.
 accelerate's FSDP plugin is GPU-only, so this drives torch FSDP2 directly, as a launch config would on GPUs."""
 import json, textwrap
 from conftest import ROOT, run_cli
@@ -12,7 +13,8 @@ SCRIPT = textwrap.dedent('''
     from torch.distributed.device_mesh import init_device_mesh
     from cascade_nb.models.stage_c import StageC
     from cascade_nb.models.blocks import ResBlock, AttnBlock, TimestepBlock
-    from cascade_nb.lora import apply_lora, lora_state_dict, lora_layers, LoraNet
+    from types import SimpleNamespace
+    from cascade_nb.lora import apply_lora, lora_state_dict, lora_layers, LoraNet, prior_retarget
     from cascade_nb.controlnet import ControlNet, ControlNetNet
 
     def build(kind):
@@ -40,8 +42,14 @@ SCRIPT = textwrap.dedent('''
         opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)
         loss = 0
         for x, r, c in inputs:
-            if kind == "lora": c = {k: v for k, v in c.items() if k != "cnet_input"}
-            loss = loss + net(x, r, **c).square().mean() / len(inputs)
+            target = torch.zeros_like(x)
+            if kind == "lora":
+                c = {k: v for k, v in c.items() if k != "cnet_input"}
+                # prior preservation: sample 0 targets the frozen base's own prediction (a no-grad pass with the
+                # adapters off through the sharded net, on every process)
+                target = prior_retarget(net, c, torch.tensor([True, False]))(SimpleNamespace(noised=x, noise_cond=r,
+                                                                                              target=target))
+            loss = loss + (net(x, r, **c) - target).square().mean() / len(inputs)
         loss.backward(); opt.step()
 
     def released(net, kind):

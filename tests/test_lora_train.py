@@ -68,10 +68,18 @@ def test_official_lora_config_trains_at_tiny_size(tmp_path):
     assert (tmp_path / "out" / EXP / "000002.png").exists()
 
 RUN = ["updates=6", "save_every=2"]
+# prior preservation (issue 28): the instance shards with the new token, the class shards as regularisation samples whose
+# target is the frozen base's prediction (nbs/60_lora), at prior_loss_weight 0.5
+EMOJI = ROOT / "data_samples" / "emoji"
+PRIOR = [f"webdataset_path=[{{path: '{EMOJI}/shard-{{000000..000001}}.tar', caption_prefix: '[fernando] '}}, "
+         f"{{path: '{EMOJI}/shard-{{000002..000005}}.tar', prior: true}}]", "prior_loss_weight=0.5",
+         # and a density over the schedule's time (OneTrainer's SIGMOID) in a range whose lower edge moves
+         "timestep_sampling=sigmoid_t", "t_density_weight=2", "logsnr_min=-6", "logsnr_min_end=-2"]
 
 def test_lora_resume_after_kill_is_bit_identical(tmp_path):
-    "Killed committing update 4, resumed from update 2: it commits the killed process's own state of update 4."
-    resumes_to_the_killed_state(tmp_path / "ckpt" / "r", lora_args(tmp_path, "r", *RUN))
+    """Killed committing update 4, resumed from update 2: it commits the killed process's own state of update 4 (with
+    prior-prediction samples in the mixture)."""
+    resumes_to_the_killed_state(tmp_path / "ckpt" / "r", lora_args(tmp_path, "r", *RUN, *PRIOR))
     assert info(tmp_path, "r")["update"] == 6
     assert_state_without_the_base(tmp_path / "ckpt" / "r", tmp_path / "pretrained.safetensors")
     # the base of a state without it must be the file it was trained on: a same-shaped other base is refused
@@ -98,11 +106,45 @@ def assert_state_without_the_base(run_dir, base):
 def test_lora_two_process_ddp(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
                   "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync",
-                  *lora_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8"), env={"OMP_NUM_THREADS": "1"})
+                  *lora_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8", *PRIOR),
+                  env={"OMP_NUM_THREADS": "1"})
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 2
     assert "tokens.embeddings" in released(tmp_path, "ddp")
+
+def test_prior_samples_reach_the_loss_and_other_modes_refuse_them(tmp_path):
+    """A `prior: true` entry's samples arrive marked (`priors`), the mode's extras carry the mask and prior_loss_weight,
+    the loss targets the base's prediction there; a mode without a frozen base, and a stray prior_loss_weight, refuse."""
+    import pytest
+    from cascade_nb.config import config_from_dict, ConfigError
+    from cascade_nb.data.pipeline import build_dataset
+    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace
+    from cascade_nb.gdf.presets import gdf_from_config
+    from cascade_nb.lora import LoraTraining
+    src = [{"path": f"{EMOJI}/shard-000000.tar", "caption_prefix": "[fernando] "},
+           {"path": f"{EMOJI}/shard-000002.tar", "prior": True, "weight": 3}]
+    batches = [b for _, b in zip(range(8), build_dataset(src, 16, image_size=16, shuffle_buffer=64))]
+    assert all(b["priors"] == [s == 1 for s in b["sources"]] for b in batches)
+    batch = next(b for b in batches if 0 < sum(b["priors"]) < 16)   # a batch with both kinds
+    base = dict(experiment_id="p", model_version="tiny", model_overrides={"c_in": 3, "c_out": 3, "patch_size": 2},
+                latent_space="pixels", clip_text_model_name="tiny", clip_image_model_name=None, image_size=16,
+                webdataset_path=src, generator_checkpoint_path=str(pretrained_tiny(tmp_path / "pre.safetensors")))
+    cfg = config_from_dict({**base, "module_filters": [".attn"], "train_tokens": [["[fernando]", "^dog</w>"]],
+                            "prior_loss_weight": 0.25})
+    gen = build_generator(cfg); tok, te = build_text_encoder(cfg)
+    mode = LoraTraining(cfg, gen, tok, te, None, PixelSpace(), torch.float32)
+    x0, conds = mode.encode(batch, "cpu", rng=torch.Generator().manual_seed(0))
+    ex = mode.extras(batch, x0)
+    assert ex["prior"].tolist() == batch["priors"]
+    assert ex["weight"].flatten().tolist() == [0.25 if p else 1.0 for p in batch["priors"]]
+    _, raw, _ = mode.loss(mode.net, gdf_from_config(cfg.gdf, cfg.recipe), x0, conds, rng=torch.Generator().manual_seed(1), **ex)
+    assert (raw[ex["prior"]] == 0).all() and (raw[~ex["prior"]] > 0).all()   # fresh adapters: exactly the base's output
+    with pytest.raises(ConfigError, match=r"webdataset_path\[1\]\.prior': mode 'full' has no frozen base"):
+        config_from_dict(base, training=False)
+    with pytest.raises(ConfigError, match=r"key 'prior_loss_weight': 0.5 weights .* no webdataset_path entry has"):
+        config_from_dict({**base, "webdataset_path": src[:1], "module_filters": [".attn"], "prior_loss_weight": 0.5},
+                         training=False)
 
 def test_lora_step_leaves_the_base_frozen():
     "After optimizer steps of the mode's net, no base parameter has a gradient or moved; adapters and token rows did."

@@ -156,9 +156,11 @@ def resumes_to_the_killed_state(run_dir, argv, launch=None, at=4, resume_flags=(
     assert not differ, f"the resumed run committed another state for update {at}: {differ}"
     return resumed
 
-# the recipe keys of gdf.recipe together: a range and a density, a robust loss, input perturbation, pyramid noise
+# the recipe keys of gdf.recipe together: a (moving) range and a density, a robust loss, input perturbation, pyramid noise
 RECIPE = ["logsnr_min=-5", "logsnr_max=6", "timestep_sampling=mode", "mode_scale=0.8", "loss_type=scheduled_huber",
-          "input_perturbation=0.1", "pyramid_noise_discount=0.5", "pyramid_noise_levels=4"]
+          "input_perturbation=0.1", "pyramid_noise_discount=0.5", "pyramid_noise_levels=4",
+          # the range moves over the first 3 updates (a function of the update number: exact on resume)
+          "logsnr_min_end=-2", "logsnr_max_end=3", "logsnr_range_updates=3"]
 # the caption transforms (issue 28), drawn per (sample, epoch) in the data pipeline: the same under resume and DDP
 CAPTION_KEYS = ["caption_prefix=emoji", "shuffle_tags=true", "keep_tokens=1", "tag_dropout=0.1"]
 

@@ -205,7 +205,8 @@ def collate_samples(samples: list[dict]) -> dict:
         if k.startswith("__") and k != "__key__": continue
         vals = [s[k] for s in samples]
         name = {"image": "images", "caption": "captions", "__key__": "keys", "original_size": "original_sizes",
-                "crop_top_left": "crop_top_lefts", "source": "sources", "loss_weight": "loss_weights"}.get(k, k)
+                "crop_top_left": "crop_top_lefts", "source": "sources", "loss_weight": "loss_weights",
+                "prior": "priors"}.get(k, k)
         if k == "image": batch[name] = torch.from_numpy(np.stack(vals))
         elif k == "bucket": batch[name] = vals[0]
         elif isinstance(vals[0], torch.Tensor): batch[name] = torch.stack(vals)

@@ -191,7 +191,7 @@ def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]
     ext = next((e for e in IMAGE_EXTS if e in s), None)
     if ext is None: return None, "missing_image"
     out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(),
-           "meta": meta, "source": source, "loss_weight": loss_weight,
+           "meta": meta, "source": source, "loss_weight": loss_weight, "prior": entry.prior,
            "__caption_prefix__": entry.caption_prefix}
     # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
     if len(out["caption"]) > MAX_CAPTION_CHARS:
@@ -369,7 +369,8 @@ class CachedDecoder(SampleDecoder):
         if (loss_weight := sample_loss_weight(self.sources[source].loss_weight, meta)) is None: return None, "bad_json"
         latents = tensors.pop("latents")
         return {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
-                "bucket": tuple(latents.shape), "source": source, "loss_weight": loss_weight}, None
+                "bucket": tuple(latents.shape), "source": source, "loss_weight": loss_weight,
+                "prior": self.sources[source].prior}, None
 
 # %% ../../nbs/32_data.pipeline.ipynb #a631c588
 class ImageTextDataset(wds.DataPipeline):

@@ -47,10 +47,17 @@ def _mode_t(schedule: BaseSchedule):
 def _cosmap_t(schedule: BaseSchedule):
     "SD3's cosmap: logSNR ~ sech(logSNR / 2) / (2 pi), truncated to the noise schedule's range (gdf.recipe)."
     return density_schedule("cosmap", schedule)
+def _sigmoid_t(schedule: BaseSchedule):
+    "OneTrainer's SIGMOID: q(t) ∝ sigmoid(w (t - b - 1/2)) on the noise schedule's t, w = 1, b = 0 (gdf.recipe)."
+    return density_schedule("sigmoid_t", schedule)
+def _inverted_parabola_t(schedule: BaseSchedule):
+    "OneTrainer's INVERTED_PARABOLA: q(t) ∝ max(0, 2 - w (t - b - 1/2)^2), w = 1, b = 0 (gdf.recipe)."
+    return density_schedule("inverted_parabola", schedule)
 
 # %% ../../nbs/17_gdf.presets.ipynb #37b514ac
 TIMESTEP_SAMPLINGS = registry("timestep_sampling", {"default": _default_t, "logit_normal": _logit_normal_t,
-                                                    "mode": _mode_t, "cosmap": _cosmap_t})
+                                                    "mode": _mode_t, "cosmap": _cosmap_t, "sigmoid_t": _sigmoid_t,
+                                                    "inverted_parabola": _inverted_parabola_t})
 "How training draws noise levels (`timestep_sampling`): a schedule built from Stable Cascade's clamped cosine."
 register_timestep_sampling = TIMESTEP_SAMPLINGS.register
 

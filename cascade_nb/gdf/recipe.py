@@ -14,13 +14,15 @@ import torch.nn.functional as F
 from ..core import seeded_rand, seeded_randn
 from ..registry import registry
 from ..config import ConfigError, ConfigHook, config_section, register_config_hook
-from ..typed_yaml import Choice, Range, POSITIVE, AT_LEAST_0
+from ..typed_yaml import Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1
 from .schedules import BaseSchedule, SCHEDULES
 
 # %% auto #0
 __all__ = ['MODE_SCALE', 'LOSS_TYPES', 'register_loss_type', 'DRAW_KEYS', 'LOGSNR_DENSITIES', 'LogSNRDensity', 'UniformTDensity',
-           'NormalDensity', 'CosmapDensity', 'ModeDensity', 'DensitySchedule', 'huber_schedule', 'pseudo_huber',
-           'pyramid_noise', 'recipe_noise', 'RecipeConfig', 'draws_as_registered', 'density_schedule', 'RecipeHook']
+           'NormalDensity', 'CosmapDensity', 'ModeDensity', 'TimeDensity', 'SigmoidTDensity', 'ParabolaTDensity',
+           'DensitySchedule', 'schedule_at_update', 'huber_schedule', 'pseudo_huber', 'pyramid_noise', 'recipe_noise',
+           'RecipeConfig', 'draws_as_registered', 'density_schedule', 'check_range', 'check_moving_range',
+           'check_density', 'RecipeHook']
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #5b0bcb3c
 class LogSNRDensity:
@@ -84,29 +86,99 @@ class ModeDensity(LogSNRDensity):
         t, s = self.t(u), self.scale
         return t * (1 - t) / (2 * (1 + s - math.pi * s / 2 * torch.sin(math.pi * u)).abs())
 
+# %% ../../nbs/16b_gdf.recipe.ipynb #583448bc
+class TimeDensity(LogSNRDensity):
+    "A density q(t) over `schedule`'s time t in [0, 1], by its CDF `t_cdf`: F(logsnr) = 1 - Q(t(logsnr))."
+    def __init__(self, schedule: BaseSchedule): self.schedule = schedule
+    def t_cdf(self, t: torch.Tensor) -> torch.Tensor: raise NotImplementedError
+    def t_pdf(self, t: torch.Tensor) -> torch.Tensor: raise NotImplementedError
+
+    def t_icdf(self, q: torch.Tensor) -> torch.Tensor:
+        "Q^-1(q) by 60 bisection steps on the monotone `t_cdf` (float64); closed forms override it."
+        q = torch.as_tensor(q, dtype=torch.float64)
+        lo, hi = torch.zeros_like(q), torch.ones_like(q)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            below = self.t_cdf(mid) < q
+            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+        return (lo + hi) / 2
+
+    def icdf(self, v): return self.schedule.logsnr(self.t_icdf(1 - torch.as_tensor(v, dtype=torch.float64)))
+
+# %% ../../nbs/16b_gdf.recipe.ipynb #0ad53d55
+class SigmoidTDensity(TimeDensity):
+    "OneTrainer's SIGMOID: q(t) ∝ sigmoid(w (t - c)), c = bias + 1/2, on the schedule's time; Q and Q^-1 closed."
+    def __init__(self, schedule: BaseSchedule, weight: float = 1., bias: float = 0.):
+        if not weight > 0: raise ValueError(f"sigmoid_t weight {weight}: expected > 0")
+        super().__init__(schedule)
+        self.w, self.c = weight, bias + 0.5
+        sp = lambda z: F.softplus(torch.tensor(z, dtype=torch.float64))
+        self.s0, self.s1 = sp(-self.w * self.c), sp(self.w * (1 - self.c))
+    def t_pdf(self, t):
+        return self.w * torch.sigmoid(self.w * (torch.as_tensor(t, dtype=torch.float64) - self.c)) / (self.s1 - self.s0)
+    def t_cdf(self, t):
+        return (F.softplus(self.w * (torch.as_tensor(t, dtype=torch.float64) - self.c)) - self.s0) / (self.s1 - self.s0)
+    def t_icdf(self, q):
+        y = self.s0 + torch.as_tensor(q, dtype=torch.float64) * (self.s1 - self.s0)
+        # softplus^-1(y) = log(expm1(y)); clamped into [0, 1] against rounding at the ends
+        return (self.c + torch.log(torch.expm1(y)) / self.w).clamp(0, 1)
+
+# %% ../../nbs/16b_gdf.recipe.ipynb #2aa937d0
+class ParabolaTDensity(TimeDensity):
+    "OneTrainer's INVERTED_PARABOLA: q(t) ∝ max(0, 2 - w (t - c)^2), c = bias + 1/2, on the schedule's time."
+    def __init__(self, schedule: BaseSchedule, weight: float = 1., bias: float = 0.):
+        super().__init__(schedule)
+        self.w, self.c = weight, bias + 0.5
+        half = math.sqrt(2 / weight) if weight > 0 else math.inf
+        self.a, self.b = max(0., self.c - half), min(1., self.c + half)   # the support inside [0, 1]
+        if not (weight > 0 and self.a < self.b):
+            raise ValueError(f"inverted_parabola weight {weight}, bias {bias}: expected weight > 0 and a bump that "
+                             "overlaps t in [0, 1]")
+        self.g0, self.g1 = self._g(self.a), self._g(self.b)
+    def _g(self, t): return 2 * t - self.w * (t - self.c) ** 3 / 3
+    def t_pdf(self, t):
+        t = torch.as_tensor(t, dtype=torch.float64)
+        return (2 - self.w * (t - self.c) ** 2).clamp(min=0) / (self.g1 - self.g0)
+    def t_cdf(self, t):
+        return (self._g(torch.as_tensor(t, dtype=torch.float64).clamp(self.a, self.b)) - self.g0) / (self.g1 - self.g0)
+
 # %% ../../nbs/16b_gdf.recipe.ipynb #e9ba2a06
 class DensitySchedule(BaseSchedule):
     "Training draws from `density`, truncated to [logsnr_min, logsnr_max] in shifted logSNR; `logsnr(t)` is `base`'s."
     def __init__(self, base: BaseSchedule, density: LogSNRDensity, logsnr_min: float | None = None,
-                 logsnr_max: float | None = None):
+                 logsnr_max: float | None = None, range_end: tuple = (None, None), range_updates: int | None = None):
         self.base, self.density, self.range = base, density, (logsnr_min, logsnr_max)
+        # a range moving to `range_end` over `range_updates` updates (`at_update`, below)
+        self.range_end, self.range_updates, self.update = tuple(range_end), range_updates, 0
         self.discrete_steps, self.shift, self.limits, self._edges = None, 1., base.limits, {}
 
     def logsnr(self, t): return self.base.logsnr(t)
 
-    def edges(self, shift: float = 1.) -> tuple[float, float]:
-        "The shifted range actually drawn from: the configured range inside the schedule's limits."
+    def range_at(self, update: int) -> tuple:
+        "(logsnr_min, logsnr_max) at `update`: an edge with an end moves to it linearly over `range_updates`."
+        frac = min(update / self.range_updates, 1.) if self.range_updates else 0.
         lims = self.limits or (-math.inf, math.inf)
-        lo, hi = self.range
+        def edge(start, end, limit):
+            if end is None: return start
+            start = limit if start is None else start
+            return start + (end - start) * frac
+        return edge(self.range[0], self.range_end[0], lims[0]), edge(self.range[1], self.range_end[1], lims[1])
+
+    def edges(self, shift: float = 1.) -> tuple[float, float]:
+        "The shifted range actually drawn from: the configured range (at the current update) inside the limits."
+        lims = self.limits or (-math.inf, math.inf)
+        lo, hi = self.range_at(self.update)
         return (lims[0] if lo is None else max(lo, lims[0]), lims[1] if hi is None else min(hi, lims[1]))
 
     def cdf_edges(self, shift: float = 1.) -> tuple[float, float]:
-        "(F(lo), F(hi)) of the unshifted density for the shifted range (cached per shift)."
-        if shift not in self._edges:
-            d = 2 * math.log(shift)
-            lo, hi = self.edges(shift)
-            self._edges[shift] = tuple(self.density.cdf(torch.tensor([lo + d, hi + d])).tolist())
-        return self._edges[shift]
+        "(F(lo), F(hi)) of the unshifted density for the shifted range (cached per shift and range)."
+        key = (shift, self.edges(shift))
+        if key not in self._edges:
+            # a moving range asks for a new pair at every update: keep the cache small
+            if len(self._edges) > 64: self._edges.clear()
+            d, (lo, hi) = 2 * math.log(shift), key[1]
+            self._edges[key] = tuple(self.density.cdf(torch.tensor([lo + d, hi + d])).tolist())
+        return self._edges[key]
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #19886776
 def _draw(self: DensitySchedule, batch_size: int, shift: float = 1., generator: torch.Generator | None = None):
@@ -123,6 +195,17 @@ def _call(self: DensitySchedule, t, shift: float = 1., generator: torch.Generato
     return BaseSchedule.__call__(self, t, shift)
 
 DensitySchedule.draw, DensitySchedule.__call__ = _draw, _call
+
+# %% ../../nbs/16b_gdf.recipe.ipynb #ed3187b5
+def _at_update(self: DensitySchedule, update: int):
+    "Draw at the range of `update` from now on (the loop calls it before each update)."
+    self.update = update
+
+DensitySchedule.at_update = _at_update
+
+def schedule_at_update(gdf, update: int):
+    "Move `gdf`'s training draws to the range of `update` (nothing unless they come from a `DensitySchedule`)."
+    if isinstance(gdf.schedule, DensitySchedule): gdf.schedule.at_update(update)
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #79ea8485
 def huber_schedule(logsnr: torch.Tensor, huber_c: float) -> torch.Tensor:
@@ -175,7 +258,9 @@ def recipe_noise(recipe, x0: torch.Tensor, rng: torch.Generator | None = None) -
 @config_section("recipe", modes=("full", "lora", "controlnet"), ranges=dict(
     logsnr_min=Range(-40, 40), logsnr_max=Range(-40, 40), logit_mean=Range(-10, 10), logit_std=POSITIVE,
     mode_scale=MODE_SCALE, loss_huber_c=POSITIVE, input_perturbation=Range(0, 1),
-    pyramid_noise_discount=Range(0, 1, hi_open=True), pyramid_noise_levels=Range(2, 32)))
+    pyramid_noise_discount=Range(0, 1, hi_open=True), pyramid_noise_levels=Range(2, 32),
+    logsnr_min_end=Range(-40, 40), logsnr_max_end=Range(-40, 40), logsnr_range_updates=AT_LEAST_1,
+    t_density_weight=POSITIVE, t_density_bias=Range(-1, 1)))
 @dataclass
 class RecipeConfig:
     "Training-recipe knobs in logSNR terms (gdf.recipe): noise-level range and density, loss type, noise extras."
@@ -189,9 +274,15 @@ class RecipeConfig:
     input_perturbation: float = 0.0       # gamma: the input is noised with eps + gamma xi, the target keeps eps
     pyramid_noise_discount: float = 0.0   # > 0: pyramid noise with this discount (Stage C, LoRA, ControlNet)
     pyramid_noise_levels: int = 10        # pyramid noise: levels including the full-resolution one
+    logsnr_min_end: Optional[float] = None  # the range moves linearly to [logsnr_min_end, logsnr_max_end] ...
+    logsnr_max_end: Optional[float] = None  # ... (None: that edge stays) ...
+    logsnr_range_updates: Optional[int] = None  # ... over this many updates (None: the run's `updates`), then stays
+    t_density_weight: float = 1.0         # sigmoid_t, inverted_parabola: OneTrainer's noising_weight w
+    t_density_bias: float = 0.0           # ... and its noising_bias b (centre t = b + 1/2)
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #906ebe89
-DRAW_KEYS = ("logsnr_min", "logsnr_max", "logit_mean", "logit_std", "mode_scale")
+DRAW_KEYS = ("logsnr_min", "logsnr_max", "logit_mean", "logit_std", "mode_scale", "logsnr_min_end", "logsnr_max_end",
+             "logsnr_range_updates", "t_density_weight", "t_density_bias")
 "The recipe keys that change how noise levels are drawn."
 
 def draws_as_registered(recipe) -> bool:
@@ -201,7 +292,9 @@ def draws_as_registered(recipe) -> bool:
 LOGSNR_DENSITIES = registry("logsnr_density", {
     "default": lambda base, r: UniformTDensity(base),
     "logit_normal": lambda base, r: NormalDensity(-2 * r.logit_mean, 2 * r.logit_std),
-    "mode": lambda base, r: ModeDensity(r.mode_scale), "cosmap": lambda base, r: CosmapDensity()})
+    "mode": lambda base, r: ModeDensity(r.mode_scale), "cosmap": lambda base, r: CosmapDensity(),
+    "sigmoid_t": lambda base, r: SigmoidTDensity(base, r.t_density_weight, r.t_density_bias),
+    "inverted_parabola": lambda base, r: ParabolaTDensity(base, r.t_density_weight, r.t_density_bias)})
 "Each timestep sampling as a logSNR density: name -> fn(noise schedule, RecipeConfig) -> LogSNRDensity."
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #4ee5e9a5
@@ -211,23 +304,50 @@ def density_schedule(name: str, base: BaseSchedule, recipe=None) -> DensitySched
     if name not in LOGSNR_DENSITIES:
         raise ConfigError(f"key 'timestep_sampling': {name!r} has no logSNR density (gdf.recipe.LOGSNR_DENSITIES: "
                           f"{', '.join(LOGSNR_DENSITIES)}), so the keys {', '.join(DRAW_KEYS)} cannot apply to it")
-    return DensitySchedule(base, LOGSNR_DENSITIES.choose(name)(base, recipe), recipe.logsnr_min, recipe.logsnr_max)
+    return DensitySchedule(base, LOGSNR_DENSITIES.choose(name)(base, recipe), recipe.logsnr_min, recipe.logsnr_max,
+                           (recipe.logsnr_min_end, recipe.logsnr_max_end), recipe.logsnr_range_updates)
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #632bcd93
+def check_range(lo, hi, keys: tuple, schedule: str, lims: tuple, where: str):
+    "A configured range [lo, hi] (None: the limit) must hold noise levels of the schedule: else one ConfigError line."
+    lo, hi = lims[0] if lo is None else lo, lims[1] if hi is None else hi
+    if not (lo < hi and lo < lims[1] and hi > lims[0]):
+        raise ConfigError(f"{where}: keys '{keys[0]}', '{keys[1]}': [{lo:g}, {hi:g}] holds no noise level of "
+                          f"schedule {schedule!r} (logSNR {lims[0]:.3g} to {lims[1]:.3g}); expected "
+                          f"{keys[0]} < {keys[1]}, overlapping it")
+
+def check_moving_range(cfg, lims: tuple, where: str):
+    "The end of a moving range must hold noise levels too; `logsnr_range_updates` defaults to the run's `updates`."
+    r = cfg.recipe
+    if (r.logsnr_min_end, r.logsnr_max_end) == (None, None):
+        if r.logsnr_range_updates is not None:
+            raise ConfigError(f"{where}: key 'logsnr_range_updates': {r.logsnr_range_updates} moves the range, but "
+                              "neither 'logsnr_min_end' nor 'logsnr_max_end' is set; set one, or remove it")
+        return
+    ends = [r.logsnr_min if r.logsnr_min_end is None else r.logsnr_min_end,
+            r.logsnr_max if r.logsnr_max_end is None else r.logsnr_max_end]
+    check_range(*ends, ("logsnr_min_end", "logsnr_max_end"), cfg.gdf.noise_schedule, lims, where)
+    if r.logsnr_range_updates is None: r.logsnr_range_updates = cfg.train.updates
+
+# %% ../../nbs/16b_gdf.recipe.ipynb #d85b896d
+def check_density(cfg, base: BaseSchedule, where: str):
+    "The draw keys need a timestep sampling with a logSNR density, and values that make one (one ConfigError line)."
+    r = cfg.recipe
+    if draws_as_registered(r): return
+    try: density_schedule(cfg.gdf.timestep_sampling, base, r)
+    except ValueError as e:
+        raise ConfigError(f"{where}: keys 't_density_weight', 't_density_bias': {e}") from None
+
 class RecipeHook(ConfigHook):
-    "Loading a config: the recipe's range must hold noise levels; Stage B keeps its own pyramid noise."
+    "Loading a config: the recipe's range (and its end) must hold noise levels; Stage B keeps its own pyramid noise."
     def after(self, cfg, where: str):
         r, base = cfg.recipe, SCHEDULES.choose(cfg.gdf.noise_schedule)()
-        lims = base.limits
-        lo, hi = (lims[0] if r.logsnr_min is None else r.logsnr_min, lims[1] if r.logsnr_max is None else r.logsnr_max)
-        if not (lo < hi and lo < lims[1] and hi > lims[0]):
-            raise ConfigError(f"{where}: keys 'logsnr_min', 'logsnr_max': [{lo:g}, {hi:g}] holds no noise level of "
-                              f"schedule {cfg.gdf.noise_schedule!r} (logSNR {lims[0]:.3g} to {lims[1]:.3g}); expected "
-                              "logsnr_min < logsnr_max, overlapping it")
+        check_range(r.logsnr_min, r.logsnr_max, ("logsnr_min", "logsnr_max"), cfg.gdf.noise_schedule, base.limits,
+                    where)
+        check_moving_range(cfg, base.limits, where)
         if cfg.model.stage == "b" and r.pyramid_noise_discount:
             raise ConfigError(f"{where}: key 'pyramid_noise_discount': {r.pyramid_noise_discount} is not valid for "
                               "Stage B, which always trains with the reference's pyramid noise; expected 0")
-        # a timestep sampling without a logSNR density cannot take the draw keys
-        if not draws_as_registered(r): density_schedule(cfg.gdf.timestep_sampling, base)
+        check_density(cfg, base, where)
 
 register_config_hook("recipe", RecipeHook())
