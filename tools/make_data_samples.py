@@ -91,14 +91,17 @@ MASKED = 12
 "Emoji of the first shard made into masked samples."
 
 def masked_samples(emoji_dir: Path):
-    "The first `MASKED` emoji, their background (pixels within 8 levels of white) cut out: alpha or a mask member."
+    "The first `MASKED` emoji, their white background cut out: even keys in the alpha channel, odd keys as a mask member."
     import tarfile
     import numpy as np
     with tarfile.open(emoji_dir / "shard-000000.tar") as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     for i in range(MASKED):
         rgb = Image.open(io.BytesIO(members[f"{i:04d}.png"])).convert("RGB")
-        mask = Image.fromarray(((255 - np.asarray(rgb)).max(-1) > 8).astype(np.uint8) * 255, "L")
+        # the background: near-white pixels connected to the (white) margin; white inside the emoji stays in the mask
+        mask = Image.fromarray(((255 - np.asarray(rgb)).max(-1) <= 8).astype(np.uint8) * 255).copy()   # writable
+        ImageDraw.floodfill(mask, (0, 0), 128)
+        mask = Image.fromarray((np.asarray(mask) != 128).astype(np.uint8) * 255, "L")
         s = {"__key__": f"{i:04d}", "txt": members[f"{i:04d}.txt"]}
         if i % 2 == 0: rgba = rgb.copy(); rgba.putalpha(mask); s["png"] = png_bytes(rgba)
         else: s["png"], s["mask.png"] = png_bytes(rgb), png_bytes(mask)
