@@ -84,6 +84,7 @@ class BadMask(ValueError):
     "A mask member that does not decode or does not fit its image; counted as `bad_mask`."
     skip_reason = "bad_mask"
 
+# %% ../../nbs/32_data.pipeline.ipynb #b4d2e8f2
 def decode_mask(data: bytes, size: tuple[int, int]) -> Image.Image:
     "A mask member as an `L` image of `size` (w, h), the image's decoded size; BadMask when its aspect ratio differs."
     try: m = Image.open(io.BytesIO(data)); m.load()
