@@ -122,3 +122,13 @@ def test_the_cache_keeps_the_pooled_mask_and_its_fingerprint_covers_it(tmp_path)
     torch.testing.assert_close(got, pooled, atol=1e-3, rtol=0)
     b = next(iter(build_dataset(tmp_path / "c", 4, cache_fingerprint=fp, shuffle_buffer=0)))
     torch.testing.assert_close(sample_weights(b, b["latents"])["weight"], b["masks"].float())
+
+def test_a_resolution_schedule_scales_the_masks_with_the_images():
+    from cascade_nb.data.buckets import at_resolution
+    cfg = demo("image_size=64", "resolution_schedule=[[0, 32], [2, 64]]", "updates=4", "loss_mask=auto")
+    b, = list(build_dataset(MASKED, 12, image_size=64, loss_mask="auto", shuffle_buffer=0, resampled=False,
+                            crop="center"))
+    small = at_resolution(b, cfg, 0, torch.device("cpu"))
+    assert small["images"].shape[-2:] == small["masks"].shape[-2:] == (32, 32)
+    im = small["images"].float()
+    assert im[(small["masks"] < 10).expand_as(im)].mean() > 240   # still the background's pixels
