@@ -2,7 +2,7 @@
 `NNNN.mask.png` member) carried through the crop with the same box, pooled to the latent grid, cached with the latents;
 the keys range-checked, refused in one line where they do not apply. Exact resume and 2-process DDP with them are in
 tests/test_train.py."""
-import io, tarfile
+import tarfile
 import numpy as np
 import pytest, torch
 from PIL import Image
@@ -70,8 +70,8 @@ def test_flips_are_per_sample_and_a_source_can_refuse_them():
     assert all(a or b for a, b in zip(mirrored, kept)) and 0 < sum(mirrored) < 12, mirrored
     # a source's `hflip: false` wins over the run's `hflip: true`
     cfg = load_config(DEMO, [f"webdataset_path=[{{path: '{MASKED}', hflip: false}}]", "hflip=true", "num_workers=0",
-                             "crop=center", "resampled=false", "shuffle_buffer=0", "image_size=48", "dataset_filters=null",
-                             "pin_memory=false"], training=False)
+                             "crop=center", "resampled=false", "shuffle_buffer=0", "image_size=48",
+                             "dataset_filters=null", "pin_memory=false"], training=False)
     off = next(iter(dataloader_from_config(cfg.data, 12, seed=5)))
     assert torch.equal(off["images"], plain["images"])
 
@@ -132,3 +132,13 @@ def test_a_resolution_schedule_scales_the_masks_with_the_images():
     assert small["images"].shape[-2:] == small["masks"].shape[-2:] == (32, 32)
     im = small["images"].float()
     assert im[(small["masks"] < 10).expand_as(im)].mean() > 240   # still the background's pixels
+
+def test_packed_shards_keep_the_mask_members(tmp_path):
+    "`pack` turns the folder's NNNN.mask.png files into NNNN.mask.png tar members that read back as the same masks."
+    from cascade_nb.data.sources import pack_folder
+    shard, = pack_folder(MASKED, tmp_path / "packed")
+    with tarfile.open(shard) as tar: names = tar.getnames()
+    assert "0001.mask.png" in names and "0000.mask.png" not in names
+    packed, = list(build_dataset(shard, 12, image_size=48, loss_mask="member", shuffle_buffer=0, resampled=False))
+    folder, = batches(loss_mask="member")
+    assert packed["keys"] == folder["keys"] and torch.equal(packed["masks"], folder["masks"])
