@@ -104,6 +104,12 @@ class DataConfig:
     # auto: saliency-centred (smart) if square, random in aspect buckets
     crop: Literal["auto", "smart", "random", "center"] = "auto"
     bucketeer_random_ratio: float = 0.05  # probability of a random aspect bucket instead of the closest
+    hflip: bool = False                   # mirror each sample left-right with probability 1/2 (a source's hflip wins)
+    crop_jitter: float = 0.0              # the crop box shrinks by up to this share of its side and moves inside it
+    # a per-pixel loss weight from the image's alpha channel, a NNNN.mask.png member, or whichever a sample has
+    loss_mask: Literal["off", "alpha", "member", "auto"] = "off"
+    unmasked_weight: float = 0.0          # the loss weight outside the mask (1: the mask changes nothing)
+    normalize_masked_area: bool = False   # each sample's weights average 1: a small mask weighs as much as a big one
     resampled: bool = True                # infinite stream with shard resampling (reference) vs finite epochs
     shuffle_buffer: int = 1000            # sample shuffle buffer
     # DataLoader workers per process; None: scaled to this process's CPUs (default_num_workers)
@@ -123,8 +129,9 @@ class SourceEntry:
     caption_prefix: str = ""    # put before each of its captions
     # regularisation samples (prior preservation): their target is the frozen base's own prediction (nbs/60_lora)
     prior: bool = False
+    hflip: Optional[bool] = None   # mirror its samples (true/false); None: the data section's `hflip`
 
-SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior")
+SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior", "hflip")
 "The keys of a mapping entry of `webdataset_path`."
 
 # %% ../nbs/01_config.ipynb #397834c0
@@ -155,7 +162,9 @@ def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
                        float(repeats) if weight is None else weight,
                        _entry_value(entry, "loss_weight", float, AT_LEAST_0, key, 1.0),
                        _entry_value(entry, "caption_prefix", str, None, key, ""),
-                       _entry_value(entry, "prior", bool, None, key, False))
+                       _entry_value(entry, "prior", bool, None, key, False),
+                       _entry_value(entry, "hflip", bool, None, key, None))
+
 
 # %% ../nbs/01_config.ipynb #a5cf2721
 def source_entries(value, key: str = "webdataset_path") -> list[SourceEntry]:
@@ -271,7 +280,7 @@ RANGES: dict[str, Range] = dict(
     image_size=Range(8), batch_size=AT_LEAST_1, caption_dropout=PROBABILITY, image_embed_prob=PROBABILITY,  # data
     bucketeer_random_ratio=PROBABILITY, shuffle_buffer=AT_LEAST_0, num_workers=AT_LEAST_0, prefetch_factor=AT_LEAST_1,
     val_batches=AT_LEAST_1, resolution_schedule=(AT_LEAST_0, Range(8)), keep_tokens=AT_LEAST_0,
-    tag_dropout=PROBABILITY,
+    tag_dropout=PROBABILITY, crop_jitter=Range(0, 0.5), unmasked_weight=PROBABILITY,
     lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1,        # train
     min_lr=AT_LEAST_0, lr_cycles=AT_LEAST_1, lr_power=POSITIVE,
     weight_decay=AT_LEAST_0, adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE,
@@ -523,6 +532,22 @@ def _check_sources(cfg: Config, need):
         need(not (e.caption_prefix and cfg.model.latent_space == "cached"),
              f"key 'webdataset_path[{i}].caption_prefix' changes captions, but latent_space: cached trains on text "
              "embeddings encoded by `python -m cascade_nb.data cache`; put the prefix into the captions before caching")
+        need(not (e.hflip and cfg.model.latent_space == "cached"),
+             f"key 'webdataset_path[{i}].hflip' mirrors images, but latent_space: cached trains on latents encoded "
+             "once; cache mirrored copies, or train from the images (latent_space: effnet)")
+
+# %% ../nbs/01_config.ipynb #5e1a0c3f
+def _check_augment_and_mask(cfg: Config, need):
+    "Flips and crop jitter need images (cached latents are cropped once); the mask's options need a mask."
+    d = cfg.data
+    for key in ("hflip", "crop_jitter"):
+        need(not (getattr(d, key) and cfg.model.latent_space == "cached"),
+             f"key '{key}' changes the crop per sample and epoch, but latent_space: cached trains on latents encoded "
+             "once; turn it off, or train from the images (latent_space: effnet)")
+    for key, off in (("unmasked_weight", 0.0), ("normalize_masked_area", False)):
+        need(d.loss_mask != "off" or getattr(d, key) == off,
+             f"key '{key}' weights the loss by a mask, but loss_mask is off; set loss_mask: alpha, member or auto")
+
 
 # %% ../nbs/01_config.ipynb #8dddb117
 def _check(cfg: Config, where: str, training: bool):
@@ -558,6 +583,7 @@ def _check(cfg: Config, where: str, training: bool):
          f"grad_accum_steps: {t.grad_accum_steps}; set grad_accum_steps: 1")
     need(t.min_lr < t.lr, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends at must be "
                           "lower than the LR it starts from")
+    _check_augment_and_mask(cfg, need)
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
     if d.captions_getter is None: d.captions_getter = CaptionsGetter()

@@ -24,9 +24,9 @@ from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 __all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage',
            'load_released_generator', 'TrainingMode', 'build_generator', 'check_model_overrides', 'build_text_encoder',
            'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen',
-           'build_latent_space', 'diffusion_loss', 'sample_weights', 'training_mode', 'build_training_mode',
-           'refuse_loss_weights', 'refuse_prior_entries', 'resolve_mode', 'check_mode_sections', 'ModeHook',
-           'FullTraining', 'StageBTraining']
+           'build_latent_space', 'diffusion_loss', 'mask_weight', 'sample_weights', 'training_mode',
+           'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries', 'resolve_mode', 'check_mode_sections',
+           'ModeHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -332,15 +332,33 @@ def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None 
     raw = per_element.mean(dim=tuple(range(1, pred.ndim)))   # (B,)
     return (raw * d.loss_weight).mean(), raw, d
 
+# %% ../nbs/40b_modes.ipynb #3d8fa079
+def mask_weight(masks: torch.Tensor, x0: torch.Tensor, unmasked_weight: float = 0.0,
+                normalize: bool = False) -> torch.Tensor:
+    """(B, 1, h, w) loss weight on `x0`'s grid from (B, 1, H, W) `masks` (uint8, or floats in [0, 1]): area-pooled
+    share m, u + (1 − u)·m with u = `unmasked_weight`; `normalize`: divided by its mean over each sample."""
+    m = masks.to(x0.device).float()
+    if masks.dtype == torch.uint8: m = m / 255
+    m = F.adaptive_avg_pool2d(m, x0.shape[-2:])                              # (B, 1, h, w)
+    w = unmasked_weight + (1 - unmasked_weight) * m
+    return w / w.mean(dim=(1, 2, 3), keepdim=True).clamp_min(1e-6) if normalize else w
+
 # %% ../nbs/40b_modes.ipynb #8bd0c289
 def sample_weights(batch: dict, x0: torch.Tensor, mode=None) -> dict:
-    "`{weight: (B, 1, ..., 1)}` from the batch's per-sample `loss_weights` when one is not 1, else {}."
-    w = batch.get("loss_weights")
-    if w is None or all(v == 1 for v in w): return {}
+    """`{weight: (B, 1, ..., 1)}` from the batch's per-sample `loss_weights` when one is not 1, times its `masks` on the
+    latent grid (`mask_weight`, then (B, 1, h, w)); else {}."""
+    w, masks = batch.get("loss_weights"), batch.get("masks")
+    if masks is None and (w is None or all(v == 1 for v in w)): return {}
     if mode is not None and not mode.takes_loss_weights:
-        raise ConfigError(f"data: samples carry a loss_weight (their metadata's or their webdataset_path entry's), but "
-                          f"mode '{mode.name}' does not weight its loss per sample; remove it")
-    return {"weight": torch.tensor([float(v) for v in w], device=x0.device).view(-1, *[1] * (x0.ndim - 1))}
+        what = "a loss mask (loss_mask)" if masks is not None else \
+            "a loss_weight (their metadata's or their webdataset_path entry's)"
+        raise ConfigError(f"data: samples carry {what}, but mode '{mode.name}' does not weight its loss per sample; "
+                          "remove it")
+    weight = torch.tensor([float(v) for v in w or [1.0] * len(x0)], device=x0.device).view(-1, *[1] * (x0.ndim - 1))
+    if masks is None: return {"weight": weight}
+    d = mode.cfg.data if mode is not None else None
+    return {"weight": weight * mask_weight(masks, x0, getattr(d, "unmasked_weight", 0.0),
+                                           getattr(d, "normalize_masked_area", False))}
 
 # %% ../nbs/40b_modes.ipynb #891820f1
 TRAINING_MODES = registry("training_mode", how="@training_mode('name') in a module the config lists in 'imports'")
@@ -365,6 +383,9 @@ def build_training_mode(cfg: Config, generator, tokenizer, text_model, image_mod
 # %% ../nbs/40b_modes.ipynb #92214ef1
 def refuse_loss_weights(cfg: Config, mode: type):
     "A mode whose loss does not weight samples takes no `webdataset_path` entry with a `loss_weight` other than 1."
+    if cfg.data.loss_mask != "off":
+        raise ConfigError(f"key 'loss_mask': mode '{cfg.train.mode}' does not weight its loss per pixel (it matches a "
+                          "teacher); set loss_mask: off")
     if cfg.data.webdataset_path is REQUIRED: return
     for i, e in enumerate(source_entries(cfg.data.webdataset_path)):
         if e.loss_weight != 1:

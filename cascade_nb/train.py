@@ -159,8 +159,9 @@ def whole_source(cfg: Config, source, batch_size: int, **overrides):
     # the trigger word and the list's pick stay (seeded, epoch 0); tags are neither shuffled nor dropped there
     data = dataclasses.replace(cfg.data, webdataset_path=source, resampled=False, shuffle_buffer=0, crop="center",
                                num_workers=0, bucketeer_random_ratio=0., shuffle_tags=False, tag_dropout=0.)
+    # no flip and no jitter (`augment`): the same batches every time they are read
     return dataloader_from_config(data, batch_size, **{"split_by_node": False, "pin_memory": False, "weighted": False,
-                                                       **overrides})
+                                                       "augment": False, **overrides})
 
 # %% ../nbs/41_train.ipynb #3c93d0ce
 def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):

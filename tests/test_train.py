@@ -164,10 +164,15 @@ RECIPE = ["logsnr_min=-5", "logsnr_max=6", "timestep_sampling=mode", "mode_scale
 # the caption transforms (issue 28), drawn per (sample, epoch) in the data pipeline: the same under resume and DDP
 CAPTION_KEYS = ["caption_prefix=emoji", "shuffle_tags=true", "keep_tokens=1", "tag_dropout=0.1"]
 
-# a mixture (issue 28): a fractional weight, a per-sample loss weight and a caption prefix; a loose folder repeated
+# flips, crop jitter and loss masks (issue 28), drawn per (sample, epoch) and pooled to the latent grid
+MASK_KEYS = ["hflip=true", "crop_jitter=0.2", "loss_mask=auto", "unmasked_weight=0.2", "normalize_masked_area=true"]
+
+# a mixture (issue 28): a fractional weight, a per-sample loss weight and a caption prefix; a loose folder repeated,
+# one that refuses flips, and the masked emoji (alpha and mask members)
 SAMPLES = ROOT / "data_samples"
 MIX = (f"webdataset_path=[{{path: '{SAMPLES}/emoji/shard-{{000002..000005}}.tar', weight: 1.5, loss_weight: 0.5, "
-       f"caption_prefix: 'emoji, '}}, {{path: '{SAMPLES}/photos', repeats: 2}}]")
+       f"caption_prefix: 'emoji, '}}, {{path: '{SAMPLES}/photos', repeats: 2, hflip: false}}, "
+       f"{{path: '{SAMPLES}/masked'}}]")
 
 PROMPTS = """- {text: red apple, seed: 3, cfg: 2, steps: 3}
 - {text: banana, size: 16, negative_prompt: yellow}
@@ -186,7 +191,7 @@ def test_recipe_knobs_kill_then_resume_is_exact(tmp_path):
         return res
     resumes_to_the_killed_state(tmp_path / "ckpt" / "recipe", demo_args(tmp_path, "recipe", "updates=4", "save_every=2",
                                 f"sample_prompts={tmp_path}/prompts.yaml", "sample_every=2", *RECIPE, *CAPTION_KEYS,
-                                MIX), launch=launch)
+                                *MASK_KEYS, MIX), launch=launch)
     assert sorted(p.name for p in samples.iterdir()) == ["000000", "000002", "000004"]
     assert sorted(before) == ["00_red_apple.png", "00_red_apple_ema.png", "00_red_apple_pair.png", "01_banana.png",
                               "01_banana_ema.png", "01_banana_pair.png", "index.json", "index.md"]
@@ -198,10 +203,10 @@ def test_recipe_knobs_kill_then_resume_is_exact(tmp_path):
     assert before["00_red_apple.png"] != (samples / "000000" / "00_red_apple.png").read_bytes()   # it trained
 
 def test_two_process_ddp(tmp_path):
-    """2-process DDP with the recipe and caption keys set (their draws and noise per process) and a mixture of
-    sources: the processes' weights stay equal."""
+    """2-process DDP with the recipe, caption, flip/jitter and mask keys set (their draws and noise per process) and a
+    mixture of sources: the processes' weights stay equal."""
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=4", "save_every=2", "batch_size=8",
-                                                       *RECIPE, *CAPTION_KEYS, MIX))
+                                                       *RECIPE, *CAPTION_KEYS, *MASK_KEYS, MIX))
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 4

@@ -7,6 +7,8 @@
 Output (deterministic: rerunning gives byte-identical shards):
 - data_samples/emoji/shard-000000.tar ...: 64×64 RGB emoji on white, `NNNN.png` + `NNNN.txt` (lowercase Unicode
   name, e.g. "red apple") + `NNNN.json` (width, height, codepoint, group, source, license).
+- data_samples/masked/: 12 of the emoji with their white background cut out (`loss_mask`): even keys as RGBA
+  `NNNN.png` (the alpha is the mask), odd keys as the RGB `NNNN.png` plus a grey `NNNN.mask.png` member.
 - data_samples/photos/: NNNN.jpg + NNNN.txt + NNNN.json, non-square photos from scikit-image's bundled data
   (public domain / CC0), a loose-folder source for the aspect-bucket path.
 """
@@ -85,6 +87,26 @@ def photo_samples(wheel: str):
             meta = dict(width=img.width, height=img.height, source=f"scikit-image data/{name}", license=lic, caption=caption)
             yield {"__key__": f"{i:04d}", "jpg": buf.getvalue(), "txt": caption, "json": json.dumps(meta)}
 
+MASKED = 12
+"Emoji of the first shard made into masked samples."
+
+def masked_samples(emoji_dir: Path):
+    "The first `MASKED` emoji, their white background cut out: even keys in the alpha channel, odd keys as a mask member."
+    import tarfile
+    import numpy as np
+    with tarfile.open(emoji_dir / "shard-000000.tar") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    for i in range(MASKED):
+        rgb = Image.open(io.BytesIO(members[f"{i:04d}.png"])).convert("RGB")
+        # the background: near-white pixels connected to the (white) margin; white inside the emoji stays in the mask
+        mask = Image.fromarray(((255 - np.asarray(rgb)).max(-1) <= 8).astype(np.uint8) * 255).copy()   # writable
+        ImageDraw.floodfill(mask, (0, 0), 128)
+        mask = Image.fromarray((np.asarray(mask) != 128).astype(np.uint8) * 255, "L")
+        s = {"__key__": f"{i:04d}", "txt": members[f"{i:04d}.txt"]}
+        if i % 2 == 0: rgba = rgb.copy(); rgba.putalpha(mask); s["png"] = png_bytes(rgba)
+        else: s["png"], s["mask.png"] = png_bytes(rgb), png_bytes(mask)
+        yield s
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skimage-wheel", default=None, help="scikit-image wheel (default: /tmp/skimg/scikit_image-*.whl)")
@@ -94,6 +116,11 @@ def main():
     for old in (out / "emoji").glob("shard-*.tar"): old.unlink()
     shards = write_shards(emoji_samples(), out / "emoji", shard_size=SHARD_SIZE)
     print(f"emoji: {len(shards)} shards, {sum(p.stat().st_size for p in shards) / 1e6:.2f} MB")
+    masked = out / "masked"; masked.mkdir(parents=True, exist_ok=True)
+    for s in masked_samples(out / "emoji"):
+        for ext in ("png", "mask.png", "txt"):
+            if ext in s: (masked / f"{s['__key__']}.{ext}").write_bytes(s[ext])
+    print(f"masked: {MASKED} samples in {masked}")
     wheel = args.skimage_wheel or next(iter(sorted(glob.glob("/tmp/skimg/scikit_image-*.whl"))), None)
     if wheel is None: print("photos: skipped (no scikit-image wheel; see the docstring)"); return
     photos = out / "photos"; photos.mkdir(parents=True, exist_ok=True)

@@ -158,7 +158,7 @@ def cmd_cache(args) -> int:
                          batch_size=args.batch_size, shard_size=args.shard_size,
                          captions_getter=cfg.data.captions_getter, dataset_filters=cfg.data.dataset_filters,
                          device=args.device, encoder_info=parts,
-                         image_embedder=image_embedder_from_config(cfg, args.device))
+                         image_embedder=image_embedder_from_config(cfg, args.device), loss_mask=cfg.data.loss_mask)
     print(f"cached {info['samples']} samples in {len(info['shards'])} shard(s) under {args.out_dir} "
           f"(fingerprint {info['fingerprint']}, skipped {info['skipped'] or 'none'})")
     return 0 if info["samples"] else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib, json, time
 from pathlib import Path
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save as st_save
 from ..core import atomic_write_json, images_to_device
 from .sources import write_shards, _check_out_dir
@@ -34,9 +35,11 @@ def config_cache_parts(cfg) -> dict:
     eff = m.effnet_checkpoint_path
     eff_id = f"{Path(eff).name}:{Path(eff).stat().st_size}" if eff and Path(eff).is_file() else eff
     image_model = m.clip_image_model_name if m.clip_image_model_name and d.image_embed_prob > 0 else None
+    # a loss mask is part of the cache only when on: caches made without one keep their fingerprint
+    mask = {"loss_mask": d.loss_mask} if d.loss_mask != "off" else {}
     return dict(effnet=eff_id, text_model=m.clip_text_model_name, tokenizer=m.tokenizer_path,
                 image_size=d.image_size, multi_aspect_ratio=[str(r) for r in (d.multi_aspect_ratio or [])],
-                image_model=image_model)
+                image_model=image_model, **mask)
 
 # %% ../../nbs/33_data.cache.ipynb #5cb799bc
 def _sample_bytes(tensors: dict[str, torch.Tensor], fingerprint: str) -> bytes:
@@ -48,9 +51,9 @@ def _sample_bytes(tensors: dict[str, torch.Tensor], fingerprint: str) -> bytes:
 def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerprint: str, image_size: int = 768,
                   multi_aspect_ratio=None, batch_size: int = 8, shard_size: int = 1000, captions_getter=None,
                   dataset_filters=None, device=None, store_dtype: torch.dtype | None = None,
-                  encoder_info: dict | None = None, image_embedder=None) -> dict:
+                  encoder_info: dict | None = None, image_embedder=None, loss_mask: str = "off") -> dict:
     """Encode `source` with `image_encoder.encode` (and `text_encoder(captions)`, `image_embedder(images)`) into cached
-    shards under `out_dir`."""
+    shards under `out_dir`; `loss_mask` (not off): each sample's mask too, area-pooled to its latent grid."""
     out_dir = Path(out_dir)
     if (out_dir / CACHE_INFO).exists():
         raise FileExistsError(f"{out_dir} already holds a cache ({CACHE_INFO}); use a new folder")
@@ -58,7 +61,7 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
     device = torch.device(device or "cpu")
     ds = build_dataset(source, batch_size, image_size=image_size, multi_aspect_ratio=multi_aspect_ratio, crop="center",
                        captions_getter=captions_getter, dataset_filters=dataset_filters, shuffle_buffer=0,
-                       drop_last=False)
+                       drop_last=False, loss_mask=loss_mask)
     skipped, n, t0 = {}, 0, time.time()
     def samples():
         nonlocal n
@@ -70,6 +73,8 @@ def cache_dataset(source, out_dir, image_encoder, text_encoder=None, *, fingerpr
             if image_embedder is not None:
                 text = {**text, "clip_img": image_embedder(images_to_device(batch["images"], device))
                                             .view(len(latents), 1, -1)}
+            if "masks" in batch:   # (B, 1, h, w) in [0, 1], the share of each latent cell's pixels that count
+                text = {**text, "mask": F.adaptive_avg_pool2d(batch["masks"].float() / 255, latents.shape[-2:])}
             for i, (key, caption, meta) in enumerate(zip(batch["keys"], batch["captions"], batch["meta"])):
                 tensors = {"latents": latents[i], **{name: t[i] for name, t in text.items()}}
                 if store_dtype is not None: tensors = {k: v.to(store_dtype) for k, v in tensors.items()}

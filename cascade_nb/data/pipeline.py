@@ -20,12 +20,13 @@ from ..config import SourceEntry
 from .sources import (SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_sources, ShardList,
                                      ResampledShardList, ShardReader, _worker_seed, is_remote, local_path, DataError)
 from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize,
-                                     BucketBatcher, COUNTS_ONLY)
+                                     BucketBatcher, COUNTS_ONLY, split_mask)
 
 # %% auto #0
-__all__ = ['MAX_CAPTION_CHARS', 'CACHE_INFO', 'as_captions_getter', 'as_dataset_filters', 'UnsupportedImage', 'to_rgb',
-           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'sample_loss_weight', 'with_caption_prefix',
-           'decode_sample', 'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform',
+__all__ = ['MASK_MEMBER', 'MAX_CAPTION_CHARS', 'HFLIP_P', 'CACHE_INFO', 'as_captions_getter', 'as_dataset_filters',
+           'UnsupportedImage', 'split_alpha', 'to_rgb', 'BadMask', 'decode_mask', 'sample_mask', 'default_min_side',
+           'default_max_pixels', 'SampleDecoder', 'sample_loss_weight', 'with_caption_prefix', 'decode_sample',
+           'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform', 'SampleAugment',
            'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset',
            'resolve_crop', 'build_dataset', 'FilterReportingLoader', 'build_dataloader', 'dataloader_from_config',
            'default_num_workers', 'sum_skips', 'effective_mix', 'inspect_source']
@@ -57,17 +58,49 @@ def _deep_to_l(img: Image.Image) -> Image.Image:
     return Image.fromarray(np.round(a.astype(np.float64) * (255 / white)).astype(np.uint8), "L")
 
 # %% ../../nbs/32_data.pipeline.ipynb #8a820e6b
-def to_rgb(img: Image.Image) -> Image.Image:
-    "RGB uint8 image of any PIL mode: high-depth grey scaled, EXIF rotation applied, transparency composited on white."
+def split_alpha(img: Image.Image) -> tuple[Image.Image, Image.Image | None]:
+    """(RGB uint8 image of any PIL mode: high-depth grey scaled, EXIF rotation applied, transparency composited on
+    white; its alpha channel as an `L` image, or None when it has no transparency)."""
     if img.format in ("JPEG", "MPO", "WEBP", "TIFF"):   # formats that carry EXIF rotation
         ImageOps.exif_transpose(img, in_place=True)      # in place: no copy when there is nothing to rotate
     if img.mode in _DEEP_GREY: img = _deep_to_l(img)
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    if img.mode == "RGB": return img
-    try: return img.convert("RGB")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB"), rgba.getchannel("A")
+    if img.mode == "RGB": return img, None
+    try: return img.convert("RGB"), None
     except ValueError as e: raise UnsupportedImage(f"mode {img.mode}: {e}") from e
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    "RGB uint8 image of any PIL mode (`split_alpha`'s first half)."
+    return split_alpha(img)[0]
+
+# %% ../../nbs/32_data.pipeline.ipynb #b4d2e8f1
+MASK_MEMBER = "mask.png"
+"The member of a sample (`NNNN.mask.png`) that holds its loss mask (`loss_mask: member` or `auto`)."
+
+class BadMask(ValueError):
+    "A mask member that does not decode or does not fit its image; counted as `bad_mask`."
+    skip_reason = "bad_mask"
+
+# %% ../../nbs/32_data.pipeline.ipynb #b4d2e8f2
+def decode_mask(data: bytes, size: tuple[int, int]) -> Image.Image:
+    "A mask member as an `L` image of `size` (w, h), the image's decoded size; BadMask when its aspect ratio differs."
+    try: m = Image.open(io.BytesIO(data)); m.load()
+    except Exception as e: raise BadMask(f"the mask does not decode: {e}") from e
+    m = _deep_to_l(m) if m.mode in _DEEP_GREY else m.convert("L")
+    if abs(math.log(m.width / m.height) - math.log(size[0] / size[1])) > 0.02:
+        raise BadMask(f"mask {m.width}x{m.height} does not fit image {size[0]}x{size[1]}")
+    return m if m.size == tuple(size) else m.resize(size, Image.Resampling.BILINEAR)
+
+def sample_mask(loss_mask: str, member: bytes | None, alpha: Image.Image | None, size) -> np.ndarray | None:
+    """The (h, w) uint8 loss mask of an image of `size` (w, h): its member, else its alpha (as `loss_mask` allows), else
+    255 everywhere; None when `loss_mask` is off."""
+    if loss_mask == "off": return None
+    if member is not None and loss_mask in ("member", "auto"): return np.asarray(decode_mask(member, size))
+    if alpha is not None and loss_mask in ("alpha", "auto"): return np.asarray(alpha)
+    return np.full(tuple(size)[::-1], 255, np.uint8)
 
 # %% ../../nbs/32_data.pipeline.ipynb #e2a2d5f4
 def default_min_side(image_size: int) -> int:
@@ -93,8 +126,9 @@ class SampleDecoder:
     nothing usable."""
     def __init__(self, counter: SkipCounter, captions_getter=None, dataset_filters=None, min_side: int = 16,
                  n_shards: int = 1, strict: bool = True, buckets=None, p_random_ratio: float = 0.0, seed: int = 0,
-                 max_pixels: int | None = None, lazy: bool = False, sources=None):
-        self.lazy = lazy   # True: header checks only; pixels decoded when the batch is emitted (`LazyImage`)
+                 max_pixels: int | None = None, lazy: bool = False, sources=None, loss_mask: str = "off"):
+        # lazy: header checks only, pixels decoded when the batch is emitted (`LazyImage`); loss_mask: `sample_mask`'s
+        self.lazy, self.loss_mask = lazy, loss_mask
         self.counter, self.getter, self.filters = (counter, as_captions_getter(captions_getter),
                                                    as_dataset_filters(dataset_filters))
         self.min_side, self.n_shards, self.strict, self.bad_shards, self.max_pixels = (min_side, n_shards, strict, [],
@@ -192,7 +226,7 @@ def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]
     if ext is None: return None, "missing_image"
     out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(),
            "meta": meta, "source": source, "loss_weight": loss_weight, "prior": entry.prior,
-           "__caption_prefix__": entry.caption_prefix}
+           "__caption_prefix__": entry.caption_prefix, "__hflip__": entry.hflip}
     # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
     if len(out["caption"]) > MAX_CAPTION_CHARS:
         out["caption"], out["caption_cut"] = out["caption"][:MAX_CAPTION_CHARS], True
@@ -207,12 +241,16 @@ def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]
                 img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
         # before decoding
         if dec.max_pixels and img.width * img.height > dec.max_pixels: return None, "too_large"
+        member = s.get(MASK_MEMBER)
         if dec.lazy and dec.buckets:
-            out["image"], out["original_size"] = LazyImage(s[ext], draft, img.height, img.width), (h, w)
+            out["image"] = LazyImage(s[ext], draft, img.height, img.width, member, dec.loss_mask)
+            out["original_size"] = (h, w)
             return out, None
         img.load()
-        out["image"], out["original_size"] = to_rgb(img), (h, w)
-    except UnsupportedImage: return None, "unsupported_mode"
+        out["image"], alpha = split_alpha(img)
+        out["original_size"] = (h, w)
+        if dec.loss_mask != "off": out["mask"] = sample_mask(dec.loss_mask, member, alpha, out["image"].size)
+    except (UnsupportedImage, BadMask) as e: return None, e.skip_reason
     except Exception: return None, "bad_image"
     return out, None
 
@@ -239,8 +277,10 @@ def no_usable_shard_error(dec: SampleDecoder, only_filtered: bool) -> DataError:
 class LazyImage:
     """An image's compressed bytes (header already checked) that become a bucket-sized uint8 array when its batch is
     emitted."""
-    def __init__(self, data: bytes, draft: tuple[int, int] | None = None, height: int = 0, width: int = 0):
+    def __init__(self, data: bytes, draft: tuple[int, int] | None = None, height: int = 0, width: int = 0,
+                 mask_data: bytes | None = None, loss_mask: str = "off"):
         self.data, self.draft, self.height, self.width = data, draft, height, width   # the size it will decode to
+        self.mask_data, self.loss_mask = mask_data, loss_mask   # its mask member's bytes, and `sample_mask`'s choice
         self.bucket, self.crop, self.rng_state = None, None, None
 
     def deferred_crop(self, bucket, crop: str, rng: random.Random) -> "LazyImage":
@@ -254,11 +294,12 @@ class LazyImage:
         "The sample `s` with its pixels: decoded, EXIF-rotated, cropped as recorded; raises on undecodable pixels."
         img = Image.open(io.BytesIO(self.data))
         if self.draft: img.draft("RGB", self.draft)
-        img.load(); img = to_rgb(img)
+        img.load(); img, alpha = split_alpha(img)
+        mask = sample_mask(self.loss_mask, self.mask_data, alpha, img.size)
         rng = random.Random(); rng.setstate(self.rng_state)
-        chw, (top, left) = resize_crop_chw(img, self.bucket, self.crop, rng)
+        chw, (top, left) = resize_crop_chw(img, self.bucket, self.crop, rng, mask, s.get("__augment__"))
         oh, ow = s["original_size"]
-        return {**s, "image": chw, "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
+        return {**s, **split_mask(chw), "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
 
 # %% ../../nbs/32_data.pipeline.ipynb #39552c9e
 class Shuffle:
@@ -311,6 +352,29 @@ class CaptionTransform:
             # the source entry's prefix last, in front of the transformed caption (and of the config's prefix)
             caption = self.recipe(s["caption"], rng)
             yield {**s, "caption": with_caption_prefix(caption, s.get("__caption_prefix__", ""))}
+
+# %% ../../nbs/32_data.pipeline.ipynb #f8b62c35
+HFLIP_P = 0.5
+"The probability that a sample whose source flips is mirrored, each epoch."
+
+class SampleAugment:
+    "Pipeline stage: each sample's `__augment__` {hflip, jitter} for `resize_crop_chw`, drawn as its `caption_rng`."
+    def __init__(self, hflip: bool = False, crop_jitter: float = 0.0, seed: int = 0, resampled: bool = False):
+        self.hflip, self.crop_jitter, self.seed, self.resampled, self.epoch = hflip, crop_jitter, seed, resampled, 0
+
+    def draw(self, s: dict, epoch: int, draw: int) -> dict:
+        "One sample's flip and jitter in one epoch; a source's `hflip` (`__hflip__`, None: unset) wins over the run's."
+        rng = caption_rng(self.seed, s.get("__url__"), s["__key__"], epoch, ["augment", draw])
+        flips = self.hflip if s.get("__hflip__") is None else s["__hflip__"]
+        jitter = (self.crop_jitter, (rng.random(), rng.random(), rng.random())) if self.crop_jitter else None
+        return {"hflip": bool(flips) and rng.random() < HFLIP_P, "jitter": jitter}
+
+    def __call__(self, samples):
+        epoch, stream = self.epoch, random.Random(_worker_seed(self.seed + 4, self.epoch))
+        self.epoch += 1
+        for s in samples:
+            # a resampled stream meets a sample more than once an epoch: each meeting draws anew, as captions do
+            yield {**s, "__augment__": self.draw(s, epoch, stream.getrandbits(64) if self.resampled else 0)}
 
 # %% ../../nbs/32_data.pipeline.ipynb #ebc35b76
 CACHE_INFO = "cache_info.json"
@@ -367,10 +431,12 @@ class CachedDecoder(SampleDecoder):
         if not isinstance(meta, dict): return None, "bad_cache"
         source = s.get("__source__", 0)
         if (loss_weight := sample_loss_weight(self.sources[source].loss_weight, meta)) is None: return None, "bad_json"
-        latents = tensors.pop("latents")
-        return {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
-                "bucket": tuple(latents.shape), "source": source, "loss_weight": loss_weight,
-                "prior": self.sources[source].prior}, None
+        latents, mask = tensors.pop("latents"), tensors.pop("mask", None)   # mask: (1, h, w) on the latent grid
+        out = {"__key__": s["__key__"], "latents": latents, "text": tensors, "caption": caption, "meta": meta,
+               "bucket": tuple(latents.shape), "source": source, "loss_weight": loss_weight,
+               "prior": self.sources[source].prior}
+        return ({**out, "mask": mask} if mask is not None else out), None
+
 
 # %% ../../nbs/32_data.pipeline.ipynb #a631c588
 class ImageTextDataset(wds.DataPipeline):
@@ -397,7 +463,8 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
                   drop_last: bool = True, seed: int = 0, epoch_length: int | None = None, folder_chunk: int = 64,
                   cache_fingerprint: str | None = None, allow_pipe: bool = False,
                   split_by_node: bool = True, caption_recipe: CaptionRecipe | None = None,
-                  weighted: bool = True) -> ImageTextDataset:
+                  weighted: bool = True, hflip: bool = False, crop_jitter: float = 0.0, loss_mask: str = "off",
+                  augment: bool = True) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
     entries, shards = resolve_sources(source, folder_chunk, allow_pipe)
     # a mixture's weights (`weighted=False`: each entry once, as validation and sample grids read a source)
@@ -419,8 +486,12 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
         buckets = bucket_sizes(image_size, multi_aspect_ratio)
         body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
                               n_distinct, buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
-                              max_pixels=max_pixels or default_max_pixels(image_size), lazy=True, sources=entries),
+                              max_pixels=max_pixels or default_max_pixels(image_size), lazy=True, sources=entries,
+                              loss_mask=loss_mask),
                 CaptionTransform(recipe, seed, resampled),
+                # flips and jitter (`augment=False`: validation, sample grids and evaluation read samples unchanged)
+                SampleAugment(hflip, crop_jitter, seed, resampled)
+                if augment and (hflip or crop_jitter or any(e.hflip for e in entries)) else None,
                 BucketResize(buckets, resolve_crop(crop, multi_aspect_ratio), p_random_ratio, seed)]
         group_key = "bucket"
     ds = ImageTextDataset(*head, ShardReader(counter, allow_pipe),
@@ -504,6 +575,7 @@ def dataloader_from_config(data, batch_size: int, seed: int = 0, **overrides) ->
               resampled=data.resampled, shuffle_buffer=data.shuffle_buffer,
               crop=data.crop, p_random_ratio=data.bucketeer_random_ratio if data.multi_aspect_ratio else 0.0,
               allow_pipe=getattr(data, "allow_pipe_sources", False), caption_recipe=CaptionRecipe.from_config(data),
+              hflip=data.hflip, crop_jitter=data.crop_jitter, loss_mask=data.loss_mask,
               num_workers=data.num_workers, pin_memory=data.pin_memory, prefetch_factor=data.prefetch_factor, seed=seed)
     return build_dataloader(data.webdataset_path, batch_size, **{**kw, **overrides})
 

@@ -42,6 +42,7 @@ SKIP_REASONS = {
     "empty_caption": "the caption is empty or only whitespace",
     "caption_cut": "the caption was longer than `MAX_CAPTION_CHARS` and was cut to that length: the sample is KEPT",
     "bad_json": "the .json member is not a valid JSON object (or its `loss_weight` is not a number >= 0)",
+    "bad_mask": "the key's .mask.png member does not decode, or its aspect ratio is not its image's",
     "bad_cache": "a cached sample that is corrupt or lacks the expected tensors",
     "other_file": "a file in a loose folder that is not an image, caption or JSON (README, .DS_Store, ...)",
 }
@@ -123,8 +124,9 @@ def split_key(name: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2).lower()) if m else None
 
 def folder_split(name: str) -> tuple[str, str] | None:
-    """Split a loose file's name at its LAST dot: `2023.05.01.JPG` → (`2023.05.01`, `jpg`);
-    None for `.DS_Store`, `README`."""
+    """Split a loose file's name at its LAST dot: `2023.05.01.JPG` → (`2023.05.01`, `jpg`), but keep a loss mask's
+    two: `0001.mask.png` → (`0001`, `mask.png`); None for `.DS_Store`, `README`."""
+    if name.lower().endswith(".mask.png") and len(name) > 9: return name[:-9], "mask.png"
     stem, dot, ext = name.rpartition(".")
     return (stem, ext.lower()) if dot and stem else None
 
@@ -139,7 +141,7 @@ def local_path(url: str) -> Path:
     return Path(re.sub(r"^file:(//)?", "", url))
 
 # %% ../../nbs/30_data.sources.ipynb #4b0d88ef
-SAMPLE_EXTS = (*IMAGE_EXTS, *OTHER_IMAGE_EXTS, "txt", "json")
+SAMPLE_EXTS = (*IMAGE_EXTS, *OTHER_IMAGE_EXTS, "txt", "json", "mask.png")
 
 def folder_keys(root: Path) -> tuple[list[str], int, list[str]]:
     """Sorted sample keys of a folder of loose files (any key with an image, caption or JSON file), the image count,
