@@ -85,7 +85,7 @@ def cmd_inspect(args) -> int:
     if args.config is None and sources and _is_config_file(sources[0]):
         args.config, overrides, sources = sources[0], sources[1:], []
         if bad := [o for o in overrides if "=" not in o]:
-            raise SystemExit(f"inspect {args.config}: {bad[0]!r} is not a key=value override; after a CONFIG come "
+            raise ValueError(f"inspect {args.config}: {bad[0]!r} is not a key=value override; after a CONFIG come "
                              "overrides only (a source with a config's settings: inspect SOURCE --config CONFIG)")
     args.source = sources[0] if len(sources) == 1 else sources or None
     cfg = _load_cfg(args.config, overrides)
