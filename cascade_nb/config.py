@@ -227,7 +227,8 @@ class CheckpointConfig:
     # the report card (cascade_nb.report): feature space of subject fidelity, drift and diversity: 'pixels', 'clip'
     # (eval_clip_model's image tower) or 'dino' (DINOv2)
     eval_features: str = "pixels"
-    eval_clip_model: str = "openai/clip-vit-large-patch14"  # CLIP of prompt_fidelity and 'clip' features; 'tiny': random
+    # the CLIP of prompt_fidelity and of 'clip' features (a hub id or folder; 'tiny': a small random one)
+    eval_clip_model: str = "openai/clip-vit-large-patch14"
     eval_heldout_prompts: Optional[list[str]] = None  # prompts kept out of training, scored by prompt_fidelity
     eval_drift_prompts: Optional[list[str]] = None    # class and neutral prompts the base and the tuned model sample
     eval_seeds: int = 4                   # samples per prompt (seeds) of drift and diversity

@@ -430,4 +430,7 @@ def main(argv=None) -> dict:
         except OSError as e: print(f"error: --json {a.json}: {e.strerror or e}", file=sys.stderr); sys.exit(2)
     return by_run
 
-if __name__ == "__main__" and "__file__" in globals(): main()
+if __name__ == "__main__" and "__file__" in globals():
+    # run as cascade_nb.eval, whose registries the metric modules fill, not as this file's __main__ copy
+    from cascade_nb.eval import main as _main
+    _main()

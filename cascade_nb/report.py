@@ -38,8 +38,9 @@ def features_of(cfg: Config):
     name = cfg.checkpoint.eval_features
     if name not in FEATURES:
         close = difflib.get_close_matches(str(name), FEATURES, n=1)
-        raise ConfigError(f"key 'eval_features': {name!r} is not a feature space"
-                          + (f" (did you mean {close[0]!r}?)" if close else "") + f"; expected one of {sorted(FEATURES)}")
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"key 'eval_features': {name!r} is not a feature space{hint}; expected one of "
+                          f"{sorted(FEATURES)}")
     return FEATURES[name](cfg)
 
 @register_features("pixels")
@@ -93,7 +94,8 @@ class DinoFeatures:
         if model is not None: self.model, self.processor = model()
         else:
             from transformers import AutoImageProcessor, AutoModel
-            self.model, self.processor = AutoModel.from_pretrained(DINO_MODEL), AutoImageProcessor.from_pretrained(DINO_MODEL)
+            self.model = AutoModel.from_pretrained(DINO_MODEL)
+            self.processor = AutoImageProcessor.from_pretrained(DINO_MODEL)
         self.model.eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -151,7 +153,8 @@ class SubjectFidelity:
     def __call__(self, samples, captions, ref_images, ref_captions) -> dict:
         missing = [c for c in captions if c not in set(ref_captions)]
         if missing:
-            raise ValueError(f"subject_fidelity: {len(missing)} caption(s) have no reference image, e.g. {missing[0]!r}")
+            raise ValueError(f"subject_fidelity: {len(missing)} caption(s) have no reference image, "
+                             f"e.g. {missing[0]!r}")
         labels, ref_labels = caption_labels(captions, ref_captions)
         ref = self.ref_features(ref_images.to(samples.device))
         return {"": subject_fidelity(self.features(samples), labels, ref, ref_labels)}
@@ -172,8 +175,8 @@ class BaseWeights:
         from cascade_nb.modes import resolve_mode
         mode = resolve_mode(cfg)
         if not (hasattr(mode, "adapter_scaled") or mode.trains_generator):
-            raise ConfigError(f"eval_metrics 'drift': this '{mode.name}' run has no base to compare with; expected a run "
-                              "with adapters (lora) or a fine-tune from generator_checkpoint_path")
+            raise ConfigError(f"eval_metrics 'drift': this '{mode.name}' run has no base to compare with; expected a "
+                              "run with adapters (lora) or a fine-tune from generator_checkpoint_path")
         self.cfg, self.net = cfg, None
 
     @contextlib.contextmanager
@@ -209,8 +212,8 @@ class Drift:
     def from_config(cls, cfg: Config):
         ck = cfg.checkpoint
         if not ck.eval_drift_prompts:
-            raise ConfigError("eval_metrics 'drift': key 'eval_drift_prompts' is not set; expected the class and neutral "
-                              "prompts the base and the tuned model sample, e.g. ['an emoji', 'a photo']")
+            raise ConfigError("eval_metrics 'drift': key 'eval_drift_prompts' is not set; expected the class and "
+                              "neutral prompts the base and the tuned model sample, e.g. ['an emoji', 'a photo']")
         return cls(ck.eval_drift_prompts, BaseWeights(cfg), ck.eval_seeds, features_of(cfg))
 
     def of_model(self, ctx) -> dict:
@@ -334,8 +337,9 @@ def _grids_over_updates(out: Path) -> list[str]:
     indexes = [json.loads(p.read_text()) for p in sorted(out.glob("samples/*/index.json"))]
     if indexes:
         cols = [f"update {ix['update']}" for ix in indexes]
-        rows = [[e["text"], *(f"![](samples/{ix['update']:06d}/{ix['prompts'][i]['files'].get('pair', ix['prompts'][i]['files']['weights'])})"
-                              for ix in indexes)] for i, e in enumerate(indexes[0]["prompts"])]
+        shown = lambda ix, i: ix["prompts"][i]["files"].get("pair", ix["prompts"][i]["files"]["weights"])
+        rows = [[e["text"], *(f"![](samples/{ix['update']:06d}/{shown(ix, i)})" for ix in indexes)]
+                for i, e in enumerate(indexes[0]["prompts"])]
         lines += ["### Prompt samples (`sample_prompts`)", "", *_table(["prompt", *cols], rows)]
     return lines
 
@@ -348,15 +352,16 @@ def write_report(run_dir, cfg: Config, results: dict | None = None) -> Path:
     evals = latest_per_update(read_evaluations(out/"metrics.jsonl"))
     stop, best_json = stopping_update(evals), Path(run_dir)/"best.json"
     plot_report(rows, evals, stop, out/"report_curves.png")
-    keys = list(dict.fromkeys(k for r in evals for k in r if k.startswith("eval/")))
-    lines = [f"# Report card: {cfg.checkpoint.experiment_id}", "",
-             f"Features: `{cfg.checkpoint.eval_features}`; an evaluation every {cfg.checkpoint.eval_every} updates.", "",
+    keys, ck = list(dict.fromkeys(k for r in evals for k in r if k.startswith("eval/"))), cfg.checkpoint
+    numbers = _table(["update", *(k[5:] for k in keys)], [[r["update"], *(r.get(k, "-") for k in keys)] for r in evals])
+    lines = [f"# Report card: {ck.experiment_id}", "",
+             f"Features: `{ck.eval_features}`; an evaluation every {ck.eval_every} updates.", "",
              "## The update to keep", "",
              *_stop_text(stop, evals, json.loads(best_json.read_text()) if best_json.is_file() else None), "",
-             "## Numbers at each evaluation", "",
-             *_table(["update", *(k[5:] for k in keys)], [[r["update"], *(r.get(k, "-") for k in keys)] for r in evals]),
-             "", "## Curves", "", "![](report_curves.png)", "", "## Samples over updates", "", *_grids_over_updates(out)]
-    if results: lines += ["", "## The released weights, scored now", "", *_table(["metric", "value"], list(results.items()))]
+             "## Numbers at each evaluation", "", *numbers, "", "## Curves", "", "![](report_curves.png)", "",
+             "## Samples over updates", "", *_grids_over_updates(out)]
+    if results:
+        lines += ["", "## The released weights, scored now", "", *_table(["metric", "value"], list(results.items()))]
     (out/"report.md").write_text("\n".join(lines) + "\n")
     return out/"report.md"
 
