@@ -20,7 +20,7 @@ from .prompt_samples import adapter_scaled
 __all__ = ['FEATURES', 'DINO_MODEL', 'REPORT_METRICS', 'register_features', 'features_of', 'tiny_clip_model', 'clip_model',
            'CLIPImageFeatures', 'DinoFeatures', 'subject_fidelity', 'drift', 'diversity', 'caption_labels',
            'SubjectFidelity', 'BaseWeights', 'Drift', 'Diversity', 'PromptFidelity', 'latest_per_update',
-           'stopping_update', 'plot_report', 'write_report']
+           'stopping_walk', 'stopping_update', 'plot_report', 'write_report']
 
 # %% ../nbs/45_report.ipynb #45r00007
 FEATURES: dict = {}
@@ -259,19 +259,24 @@ def latest_per_update(history) -> list[dict]:
     "The logged evaluations by update, the last row of an update winning (a resumed run logs it again), sorted."
     return sorted({r["update"]: r for r in history}.values(), key=lambda r: r["update"])
 
-def stopping_update(history, fidelity: str = "eval/subject_fidelity", drift: str = "eval/drift", tol: float = 0.):
-    """(update, fidelity) to keep: the last new high of `fidelity` before an evaluation where fidelity is no higher
-    (by more than `tol`) while `drift` grew; None before any evaluation. A pure function of the logged rows."""
+def stopping_walk(history, fidelity: str = "eval/subject_fidelity", drift: str = "eval/drift", tol: float = 0.):
+    """(kept row, the row that stopped the walk or None): the last new high of `fidelity` before the first evaluation
+    where fidelity is no higher (by more than `tol`) while `drift` grew; (None, None) before any evaluation."""
     rows = [r for r in latest_per_update(history) if not r.get("eval/nonfinite_samples")
             and all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in (fidelity, drift))]
-    if not rows: return None
+    if not rows: return None, None
     keep = prev = rows[0]
     for r in rows[1:]:
         if r[fidelity] > keep[fidelity] + tol: keep = r
         # fidelity stopped rising while drift keeps growing: what comes later is memorised, not learnt
-        elif r[drift] > prev[drift]: break
+        elif r[drift] > prev[drift]: return keep, r
         prev = r
-    return keep["update"], keep[fidelity]
+    return keep, None
+
+def stopping_update(history, fidelity: str = "eval/subject_fidelity", drift: str = "eval/drift", tol: float = 0.):
+    "(update, fidelity) to keep by `stopping_walk`, or None: a pure function of the logged rows."
+    keep, _ = stopping_walk(history, fidelity, drift, tol)
+    return None if keep is None else (keep["update"], keep[fidelity])
 
 stopping_update.needs = ("subject_fidelity", "drift")
 SELECTION_RULES["stopping_rule"] = stopping_update
@@ -318,16 +323,19 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(map(cell, r)) + " |"
                                                                        for r in rows]
 
-def _stop_text(stop, evals: list[dict], best: dict | None) -> list[str]:
-    "What the stopping rule says, and which weights the run kept for it."
-    if stop is None: return ["No evaluation with both subject_fidelity and drift: add them to `eval_metrics`."]
-    after = [r for r in evals if r["update"] > stop[0]]
-    why = (f"after it, subject fidelity rose no higher while drift grew to {after[-1]['eval/drift']:.4g}"
-           if after else "it is the last evaluation: fidelity was still rising")
+def _stop_text(evals: list[dict], best: dict | None) -> list[str]:
+    "What the stopping rule says, at which evaluation it stopped, and which weights the run kept for it."
+    keep, fired = stopping_walk(evals)
+    if keep is None: return ["No evaluation with both subject_fidelity and drift: add them to `eval_metrics`."]
+    f, d = "eval/subject_fidelity", "eval/drift"
+    before = max((r for r in evals if r["update"] < fired["update"]), key=lambda r: r["update"]) if fired else None
+    why = (f"at update {fired['update']} subject fidelity was no higher ({fired[f]:.4g}) while drift grew "
+           f"({before[d]:.4g} → {fired[d]:.4g})" if fired else "fidelity was still rising at the last evaluation")
     kept = (f"The run kept these weights as `{best['weights']}` (`best_metric: stopping_rule`)."
-            if best and best.get("metric") == "stopping_rule" and best.get("update") == stop[0] else
+            if best and best.get("metric") == "stopping_rule" and best.get("update") == keep["update"] else
             "Set `best_metric: stopping_rule` to keep this update's weights as `*_best.safetensors` while training.")
-    return [f"**Keep update {stop[0]}** (subject fidelity {stop[1]:.4g}): {why}.", "", kept]
+    return [f"**Keep update {keep['update']}** (subject fidelity {keep[f]:.4g}): {why}.", "", kept]
+
 
 # %% ../nbs/45_report.ipynb #45r00034
 def _grids_over_updates(out: Path) -> list[str]:
@@ -357,7 +365,7 @@ def write_report(run_dir, cfg: Config, results: dict | None = None) -> Path:
     lines = [f"# Report card: {ck.experiment_id}", "",
              f"Features: `{ck.eval_features}`; an evaluation every {ck.eval_every} updates.", "",
              "## The update to keep", "",
-             *_stop_text(stop, evals, json.loads(best_json.read_text()) if best_json.is_file() else None), "",
+             *_stop_text(evals, json.loads(best_json.read_text()) if best_json.is_file() else None), "",
              "## Numbers at each evaluation", "", *numbers, "", "## Curves", "", "![](report_curves.png)", "",
              "## Samples over updates", "", *_grids_over_updates(out)]
     if results:
