@@ -236,6 +236,14 @@ class CheckpointConfig:
     eval_metrics: list[str] = field(default_factory=lambda: ["retrieval"])  # 'retrieval', 'fid', 'kid', 'clip_score'
     eval_reference: Optional[Union[str, list[str]]] = None  # images samples are compared with; None: the training data
     best_metric: Optional[str] = None     # e.g. 'retrieval/top1': keep *_best.safetensors by it instead of val loss
+    # the report card (cascade_nb.report): feature space of subject fidelity, drift and diversity: 'pixels', 'clip'
+    # (eval_clip_model's image tower) or 'dino' (DINOv2)
+    eval_features: str = "pixels"
+    # the CLIP of prompt_fidelity and of 'clip' features (a hub id or folder; 'tiny': a small random one)
+    eval_clip_model: str = "openai/clip-vit-large-patch14"
+    eval_heldout_prompts: Optional[list[str]] = None  # prompts kept out of training, scored by prompt_fidelity
+    eval_drift_prompts: Optional[list[str]] = None    # class and neutral prompts the base and the tuned model sample
+    eval_seeds: int = 4                   # samples per prompt (seeds) of drift and diversity
 
 # %% ../nbs/01_config.ipynb #a0c6cdf9
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -287,7 +295,7 @@ RANGES: dict[str, Range] = dict(
     seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0, ema_iters=AT_LEAST_1, ema_beta=DECAY,
     max_nan_steps=AT_LEAST_1,
     save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,    # checkpoint
-    eval_captions=AT_LEAST_1, sample_every=AT_LEAST_1,
+    eval_captions=AT_LEAST_1, sample_every=AT_LEAST_1, eval_seeds=Range(2, 64),
     log_every=AT_LEAST_1)                                                                           # log
 ("The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field "
  "of each entry).")

@@ -17,9 +17,10 @@ from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['METRICS', 'pixel_features', 'retrieval_ranks', 'retrieval_scores', 'register_metric', 'FID', 'KID', 'CLIPScore',
-           'Retrieval', 'reference_set', 'pick_captions', 'sample_captions', 'Evaluator', 'evaluate_run', 'eval_step',
-           'InTrainingEvaluation', 'main']
+__all__ = ['METRICS', 'SELECTION_RULES', 'REPORTS', 'METRIC_MODULES', 'pixel_features', 'retrieval_ranks', 'retrieval_scores',
+           'register_metric', 'build_metric', 'FID', 'KID', 'CLIPScore', 'Retrieval', 'reference_set', 'pick_captions',
+           'sample_captions', 'Evaluator', 'EvalContext', 'evaluate_run', 'eval_step', 'read_evaluations',
+           'logged_evaluations', 'InTrainingEvaluation', 'main']
 
 # %% ../nbs/43_eval.ipynb #826a2171
 def pixel_features(images01: torch.Tensor, size: int = 16) -> torch.Tensor:
@@ -54,6 +55,21 @@ def register_metric(cls):
     return cls
 
 def _result_key(name: str, key: str) -> str: return f"{name}/{key}" if key else name
+
+def build_metric(name: str, cfg: Config):
+    "Metric `name` for run `cfg`: its `from_config(cfg)` when it reads config keys, else its defaults."
+    cls = METRICS[name]
+    return cls.from_config(cfg) if hasattr(cls, "from_config") else cls()
+
+SELECTION_RULES: dict = {}
+"""`best_metric` choices that are rules over the logged evaluations: `rule(history) -> (update, value) | None`, with
+`rule.needs`, the result keys it reads."""
+
+REPORTS: dict = {}
+"Report writers `write(run_dir, cfg, results) -> path` by format (`--report`; the report card registers 'markdown')."
+
+METRIC_MODULES = ("cascade_nb.report",)
+"The modules, later in the reading order, that register more metrics and selection rules (the report card)."
 
 # %% ../nbs/43_eval.ipynb #1a6ef537
 class _InceptionMetric:
@@ -178,33 +194,71 @@ class Evaluator:
     against a `TrainState`."""
     def __init__(self, cfg: Config, metrics=None, captions=None, reference=None, seed: int = 0, best_metric=None,
                  **sampling):
+        from cascade_nb.config import import_modules
+        import_modules(METRIC_MODULES, "eval_metrics")
         ck = cfg.checkpoint
         specs = metrics if metrics is not None else ck.eval_metrics
         specs = specs if isinstance(specs, dict) else dict.fromkeys(specs)
         for n in specs:
             if n not in METRICS:
                 raise ConfigError(f"key 'eval_metrics': unknown metric {n!r}; expected some of {sorted(METRICS)}")
-        self.metrics = {n: m if m is not None else METRICS[n]() for n, m in specs.items()}
+        self.metrics = {n: m if m is not None else build_metric(n, cfg) for n, m in specs.items()}
         self.goals = {_result_key(n, k): g for n in specs for k, g in METRICS[n].goals.items() if g}
         self.best_metric = best_metric if best_metric is not None else ck.best_metric
-        if self.best_metric and self.best_metric not in self.goals:
-            raise ConfigError(f"key 'best_metric': {self.best_metric!r} is not computed by eval_metrics {list(specs)}; "
-                              f"expected one of {sorted(self.goals)}")
+        self._check_best_metric(list(specs))
         # sampling: sample_captions options (steps, cfg_scale, ...)
         self.cfg, self.seed, self.sampling = cfg, seed, sampling
         self.ref_images, self.ref_captions = (reference if reference is not None
                                               else reference_set(cfg, ck.eval_reference))
         self.captions = pick_captions(captions if captions is not None else ck.eval_captions, self.ref_captions)
+        # the logged evaluations so far ({"update": u, "eval/<key>": v}), what a selection rule reads
+        self.history: list[dict] = []
+
+    def _check_best_metric(self, names: list[str]):
+        "Refuse a `best_metric` that is neither a computed result key nor a rule whose inputs are computed."
+        b = self.best_metric
+        if not b or b in self.goals or all(k in self.goals for k in getattr(SELECTION_RULES.get(b), "needs", "?")):
+            return
+        rule = SELECTION_RULES.get(b)
+        need = f"rule {b!r} needs {list(rule.needs)}, " if rule else f"{b!r} is "
+        raise ConfigError(f"key 'best_metric': {need}not computed by eval_metrics {names}; expected one of "
+                          f"{sorted(self.goals) + sorted(SELECTION_RULES)}")
 
     def improved(self, results: dict, state) -> bool:
         """Whether `results` beat `state.best_metric_value` (a `TrainState`'s); if so, recorded there with
         `state.update`."""
         # weights that sample NaN are never the best, whatever the metric made of them
         if not self.best_metric or results.get("nonfinite_samples"): return False
+        if self.best_metric in SELECTION_RULES: return self._rule_keeps(state)
         v, goal, best = results[self.best_metric], self.goals[self.best_metric], state.best_metric_value
         if best is not None and not (v > best if goal == "max" else v < best): return False
         state.best_metric_value, state.best_metric_update = v, state.update
         return True
+
+    def _rule_keeps(self, state) -> bool:
+        "Whether the selection rule, run on the history, picks this update (its value and update then go to `state`)."
+        picked = SELECTION_RULES[self.best_metric](self.history)
+        if picked is None or picked[0] != state.update: return False
+        state.best_metric_value, state.best_metric_update = float(picked[1]), state.update
+        return True
+
+
+# %% ../nbs/43_eval.ipynb #c7e1a2b0
+@dataclasses.dataclass
+class EvalContext:
+    "What a metric with `of_model(ctx)` gets: the evaluator, the run's mode and GDF, the weights evaluated, the device."
+    evaluator: Evaluator
+    mode: object
+    gdf: object
+    net: torch.nn.Module
+    device: object = "cpu"
+
+    def sample(self, captions: list[str], net=None, seed: int | None = None) -> torch.Tensor:
+        "`sample_captions` of `captions` with the evaluator's sampling and seed, from `net` (default: the weights)."
+        ev = self.evaluator
+        return sample_captions(self.mode, self.gdf, ev.cfg, captions, net=net if net is not None else self.net,
+                               seed=ev.seed if seed is None else seed, device=self.device, **ev.sampling)
+
 
 # %% ../nbs/43_eval.ipynb #98676b8e
 @torch.no_grad()
@@ -212,9 +266,11 @@ def evaluate_run(evaluator: Evaluator, mode, gdf, net=None, device="cpu") -> tup
     "({metric/key: value}, samples) of `net` (default: the run's generator) on the evaluator's fixed captions."
     samples = sample_captions(mode, gdf, evaluator.cfg, evaluator.captions, net=net, seed=evaluator.seed, device=device,
                               **evaluator.sampling)
-    out = {}
+    out, ctx = {}, EvalContext(evaluator, mode, gdf, net if net is not None else mode.net, device)
     for name, metric in evaluator.metrics.items():
-        res = metric(samples, evaluator.captions, evaluator.ref_images, evaluator.ref_captions)
+        # a metric that samples for itself (drift, diversity, held-out prompts) gets the weights, not the samples
+        res = (metric.of_model(ctx) if hasattr(metric, "of_model")
+               else metric(samples, evaluator.captions, evaluator.ref_images, evaluator.ref_captions))
         out.update({_result_key(name, k): v for k, v in res.items()})
     # a diverged model: every metric scored its non-finite samples as the worst; said, and never a new best
     if bad := int((~torch.isfinite(samples.flatten(1))).any(1).sum()):
@@ -239,6 +295,7 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
     results = broadcast_object_list([results])[0]   # one decision everywhere, even with non-deterministic kernels
     logged = {f"eval/{k}": v for k, v in results.items()}
     acc.log(logged, step=update)
+    evaluator.history.append({"update": update, **logged})
     best = evaluator.improved(results, state)   # best value and update recorded in `state` (a TrainState)
     released = mode.released(acc, net) if best else {}   # gathers full weights under FSDP: all processes
     ema_sd = gather_ema(ema) if best and ema is not None else {}   # so does a sharded EMA
@@ -268,6 +325,23 @@ def _save_eval_grid(evaluator: Evaluator, samples, path, n: int = 16):
     Path(path).with_suffix(".txt").write_text("\n".join(caps) + "\n")
     return save_sample_grid(rows, path)
 
+# %% ../nbs/43_eval.ipynb #c7e1a2b1
+def read_evaluations(metrics_path, upto: int | None = None) -> list[dict]:
+    """The evaluation rows (`eval/` keys) of a metrics.jsonl, in file order, up to update `upto`: a row of a killed
+    run's later updates is not its resumed run's history."""
+    rows = []
+    for line in Path(metrics_path).read_text().splitlines() if Path(metrics_path).is_file() else []:
+        # a line cut short by a kill is skipped
+        with contextlib.suppress(ValueError): rows.append(json.loads(line))
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("update"), int) and
+            any(k.startswith("eval/") for k in r) and (upto is None or r["update"] <= upto)]
+
+def logged_evaluations(acc, metrics_path, upto: int) -> list[dict]:
+    "`read_evaluations` by the main process (which writes the file), the same list on every process."
+    from accelerate.utils import broadcast_object_list
+    return broadcast_object_list([read_evaluations(metrics_path, upto) if acc.is_main_process else None])[0]
+
+
 # %% ../nbs/43_eval.ipynb #e1a0c005
 @training_hook("eval")
 class InTrainingEvaluation:
@@ -275,6 +349,9 @@ class InTrainingEvaluation:
     def __init__(self, cfg: Config): self.every, self.evaluator = cfg.checkpoint.eval_every, Evaluator(cfg)
     @classmethod
     def enabled(cls, cfg: Config) -> bool: return bool(cfg.checkpoint.eval_every)
+    def before_training(self, run):
+        "A resumed run's selection rule reads the evaluations logged up to its checkpoint, as the first run saw them."
+        self.evaluator.history = logged_evaluations(run.acc, run.metrics_path, run.state.update)
     def after_update(self, run):
         if run.state.update % self.every == 0:
             # schedule-free AdamW: the average x is scored (and kept as the best), not the gradient point y
@@ -313,6 +390,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")
+    p.add_argument("--report", action="store_true", help="also write each run's report card (report.md with its "
+                   "pictures) next to its outputs: {output_path}/{experiment_id}/report/")
     return add_import_option(p)
 
 # %% ../nbs/43_eval.ipynb #eb2e24da
@@ -337,6 +416,7 @@ def main(argv=None) -> dict:
                                   reference=shared.get("reference"), seed=a.seed, best_metric="", steps=a.steps,
                                   cfg_scale=a.cfg, sampler=a.sampler)
             results.append(evaluate_run(evaluator, mode, gdf)[0])
+            if a.report: print(f"report: {REPORTS['markdown'](run, cfg, results[-1])}")
     except (FileNotFoundError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr); sys.exit(2)
     keys = list(dict.fromkeys(k for r in results for k in r))
@@ -350,4 +430,7 @@ def main(argv=None) -> dict:
         except OSError as e: print(f"error: --json {a.json}: {e.strerror or e}", file=sys.stderr); sys.exit(2)
     return by_run
 
-if __name__ == "__main__" and "__file__" in globals(): main()
+if __name__ == "__main__" and "__file__" in globals():
+    # run as cascade_nb.eval, whose registries the metric modules fill, not as this file's __main__ copy
+    from cascade_nb.eval import main as _main
+    _main()

@@ -76,11 +76,18 @@ PRIOR = [f"webdataset_path=[{{path: '{EMOJI}/shard-{{000000..000001}}.tar', capt
          # and a density over the schedule's time (OneTrainer's SIGMOID) in a range whose lower edge moves
          "timestep_sampling=sigmoid_t", "t_density_weight=2", "logsnr_min=-6", "logsnr_min_end=-2"]
 
+# the report card (cascade_nb.report) at tiny size: its stopping rule picks the kept update from the logged history
+REPORT = ["eval_every=2", "eval_captions=2", "eval_metrics=[subject_fidelity, drift, diversity, prompt_fidelity]",
+          "eval_clip_model=tiny", "eval_drift_prompts=[an emoji]", "eval_heldout_prompts=[a red car]", "eval_seeds=2",
+          "best_metric=stopping_rule"]
+
 def test_lora_resume_after_kill_is_bit_identical(tmp_path):
     """Killed committing update 4, resumed from update 2: it commits the killed process's own state of update 4 (with
-    prior-prediction samples in the mixture)."""
-    resumes_to_the_killed_state(tmp_path / "ckpt" / "r", lora_args(tmp_path, "r", *RUN, *PRIOR))
+    prior-prediction samples in the mixture, and the report card's kept update, rebuilt from the metrics logged up to
+    update 2)."""
+    resumes_to_the_killed_state(tmp_path / "ckpt" / "r", lora_args(tmp_path, "r", *RUN, *PRIOR, *REPORT))
     assert info(tmp_path, "r")["update"] == 6
+    assert json.loads((tmp_path / "ckpt" / "r" / "best.json").read_text())["metric"] == "stopping_rule"
     assert_state_without_the_base(tmp_path / "ckpt" / "r", tmp_path / "pretrained.safetensors")
     # the base of a state without it must be the file it was trained on: a same-shaped other base is refused
     base = tmp_path / "pretrained.safetensors"
@@ -106,12 +113,14 @@ def assert_state_without_the_base(run_dir, base):
 def test_lora_two_process_ddp(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
                   "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync",
-                  *lora_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8", *PRIOR),
+                  *lora_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8", *PRIOR, *REPORT),
                   env={"OMP_NUM_THREADS": "1"})
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 2
     assert "tokens.embeddings" in released(tmp_path, "ddp")
+    # the report card on 2 processes: one decision (broadcast), the rule's first update kept
+    assert json.loads((tmp_path / "ckpt" / "ddp" / "best.json").read_text())["update"] == 2
 
 def test_prior_samples_reach_the_loss_and_other_modes_refuse_them(tmp_path):
     """A `prior: true` entry's samples arrive marked (`priors`), the mode's extras carry the mask and prior_loss_weight,
