@@ -130,8 +130,11 @@ class SourceEntry:
     # regularisation samples (prior preservation): their target is the frozen base's own prediction (nbs/60_lora)
     prior: bool = False
     hflip: Optional[bool] = None   # mirror its samples (true/false); None: the data section's `hflip`
+    # every sample's caption instead of its own, e.g. the class prompt of regularisation samples (prior: true) read
+    # from the instance images, so that prior preservation needs no class images; None: the sample's own caption
+    caption: Optional[str] = None
 
-SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior", "hflip")
+SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior", "hflip", "caption")
 "The keys of a mapping entry of `webdataset_path`."
 
 # %% ../nbs/01_config.ipynb #397834c0
@@ -142,6 +145,14 @@ def _entry_value(entry: dict, name: str, tp, rng: Range | None, key: str, defaul
     if rng is not None and v not in rng:
         raise ConfigError(f"key '{key}.{name}': {entry[name]!r} is out of range; expected {rng}")
     return v
+
+def _entry_caption(entry: dict, key: str) -> str | None:
+    "An entry's `caption`: None, or text that is not blank."
+    caption = _entry_value(entry, "caption", str, None, key, None)
+    if caption is not None and not caption.strip():
+        raise ConfigError(f"key '{key}.caption': {caption!r} is blank; expected the text every sample of it is "
+                          "captioned with, or no caption key (each sample's own caption)")
+    return caption
 
 def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
     "One `webdataset_path` entry, a path or a mapping of `SOURCE_KEYS`, as a `SourceEntry`; ConfigError naming the key."
@@ -163,7 +174,7 @@ def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
                        _entry_value(entry, "loss_weight", float, AT_LEAST_0, key, 1.0),
                        _entry_value(entry, "caption_prefix", str, None, key, ""),
                        _entry_value(entry, "prior", bool, None, key, False),
-                       _entry_value(entry, "hflip", bool, None, key, None))
+                       _entry_value(entry, "hflip", bool, None, key, None), _entry_caption(entry, key))
 
 
 # %% ../nbs/01_config.ipynb #a5cf2721
@@ -537,9 +548,10 @@ def _check_sources(cfg: Config, need):
     try: entries = source_entries(cfg.data.webdataset_path)
     except ConfigError as e: need(False, str(e))
     for i, e in enumerate(entries):
-        need(not (e.caption_prefix and cfg.model.latent_space == "cached"),
-             f"key 'webdataset_path[{i}].caption_prefix' changes captions, but latent_space: cached trains on text "
-             "embeddings encoded by `python -m cascade_nb.data cache`; put the prefix into the captions before caching")
+        for name in ("caption_prefix", "caption"):
+            need(not (getattr(e, name) and cfg.model.latent_space == "cached"),
+                 f"key 'webdataset_path[{i}].{name}' changes captions, but latent_space: cached trains on text "
+                 "embeddings encoded by `python -m cascade_nb.data cache`; put it into the captions before caching")
         need(not (e.hflip and cfg.model.latent_space == "cached"),
              f"key 'webdataset_path[{i}].hflip' mirrors images, but latent_space: cached trains on latents encoded "
              "once; cache mirrored copies, or train from the images (latent_space: effnet)")

@@ -11,6 +11,7 @@ from conftest import ROOT, run_cli
 from cascade_nb.config import config_from_dict, ConfigError
 from cascade_nb.data.pipeline import build_dataloader, build_dataset
 from cascade_nb.data.sources import write_shards
+import cascade_nb.modes  # noqa: F401  the modes' config sections (teacher_checkpoint_path, ...), whatever runs first
 
 def make_source(root, name, shards, per_shard, meta=None):
     "A source of `shards` tar shards of `per_shard` 32² PNG samples keyed `{name}-{i}`."
@@ -120,6 +121,22 @@ def test_distillation_refuses_loss_weights_and_cached_refuses_caption_prefix():
                               webdataset_path=["d", {"path": "e", "caption_prefix": "sks, "}]), training=False)
     with pytest.raises(ConfigError, match=r"webdataset_path\[0\]\.weigth' is unknown; did you mean 'weight'"):
         config_from_dict(dict(experiment_id="x", webdataset_path=[{"path": "d", "weigth": 2}]), training=False)
+
+def test_an_entry_caption_replaces_its_samples_captions(sources):
+    """`caption:` on an entry (a class prompt for prior: true samples read from the instance images): every sample of
+    that entry is captioned with it, the other entry's samples keep their own; blank or with cached latents: refused."""
+    a, b, _ = sources
+    loader = build_dataloader([a, {"path": b, "caption": "a photo of a thing", "prior": True}], 4, image_size=32, seed=1,
+                              num_workers=0)
+    seen = [(k, c, p) for batch in loader for k, c, p in zip(batch["keys"], batch["captions"], batch["priors"])]
+    assert len(seen) == 24
+    assert all(c == ("a photo of a thing" if k.startswith("b-") else f"a {k[2:]}") for k, c, _ in seen), seen[:4]
+    assert all(p == k.startswith("b-") for k, _, p in seen)
+    with pytest.raises(ConfigError, match=r"webdataset_path\[0\]\.caption': ' ' is blank"):
+        config_from_dict(dict(experiment_id="x", webdataset_path=[{"path": "d", "caption": " "}]), training=False)
+    with pytest.raises(ConfigError, match=r"webdataset_path\[0\]\.caption' changes captions"):
+        config_from_dict(dict(experiment_id="x", latent_space="cached", webdataset_path=[{"path": "d", "caption": "x"}]),
+                         training=False)
 
 def test_inspect_config_prints_the_effective_mix(tmp_path, sources):
     a, _, c = sources

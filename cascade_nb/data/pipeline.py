@@ -217,7 +217,7 @@ def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]
     source = s.get("__source__", 0)
     entry = dec.sources[source]
     if (loss_weight := sample_loss_weight(entry.loss_weight, meta)) is None: return None, "bad_json"
-    try: caption = dec.getter(s)
+    try: caption = dec.getter(s) if entry.caption is None else entry.caption   # an entry's caption replaces its own
     except KeyError: return None, "missing_caption"
     except UnicodeDecodeError: return None, "bad_text"
     except ValueError: return None, "bad_json"
