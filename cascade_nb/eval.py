@@ -371,6 +371,8 @@ _finite.__name__ = "finite number"
 # %% ../nbs/43_eval.ipynb #c4f8874a
 def _parser() -> argparse.ArgumentParser:
     from cascade_nb.cli import at_least, add_import_option
+    from cascade_nb.config import import_modules
+    import_modules(METRIC_MODULES, "eval_metrics")   # so that --metrics' help names the report card's metrics too
     p = argparse.ArgumentParser(prog="python -m cascade_nb.eval",
                                 description="Evaluate cascade_nb training runs: caption retrieval, FID/KID, CLIP "
                                             "score of samples for fixed captions and seeds.")
