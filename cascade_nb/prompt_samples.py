@@ -180,10 +180,11 @@ def check_cascade_decode(cfg: Config):
     "Refuse `sample_decode: cascade` where it cannot apply, in one line."
     m, expected = cfg.model, "; expected sample_decode: previewer"
     if m.stage == "b":
-        raise ConfigError("sample_decode 'cascade': a Stage B run's prompt samples are Stage A decodes already" + expected)
+        raise ConfigError("sample_decode 'cascade': a Stage B run's prompt samples are Stage A decodes already"
+                          + expected)
     if m.latent_space == "pixels":
-        raise ConfigError("sample_decode 'cascade': this run's generator makes pixels (latent_space: pixels), and Stage "
-                          "B decodes Stage C's EfficientNet latents" + expected)
+        raise ConfigError("sample_decode 'cascade': this run's generator makes pixels (latent_space: pixels), and "
+                          "Stage B decodes Stage C's EfficientNet latents" + expected)
     why = (_missing_file("sample_stage_b_checkpoint_path", cfg.checkpoint.sample_stage_b_checkpoint_path,
                          "a Stage B weights file, e.g. models/stage_b_lite_bf16.safetensors")
            or _missing_file("stage_a_checkpoint_path", m.stage_a_checkpoint_path,
@@ -193,8 +194,8 @@ def check_cascade_decode(cfg: Config):
 # %% ../nbs/44_prompt_samples.ipynb #d3c0de06
 @torch.no_grad()
 def stage_b_latents(stage_b, latent_c, clip, clip_u, side: int, steps: int, cfg_scale: float, generator):
-    """(B, 4, side, side): Stage B sampled on Stage C latents `latent_c` and pooled text `clip`, CFG against a zero latent
-    and `clip_u`, with the reference's Stage B shift and CFG rescale (`SAMPLING_DEFAULTS`)."""
+    """(B, 4, side, side): Stage B sampled on Stage C latents `latent_c` and pooled text `clip`, CFG against a zero
+    latent and `clip_u`, with the reference's Stage B shift and CFG rescale (`SAMPLING_DEFAULTS`)."""
     d = SAMPLING_DEFAULTS["stage_b"]
     cond, uncond = dict(effnet=latent_c, clip=clip), dict(effnet=torch.zeros_like(latent_c), clip=clip_u)
     shape = (latent_c.shape[0], getattr(stage_b, "config", {}).get("c_out", 4), side, side)
@@ -328,8 +329,8 @@ class PromptSamples:
 
 @LAUNCH_CHECKS.register("sample_prompts")
 def check_sample_prompts(cfg: Config, acc=None):
-    """At launch, before any model is built: a `sample_prompts` file that cannot be read or holds a bad entry is refused,
-    and a `sample_decode` that cannot apply (or without prompts to decode)."""
+    """At launch, before any model is built: a `sample_prompts` file that cannot be read or holds a bad entry is
+    refused, and a `sample_decode` that cannot apply (or without prompts to decode)."""
     ck = cfg.checkpoint
     if ck.sample_prompts: read_prompts(cfg)
     elif ck.sample_decode != "previewer":
