@@ -47,7 +47,7 @@ class ModelConfig:
     generator_checkpoint_path: Optional[str] = None  # pretrained generator (.safetensors); None = random init
     effnet_checkpoint_path: Optional[str] = None     # EfficientNet latent encoder (Stage C latents)
     previewer_checkpoint_path: Optional[str] = None  # Previewer (Stage C latents -> RGB preview)
-    stage_a_checkpoint_path: Optional[str] = None    # Stage A VQGAN (Stage B latents)
+    stage_a_checkpoint_path: Optional[str] = None    # Stage A VQGAN (Stage B latents; sample_decode: cascade)
     clip_text_model_name: str = "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"  # hub id or local dir, or 'tiny'
     clip_image_model_name: Optional[str] = "openai/clip-vit-large-patch14"   # hub id or local dir, 'tiny' or None
     tokenizer_path: Optional[str] = None  # tokenizer dir; None = the text model's own
@@ -243,6 +243,12 @@ class CheckpointConfig:
     # update 0 and every sample_every into {output_path}/{experiment_id}/samples/ (cascade_nb.prompt_samples)
     sample_prompts: Optional[str] = None
     sample_every: Optional[int] = None    # updates between the sample_prompts samples; None: at each save_every
+    # how the sample_prompts latents become images: 'previewer' (the run's latent space decode: a Stage C run's
+    # Previewer) or 'cascade' (Stage C latent -> Stage B -> Stage A at stage_a_checkpoint_path; a Stage C run's)
+    sample_decode: Choice["sample_decoder"] = "previewer"
+    sample_stage_b_checkpoint_path: Optional[str] = None  # the frozen Stage B of sample_decode: cascade
+    sample_stage_b_steps: Optional[int] = None   # its sampler steps; None: gdf.presets.SAMPLING_DEFAULTS' (10)
+    sample_stage_b_cfg: Optional[float] = None   # its CFG scale; None: gdf.presets.SAMPLING_DEFAULTS' (1.1)
     eval_captions: Union[int, list[str]] = 16  # N captions spread over the reference data, or the captions themselves
     eval_metrics: list[str] = field(default_factory=lambda: ["retrieval"])  # 'retrieval', 'fid', 'kid', 'clip_score'
     eval_reference: Optional[Union[str, list[str]]] = None  # images samples are compared with; None: the training data
@@ -306,7 +312,8 @@ RANGES: dict[str, Range] = dict(
     seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0, ema_iters=AT_LEAST_1, ema_beta=DECAY,
     max_nan_steps=AT_LEAST_1,
     save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,    # checkpoint
-    eval_captions=AT_LEAST_1, sample_every=AT_LEAST_1, eval_seeds=Range(2, 64),
+    eval_captions=AT_LEAST_1, sample_every=AT_LEAST_1, eval_seeds=Range(2, 64), sample_stage_b_steps=AT_LEAST_1,
+    sample_stage_b_cfg=AT_LEAST_0,
     log_every=AT_LEAST_1)                                                                           # log
 ("The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field "
  "of each entry).")

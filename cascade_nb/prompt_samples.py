@@ -6,22 +6,27 @@ Docs: https://cascade-nb.github.io/cascade_nb/prompt_samples.html.md"""
 
 # %% ../nbs/44_prompt_samples.ipynb #06c13007
 from __future__ import annotations
-import contextlib, dataclasses, difflib, json, warnings
+import contextlib, dataclasses, difflib, json, math, warnings
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from .config import Config, ConfigError
 from .typed_yaml import read_yaml_file, coerce, Range, AT_LEAST_0, AT_LEAST_1
-from .core import atomic_write_text, atomic_write_json
+from .core import atomic_write_text, atomic_write_json, frozen
+from .registry import registry, UnknownChoice
+from .hub import parse_hub_spec
+from .gdf.presets import stage_b_gdf, SAMPLING_DEFAULTS
 from .data.buckets import size_rule
 from .run_state import training_hook, ema_weights, evaluation_view
-from .sample import sample_run, save_png, _slug
+from .sample import sample_run, save_png, _slug, chunk_seed
 from .train import LAUNCH_CHECKS, tracker_image
 
 # %% auto #0
-__all__ = ['PROMPT_FIELDS', 'MAX_PROMPTS', 'MAX_PROMPTS_BYTES', 'SamplePrompt', 'prompt_defaults', 'read_prompt_entries',
-           'prompt_entry', 'read_prompts', 'adapter_scaled', 'sample_prompt', 'prompt_folder', 'write_prompt_samples',
-           'sample_weights', 'log_prompt_samples', 'PromptSamples', 'check_sample_prompts']
+__all__ = ['PROMPT_FIELDS', 'MAX_PROMPTS', 'MAX_PROMPTS_BYTES', 'SAMPLE_DECODERS', 'STAGE_B_KEYS', 'SamplePrompt',
+           'prompt_defaults', 'read_prompt_entries', 'prompt_entry', 'read_prompts', 'adapter_scaled', 'sample_prompt',
+           'LatentSpaceDecoder', 'check_cascade_decode', 'stage_b_latents', 'CascadeDecoder', 'sample_decoder',
+           'prompt_folder', 'write_prompt_samples', 'sample_weights', 'log_prompt_samples', 'PromptSamples',
+           'check_sample_prompts']
 
 # %% ../nbs/44_prompt_samples.ipynb #0c600f0e
 @dataclass(frozen=True)
@@ -136,11 +141,101 @@ def adapter_scaled(mode, net, scale: float):
     return mode.adapter_scaled(net, scale)
 
 @torch.no_grad()
-def sample_prompt(mode, gdf, cfg: Config, p: SamplePrompt, net, device="cpu") -> torch.Tensor:
-    "(3, H, W) in [0, 1]: prompt `p` sampled from `net` with its own seed, CFG, steps, size and negative prompt."
+def sample_prompt(mode, gdf, cfg: Config, p: SamplePrompt, net, device="cpu", decoder=None) -> torch.Tensor:
+    """(3, H, W) in [0, 1]: prompt `p` sampled from `net` with its own seed, CFG, steps, size and negative prompt;
+    `decoder(mode, x0, conds, uncond, p)` (`SAMPLE_DECODERS`) makes the image (None: the run's latent space)."""
+    decode = None if decoder is None else (lambda x0, conds, uncond: decoder(mode, x0, conds, uncond, p))
     with adapter_scaled(mode, net, p.adapter_scale):
         return sample_run(mode, gdf, cfg, [p.text], n=1, steps=p.steps, cfg_scale=p.cfg, seed=p.seed, size=p.size,
-                          device=device, net=net, negative_prompt=p.negative_prompt)[0]
+                          device=device, net=net, negative_prompt=p.negative_prompt, decode=decode)[0]
+
+# %% ../nbs/44_prompt_samples.ipynb #d3c0de02
+SAMPLE_DECODERS = registry("sample_decoder", how="@SAMPLE_DECODERS.register('name') on a class built with the config")
+("How the prompt samples' latents become images (`sample_decode`): `cls(cfg)` refuses what it cannot decode; its "
+ "instance is called as `decoder(mode, x0, conds, uncond, p)`.")
+
+STAGE_B_KEYS = ("sample_stage_b_checkpoint_path", "sample_stage_b_steps", "sample_stage_b_cfg")
+"The keys of the Stage B that `sample_decode: cascade` samples."
+
+@SAMPLE_DECODERS.register("previewer")
+class LatentSpaceDecoder:
+    "The run's own latent space decode: a Stage C run's Previewer, a Stage B run's Stage A, a pixel run's pixels."
+    name = "previewer"
+    def __init__(self, cfg: Config):
+        for k in STAGE_B_KEYS:
+            if getattr(cfg.checkpoint, k) is not None:
+                raise ConfigError(f"key '{k}': set, but it belongs to sample_decode: cascade and this run decodes its "
+                                  "prompt samples with 'previewer'; expected sample_decode: cascade, or no " + k)
+    def __call__(self, mode, x0, conds, uncond, p): return mode.space.decode(x0)
+
+# %% ../nbs/44_prompt_samples.ipynb #d3c0de04
+def _missing_file(key: str, path, what: str, tiny: bool = False) -> str | None:
+    "Why the weights `path` of `key` cannot be read, or None (a hub id is checked when it is fetched)."
+    example = f"{what}" + (", or 'tiny'" if tiny else "")
+    if not path: return f"sample_decode 'cascade' needs '{key}' ({example})"
+    if (tiny and path == "tiny") or parse_hub_spec(path) is not None or Path(path).exists(): return None
+    return f"key '{key}': {str(path)!r} does not exist; expected {example}"
+
+def check_cascade_decode(cfg: Config):
+    "Refuse `sample_decode: cascade` where it cannot apply, in one line."
+    m, expected = cfg.model, "; expected sample_decode: previewer"
+    if m.stage == "b":
+        raise ConfigError("sample_decode 'cascade': a Stage B run's prompt samples are Stage A decodes already"
+                          + expected)
+    if m.latent_space == "pixels":
+        raise ConfigError("sample_decode 'cascade': this run's generator makes pixels (latent_space: pixels), and "
+                          "Stage B decodes Stage C's EfficientNet latents" + expected)
+    why = (_missing_file("sample_stage_b_checkpoint_path", cfg.checkpoint.sample_stage_b_checkpoint_path,
+                         "a Stage B weights file, e.g. models/stage_b_lite_bf16.safetensors")
+           or _missing_file("stage_a_checkpoint_path", m.stage_a_checkpoint_path,
+                            "a Stage A weights file, e.g. models/stage_a.safetensors", tiny=True))
+    if why: raise ConfigError(why)
+
+# %% ../nbs/44_prompt_samples.ipynb #d3c0de06
+@torch.no_grad()
+def stage_b_latents(stage_b, latent_c, clip, clip_u, side: int, steps: int, cfg_scale: float, generator):
+    """(B, 4, side, side): Stage B sampled on Stage C latents `latent_c` and pooled text `clip`, CFG against a zero
+    latent and `clip_u`, with the reference's Stage B shift and CFG rescale (`SAMPLING_DEFAULTS`)."""
+    d = SAMPLING_DEFAULTS["stage_b"]
+    cond, uncond = dict(effnet=latent_c, clip=clip), dict(effnet=torch.zeros_like(latent_c), clip=clip_u)
+    shape = (latent_c.shape[0], getattr(stage_b, "config", {}).get("c_out", 4), side, side)
+    *_, last = stage_b_gdf().sample(stage_b, cond, shape, uncond, timesteps=steps, cfg=cfg_scale, shift=d["shift"],
+                                    cfg_rho=d["cfg_rho"], device=latent_c.device, generator=generator)
+    return last.x0
+
+# %% ../nbs/44_prompt_samples.ipynb #d3c0de08
+@SAMPLE_DECODERS.register("cascade")
+class CascadeDecoder:
+    "Stage C latents → Stage B (sampled) → Stage A: the picture the released model makes; the stages loaded once."
+    name = "cascade"
+    def __init__(self, cfg: Config):
+        check_cascade_decode(cfg)
+        ck, d = cfg.checkpoint, SAMPLING_DEFAULTS["stage_b"]
+        self.stage_b_path, self.stage_a_path = ck.sample_stage_b_checkpoint_path, cfg.model.stage_a_checkpoint_path
+        self.steps = ck.sample_stage_b_steps or d["timesteps"]
+        self.cfg_scale = d["cfg"] if ck.sample_stage_b_cfg is None else ck.sample_stage_b_cfg
+        self.stages = None
+    def load(self, device) -> tuple:
+        "(Stage B, Stage A) on `device`, frozen: read from their files the first time."
+        from cascade_nb.models.stage_b import load_stage_b
+        from cascade_nb.modes import load_frozen
+        if self.stages is None:
+            self.stages = (frozen(load_stage_b(self.stage_b_path), device),
+                           frozen(load_frozen("stage_a", self.stage_a_path), device))
+        return self.stages
+    def __call__(self, mode, x0, conds, uncond, p):
+        stage_b, stage_a = self.load(x0.device)
+        g = torch.Generator().manual_seed(chunk_seed(p.seed, 1))   # on the CPU: the same noise on every device
+        side = math.ceil(p.size / 2 ** stage_a.config["levels"])
+        latent_b = stage_b_latents(stage_b, x0, conds["clip_text_pooled"], uncond["clip_text_pooled"], side, self.steps,
+                                   self.cfg_scale, g)
+        return stage_a.decode(latent_b).float().clamp(0, 1)[..., :p.size, :p.size]
+
+def sample_decoder(cfg: Config):
+    "The config's `sample_decode` decoder, its checks done (nothing is loaded yet)."
+    try: cls = SAMPLE_DECODERS.choose(cfg.checkpoint.sample_decode)
+    except UnknownChoice as e: raise ConfigError(f"key 'sample_decode': {e}") from None
+    return cls(cfg)
 
 # %% ../nbs/44_prompt_samples.ipynb #4afdf2dd
 def prompt_folder(out_dir, update: int) -> Path:
@@ -153,18 +248,20 @@ def _side_by_side(images: list[torch.Tensor], pad: int = 2) -> torch.Tensor:
     return torch.cat([x for img in images for x in (img.float().cpu(), gap)][:-1], dim=2)
 
 # %% ../nbs/44_prompt_samples.ipynb #1a2e2ef1
-def _index_md(update: int, columns: list[str], entries: list[dict]) -> str:
+def _index_md(update: int, columns: list[str], entries: list[dict], decoder: str) -> str:
     "The markdown table of an update's prompts and their images."
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
     head = ["#", "prompt", "seed", "cfg", "steps", "size", "negative prompt", "adapter scale", *columns]
     rows = [[e["index"], esc(e["text"]), e["seed"], e["cfg"], e["steps"], e["size"], esc(e["negative_prompt"]),
              e["adapter_scale"], *[f"![]({e['files'][c]})" for c in columns]] for e in entries]
-    lines = [f"# Prompt samples at update {update}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [f"# Prompt samples at update {update}", "", f"Decoded by: {decoder}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows]) + "\n"
 
-def write_prompt_samples(folder, prompts: list[SamplePrompt], images: dict, update: int) -> dict:
+def write_prompt_samples(folder, prompts: list[SamplePrompt], images: dict, update: int,
+                         decoder: str = "previewer") -> dict:
     """Write `images` ({'weights': [...], 'ema': [...]}, one (3, H, W) per prompt) as PNGs into `folder`, the two
-    side by side when both are given, with `index.json` and `index.md`; returns the index."""
+    side by side when both are given, with `index.json` and `index.md` (naming the `decoder`); returns the index."""
     folder, entries = Path(folder), []
     for i, p in enumerate(prompts):
         stem = f"{i:02d}_{_slug(p.text)}"
@@ -173,9 +270,9 @@ def write_prompt_samples(folder, prompts: list[SamplePrompt], images: dict, upda
         shown = {**{c: imgs[i] for c, imgs in images.items()}, "pair": _side_by_side([v[i] for v in images.values()])}
         for c, name in files.items(): save_png(shown[c], folder/name, overwrite=True)
         entries.append({"index": i, **dataclasses.asdict(p), "files": files})
-    index = {"update": update, "columns": list(images), "prompts": entries}
+    index = {"update": update, "decoder": decoder, "columns": list(images), "prompts": entries}
     atomic_write_json(folder/"index.json", index)
-    atomic_write_text(folder/"index.md", _index_md(update, list(images), entries))
+    atomic_write_text(folder/"index.md", _index_md(update, list(images), entries, decoder))
     return index
 
 # %% ../nbs/44_prompt_samples.ipynb #bade3b2d
@@ -183,28 +280,29 @@ def _global_rng_kept(device):
     "A context that gives torch's global generators (CPU, and this process's CUDA device) back as it found them."
     return torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else [])
 
-def sample_weights(run, prompts: list[SamplePrompt]) -> dict[str, list[torch.Tensor]]:
+def sample_weights(run, prompts: list[SamplePrompt], decoder=None) -> dict[str, list[torch.Tensor]]:
     """{'weights': images, 'ema': images} of `prompts` from the run's current weights and (when it keeps one on the
-    training device) its EMA; all processes; no random stream of the run moves."""
+    training device) its EMA, made by `decoder` (`sample_prompt`); all processes; no random stream of the run moves."""
     acc, mode, gdf, cfg = run.acc, run.mode, run.gdf, run.cfg
     net = acc.unwrap_model(run.net)
     mode.set_training(run.net, False)
     with _global_rng_kept(acc.device), acc.autocast(), evaluation_view(run):
-        images = {"weights": [sample_prompt(mode, gdf, cfg, p, net, acc.device) for p in prompts]}
+        images = {"weights": [sample_prompt(mode, gdf, cfg, p, net, acc.device, decoder) for p in prompts]}
         if run.ema is not None and not (cfg.train.ema_on_cpu and acc.device.type != "cpu"):
             with ema_weights(run.ema, net) as m:
-                images["ema"] = [sample_prompt(mode, gdf, cfg, p, m, acc.device) for p in prompts]
+                images["ema"] = [sample_prompt(mode, gdf, cfg, p, m, acc.device, decoder) for p in prompts]
     mode.set_training(run.net, True)
     return images
 
 # %% ../nbs/44_prompt_samples.ipynb #f3110979
-def log_prompt_samples(run, prompts: list[SamplePrompt]) -> Path:
-    """Sample `prompts` (`sample_weights`, all processes); the main process writes them (`write_prompt_samples`) and
-    logs each prompt's picture (the pair with an EMA) to the tracker with its text as caption."""
+def log_prompt_samples(run, prompts: list[SamplePrompt], decoder=None) -> Path:
+    """Sample `prompts` (`sample_weights` with `decoder`, all processes); the main process writes them
+    (`write_prompt_samples`) and logs each prompt's picture (the pair with an EMA) to the tracker with its text as
+    caption."""
     acc, update = run.acc, run.state.update
-    images, folder = sample_weights(run, prompts), prompt_folder(run.out_dir, update)
+    images, folder = sample_weights(run, prompts, decoder), prompt_folder(run.out_dir, update)
     if acc.is_main_process:
-        index = write_prompt_samples(folder, prompts, images, update)
+        index = write_prompt_samples(folder, prompts, images, update, getattr(decoder, "name", "previewer"))
         for e in index["prompts"]:
             shown = e["files"].get("pair", e["files"]["weights"])
             tracker_image(acc, f"prompts/{e['index']:02d}", folder/shown, update, caption=e["text"])
@@ -217,17 +315,25 @@ class PromptSamples:
     "The trainer's hook: `sample_prompts` sampled at update 0 of a new run, every `sample_every` and at the end."
     def __init__(self, cfg: Config):
         self.prompts, self.every, self.last = read_prompts(cfg), cfg.checkpoint.sample_every, cfg.train.updates
+        self.decoder = sample_decoder(cfg)
         if self.every is None: self.every = cfg.checkpoint.save_every
         if cfg.train.ema_on_cpu and torch.cuda.is_available():
             warnings.warn("ema_on_cpu: the prompt samples show the trained weights only (the EMA stays on the CPU)")
     @classmethod
     def enabled(cls, cfg: Config) -> bool: return bool(cfg.checkpoint.sample_prompts)
     def before_training(self, run):
-        if run.state.update == 0: log_prompt_samples(run, self.prompts)
+        if run.state.update == 0: log_prompt_samples(run, self.prompts, self.decoder)
     def after_update(self, run):
-        if run.state.update % self.every == 0 or run.state.update == self.last: log_prompt_samples(run, self.prompts)
+        if run.state.update % self.every == 0 or run.state.update == self.last:
+            log_prompt_samples(run, self.prompts, self.decoder)
 
 @LAUNCH_CHECKS.register("sample_prompts")
 def check_sample_prompts(cfg: Config, acc=None):
-    "At launch, before any model is built: a `sample_prompts` file that cannot be read or holds a bad entry is refused."
-    if cfg.checkpoint.sample_prompts: read_prompts(cfg)
+    """At launch, before any model is built: a `sample_prompts` file that cannot be read or holds a bad entry is
+    refused, and a `sample_decode` that cannot apply (or without prompts to decode)."""
+    ck = cfg.checkpoint
+    if ck.sample_prompts: read_prompts(cfg)
+    elif ck.sample_decode != "previewer":
+        raise ConfigError(f"key 'sample_decode': {ck.sample_decode!r} decodes the sample_prompts samples, and this run "
+                          "has no sample_prompts; expected a sample_prompts file, or sample_decode: previewer")
+    sample_decoder(cfg)

@@ -95,9 +95,10 @@ def negative_conds(mode, conds: dict, negative_prompt: str = "") -> dict:
 @torch.no_grad()
 def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None = None,
                cfg_scale: float | None = None, sampler: str | None = None, seed: int = 0, size: int | None = None,
-               device="cpu", net=None, negative_prompt: str = "") -> torch.Tensor:
+               device="cpu", net=None, negative_prompt: str = "", decode=None) -> torch.Tensor:
     """Images in [0, 1], `n` per prompt, from a run loaded with `load_run` (or from `net`, e.g. an EMA, with its
-    conditioning); CFG pushes away from `negative_prompt` (`negative_conds`)."""
+    conditioning); CFG pushes away from `negative_prompt` (`negative_conds`); `decode(x0, conds, uncond)`
+    turns the latents into images (default: the mode's latent space decode)."""
     captions = [p for p in prompts for _ in range(n)]
     size = size or cfg.data.image_size
     probe = torch.zeros(1, 3, size, size, device=device)
@@ -110,7 +111,7 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
     cfg = replace(cfg, gdf=replace(cfg.gdf, **overrides))
     uncond = negative_conds(mode, conds, negative_prompt)
     x0 = sample_latents(net if net is not None else mode.net, gdf, conds, uncond, shape, cfg, seed=seed, device=device)
-    return mode.space.decode(x0.float())
+    return mode.space.decode(x0.float()) if decode is None else decode(x0.float(), conds, uncond)
 
 # %% ../nbs/42_sample.ipynb #66e02fb3
 def chunk_seed(seed: int, k: int) -> int:

@@ -202,6 +202,30 @@ def test_recipe_knobs_kill_then_resume_is_exact(tmp_path):
         [(3, 2.0, 3, ""), (1, 3.0, 2, "yellow")]   # the demo's sample_cfg, TINY's sample_steps
     assert before["00_red_apple.png"] != (samples / "000000" / "00_red_apple.png").read_bytes()   # it trained
 
+def test_cascade_decoded_prompt_samples_kill_then_resume_is_exact(tmp_path):
+    """sample_decode: cascade on a tiny Stage C in EfficientNet space (random tiny Stage B, Stage A and Previewer files):
+    a run killed inside its save of update 4 resumes to the same state, and its update-4 prompt samples, decoded through
+    Stage B and Stage A at the prompt's size, are the same files (nbs/44_prompt_samples)."""
+    from cascade_nb.inference import write_tiny_checkpoints
+    models = write_tiny_checkpoints(tmp_path / "models")
+    (tmp_path / "prompts.yaml").write_text("- {text: red apple, seed: 3, steps: 3}\n- {text: banana, negative_prompt: yellow}\n")
+    samples, before = tmp_path / "out" / "casc" / "samples", {}
+    def launch(*argv, check=True):
+        res = run_cli(DRIVER, *argv, check=check)
+        before.update(before or {p.name: p.read_bytes() for p in (samples / "000004").iterdir()})
+        return res
+    resumes_to_the_killed_state(tmp_path / "ckpt" / "casc", demo_args(
+        tmp_path, "casc", "updates=4", "save_every=2", "image_size=64", "model_overrides={}", "latent_space=effnet",
+        "effnet_checkpoint_path=tiny", f"previewer_checkpoint_path={models}/previewer.safetensors",
+        f"generator_checkpoint_path={models}/stage_c.safetensors", f"sample_prompts={tmp_path}/prompts.yaml",
+        "sample_every=2", "sample_decode=cascade", f"sample_stage_b_checkpoint_path={models}/stage_b.safetensors",
+        f"stage_a_checkpoint_path={models}/stage_a.safetensors", "sample_stage_b_steps=4"), launch=launch)
+    after = {p.name: p.read_bytes() for p in (samples / "000004").iterdir()}
+    assert after == before, sorted(k for k in after if after[k] != before.get(k))
+    assert json.loads(after["index.json"])["decoder"] == "cascade"
+    from PIL import Image
+    assert Image.open(samples / "000004" / "01_banana_pair.png").size == (64 * 2 + 2, 64)   # weights | EMA at 64 px
+
 def test_two_process_ddp(tmp_path):
     """2-process DDP with the recipe, caption, flip/jitter and mask keys set (their draws and noise per process) and a
     mixture of sources: the processes' weights stay equal."""
