@@ -356,7 +356,8 @@ def resume(run: Run) -> Path:
 # keys a relaunch may change without a word: how long, how often, where, with how many readers
 QUIET_ON_RESUME = {"updates", "save_every", "backup_every", "log_every", "eval_every", "val_every", "checkpoint_path",
                    "output_path", "num_workers", "prefetch_factor", "tracker", "wandb_project", "sample_every",
-                   "sample_prompts"}
+                   "sample_prompts", "sample_decode", "sample_stage_b_checkpoint_path", "sample_stage_b_steps",
+                   "sample_stage_b_cfg"}
 
 def resume_changes(saved: dict, now: dict) -> list[str]:
     "The settings a resumed run changes ('lr 0.004 -> 0.001'), except `QUIET_ON_RESUME`'s."
