@@ -23,7 +23,9 @@ from .loss_weights import (BaseLossWeight, ConstantLossWeight, SNRLossWeight, P2
 from cascade_nb.gdf.samplers import (BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, SAMPLERS, register_sampler,
     renoise, seeded_randn)
 from .recipe import (LogSNRDensity, UniformTDensity, NormalDensity, CosmapDensity, ModeDensity,
-    DensitySchedule, LOSS_TYPES, register_loss_type, pseudo_huber, huber_schedule, pyramid_noise, recipe_noise,
+    TimeDensity, SigmoidTDensity, ParabolaTDensity, DensitySchedule, schedule_at_update, check_range,
+    check_moving_range, check_density, LOSS_TYPES, register_loss_type, pseudo_huber, huber_schedule, pyramid_noise,
+    recipe_noise,
     RecipeConfig, RecipeHook, LOGSNR_DENSITIES, density_schedule, draws_as_registered, DRAW_KEYS, MODE_SCALE)
 from .core import GDF, Diffused, SampleStep, cfg_batch, cfg_scale, guide
 from .presets import (LOSS_WEIGHTS, TARGETS, SAMPLING_DEFAULTS, make_loss_weight, make_gdf,
@@ -48,7 +50,9 @@ __all__ = [
     "MinSNRPlusOneLossWeight", "TruncatedSNRLossWeight", "SechLossWeight", "DebiasedLossWeight", "SigmoidLossWeight",
     "ComposedLossWeight", "AdaptiveLossWeight",
     # recipe knobs
-    "LogSNRDensity", "UniformTDensity", "NormalDensity", "CosmapDensity", "ModeDensity", "DensitySchedule",
+    "LogSNRDensity", "UniformTDensity", "NormalDensity", "CosmapDensity", "ModeDensity", "TimeDensity",
+    "SigmoidTDensity", "ParabolaTDensity", "DensitySchedule", "schedule_at_update", "check_range",
+    "check_moving_range", "check_density",
     "LOSS_TYPES", "register_loss_type", "pseudo_huber", "huber_schedule", "pyramid_noise", "recipe_noise",
     "RecipeConfig", "RecipeHook", "LOGSNR_DENSITIES", "density_schedule", "draws_as_registered", "DRAW_KEYS",
     "MODE_SCALE",
