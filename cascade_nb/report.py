@@ -11,27 +11,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
+from .registry import registry
 from .core import seeded
 from .eval import (register_metric, pixel_features, CLIPScore, SELECTION_RULES, REPORTS, read_evaluations,
                              _embeds)
 from .prompt_samples import adapter_scaled
 
 # %% auto #0
-__all__ = ['FEATURES', 'DINO_MODEL', 'REPORT_METRICS', 'register_features', 'features_of', 'tiny_clip_model', 'clip_model',
+__all__ = ['FEATURES', 'register_features', 'DINO_MODEL', 'REPORT_METRICS', 'features_of', 'tiny_clip_model', 'clip_model',
            'CLIPImageFeatures', 'DinoFeatures', 'subject_fidelity', 'drift', 'diversity', 'caption_labels',
            'SubjectFidelity', 'BaseWeights', 'Drift', 'Diversity', 'PromptFidelity', 'latest_per_update',
            'stopping_walk', 'stopping_update', 'plot_report', 'write_report']
 
 # %% ../nbs/45_report.ipynb #45r00007
-FEATURES: dict = {}
+FEATURES = registry("feature_space", how="@register_features('name') in a module the config lists in 'imports'")
 "Feature spaces by `eval_features` name: `build(cfg) -> features`, `features(images01 (N, 3, H, W)) -> (N, D)`."
 
-def register_features(name: str):
-    "Decorator: make a feature-space builder available as `eval_features: name`."
-    def register(build):
-        FEATURES[name] = build
-        return build
-    return register
+register_features = FEATURES.register
+"Decorator `@register_features('name')`: make a feature-space builder available as `eval_features: name`."
 
 def features_of(cfg: Config):
     "The feature extractor of the run's `eval_features`; an unknown name is refused with a suggestion."

@@ -25,6 +25,16 @@ __all__ = ['MODE_SCALE', 'LOSS_TYPES', 'register_loss_type', 'DRAW_KEYS', 'LOGSN
            'check_density', 'RecipeHook']
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #5b0bcb3c
+def _inverse_on_unit(f, y) -> torch.Tensor:
+    "x in [0, 1] with f(x) = y, for an increasing `f`: 60 bisection steps in float64."
+    y = torch.as_tensor(y, dtype=torch.float64)
+    lo, hi = torch.zeros_like(y), torch.ones_like(y)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        below = f(mid) < y
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return (lo + hi) / 2
+
 class LogSNRDensity:
     "A density p(logsnr) of training noise levels, given by its inverse CDF; `cdf` by bisection, `pdf` by difference."
     def icdf(self, v: torch.Tensor) -> torch.Tensor:
@@ -33,13 +43,7 @@ class LogSNRDensity:
 
     def cdf(self, logsnr) -> torch.Tensor:
         "F(logsnr) by bisection on `icdf` (float64)."
-        lam = torch.as_tensor(logsnr, dtype=torch.float64)
-        lo, hi = torch.zeros_like(lam), torch.ones_like(lam)
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            below = self.icdf(mid) < lam
-            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-        return (lo + hi) / 2
+        return _inverse_on_unit(self.icdf, logsnr)
 
     def pdf(self, logsnr, h: float = 1e-4) -> torch.Tensor:
         "p(logsnr): a central difference of `cdf` (closed forms override it)."
@@ -95,13 +99,7 @@ class TimeDensity(LogSNRDensity):
 
     def t_icdf(self, q: torch.Tensor) -> torch.Tensor:
         "Q^-1(q) by 60 bisection steps on the monotone `t_cdf` (float64); closed forms override it."
-        q = torch.as_tensor(q, dtype=torch.float64)
-        lo, hi = torch.zeros_like(q), torch.ones_like(q)
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            below = self.t_cdf(mid) < q
-            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-        return (lo + hi) / 2
+        return _inverse_on_unit(self.t_cdf, q)
 
     def icdf(self, v): return self.schedule.logsnr(self.t_icdf(1 - torch.as_tensor(v, dtype=torch.float64)))
 
