@@ -199,6 +199,12 @@ def _seeds(prompts, seeds: int) -> list[str]:
     "Each prompt `seeds` times in a row: one batch, a different noise draw for each copy."
     return [p for p in prompts for _ in range(seeds)]
 
+def _prompts_of(cfg: Config, metric: str, key: str, expected: str) -> list[str]:
+    "The prompts of checkpoint key `key` that metric `metric` samples; a ConfigError naming both when it is not set."
+    if not (prompts := getattr(cfg.checkpoint, key)):
+        raise ConfigError(f"eval_metrics '{metric}': key '{key}' is not set; expected {expected}")
+    return prompts
+
 @register_metric
 class Drift:
     "How far the tuned model moved from its base on class and neutral prompts: `drift` of same-seed samples."
@@ -207,11 +213,9 @@ class Drift:
         self.captions, self.base, self.features = _seeds(prompts, seeds), base, features
     @classmethod
     def from_config(cls, cfg: Config):
-        ck = cfg.checkpoint
-        if not ck.eval_drift_prompts:
-            raise ConfigError("eval_metrics 'drift': key 'eval_drift_prompts' is not set; expected the class and "
-                              "neutral prompts the base and the tuned model sample, e.g. ['an emoji', 'a photo']")
-        return cls(ck.eval_drift_prompts, BaseWeights(cfg), ck.eval_seeds, features_of(cfg))
+        prompts = _prompts_of(cfg, "drift", "eval_drift_prompts", "the class and neutral prompts the base and the "
+                              "tuned model sample, e.g. ['an emoji', 'a photo']")
+        return cls(prompts, BaseWeights(cfg), cfg.checkpoint.eval_seeds, features_of(cfg))
 
     def of_model(self, ctx) -> dict:
         tuned = ctx.sample(self.captions)
@@ -243,11 +247,9 @@ class PromptFidelity:
     def __init__(self, prompts, clip: CLIPScore): self.prompts, self.clip = list(prompts), clip
     @classmethod
     def from_config(cls, cfg: Config):
-        ck = cfg.checkpoint
-        if not ck.eval_heldout_prompts:
-            raise ConfigError("eval_metrics 'prompt_fidelity': key 'eval_heldout_prompts' is not set; expected prompts "
-                              "kept out of training, e.g. ['a red car', 'a cat on a sofa']")
-        return cls(ck.eval_heldout_prompts, CLIPScore(model=functools.partial(clip_model, ck.eval_clip_model)))
+        prompts = _prompts_of(cfg, "prompt_fidelity", "eval_heldout_prompts",
+                              "prompts kept out of training, e.g. ['a red car', 'a cat on a sofa']")
+        return cls(prompts, CLIPScore(model=functools.partial(clip_model, cfg.checkpoint.eval_clip_model)))
 
     def of_model(self, ctx) -> dict: return self.clip(ctx.sample(self.prompts), self.prompts, None, None)
 
