@@ -16,18 +16,21 @@ from .core import save_safetensors_atomic, count_params, human_count, seeded_ran
 from .hub import weights_file, parse_hub_spec
 from dataclasses import dataclass
 from typing import Literal, Optional
+from .registry import registry
 from .config import ConfigError, ConfigHook, config_section, register_config_hook, source_entries, REQUIRED
-from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY
+from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY, Choice, Range
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights, TRAINING_MODES
 
 # %% auto #0
-__all__ = ['LORA_INITS', 'match_filters', 'lora_targets', 'LoRA', 'apply_lora', 'base_state_dict', 'lora_layers',
-           'scaled_adapters', 'lora_state_dict', 'lora_entries', 'lora_delta', 'load_lora', 'save_lora', 'merge_lora',
-           'unmerge_lora', 'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled',
-           'prior_retarget', 'has_prior_entries', 'prior_extras', 'prior_loss', 'to_kohya', 'from_kohya',
-           'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
-           'from_reference', 'load_lora_file', 'LoraConfig', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
-           'LoraTraining', 'PriorHook']
+__all__ = ['LORA_INITS', 'ADAPTERS', 'match_filters', 'lora_targets', 'register_adapter', 'Adapter', 'LoRA', 'apply_lora',
+           'base_state_dict', 'is_adapter', 'lora_layers', 'scaled_adapters', 'lora_state_dict', 'lora_entries',
+           'adapter_kind', 'adapter_entries', 'adapter_from_entry', 'lora_delta', 'load_lora', 'lora_metadata',
+           'save_lora', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff', 'TokenDeltas',
+           'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget',
+           'has_prior_entries', 'prior_extras', 'prior_loss', 'to_kohya', 'from_kohya', 'save_peft_adapter',
+           'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
+           'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'LoraNet', 'lora_base_generator',
+           'merged_lora_run', 'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -62,31 +65,118 @@ def _init_peft(down: torch.Tensor, up: torch.Tensor):
 LORA_INITS = {"reference": _init_reference, "peft": _init_peft}
 "`lora_init` name → function(down, up) initialising a fresh adapter in place; both start at a zero update."
 
-# %% ../nbs/60_lora.ipynb #67dea3f8
-class LoRA(nn.Module):
-    "Parametrization W → W + (alpha/rank)·up@down for a Linear/Conv weight or a fused projection (Hu et al. 2021)."
-    def __init__(self, shape, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0, init: str = "reference"):
+# %% ../nbs/60_lora.ipynb #177488b0
+ADAPTERS = registry("adapter", how="@register_adapter('name') on an `Adapter` subclass in a module the config lists "
+                                   "in 'imports'")
+"`adapter` name → `Adapter` subclass: the kinds of weight update a LoRA run can train (`lora`, `lokr`, `loha`, ...)."
+
+def register_adapter(name: str):
+    "Class decorator: register an `Adapter` subclass as the `adapter: name` type (its `kind`)."
+    def add(cls):
+        cls.kind = name
+        return ADAPTERS.register(name, cls)
+    return add
+
+# %% ../nbs/60_lora.ipynb #3d6c1afb
+class Adapter(nn.Module):
+    """A parametrization W → W + multiplier·update(W) of one weight, its trained tensors named as LyCORIS names them."""
+    kind, signature = "adapter", None   # its registered name; a tensor name only its file entries have
+    keys: tuple = ()           # the `lora` config keys it reads (besides module_filters)
+    row_tensors: tuple = ()    # its tensors whose first axis runs over W's output rows (or blocks of them)
+    keeps_original = False     # merging forgets what unmerging needs: merge_lora keeps the original W
+    def __init__(self, shape, alpha: float):
         super().__init__()
+        self.shape, self.alpha, self.enabled, self.multiplier = tuple(shape), float(alpha), True, 1.0
+
+    def update(self, W=None) -> torch.Tensor: raise NotImplementedError   # W' − W at the trained strength
+
+    def delta(self, W=None) -> torch.Tensor:
+        "W' − W at the current `multiplier` (`scaled_adapters`)."
+        d = self.update(W)
+        return d if self.multiplier == 1 else d * self.multiplier
+
+    def forward(self, W):
+        if not self.enabled or self.multiplier == 0: return W
+        return W + self.delta(W).to(W.dtype)
+
+    def tensors(self) -> dict[str, torch.Tensor]: return dict(self.named_parameters(recurse=False))
+    def options(self) -> dict: return self.__dict__.get("_options", {})   # its config keys, for the file header
+
+    def unmerge(self, W: torch.Tensor, scale: float) -> torch.Tensor:
+        "W from the merged `W + scale·ΔW`: a subtraction, where ΔW does not depend on W."
+        return torch.add(W, self.update(W.float()).to(W.dtype), alpha=-scale)
+
+    @classmethod
+    def claims(cls, names: set) -> bool: return cls.signature in names
+    @classmethod
+    def default_alpha(cls, tensors: dict) -> float: return 1.0   # a file entry without alpha
+    @classmethod
+    def build(cls, W: torch.Tensor, **keys) -> "Adapter": return cls(W.shape, **keys)   # fresh, zero update
+    @classmethod
+    def splits_exactly(cls, tensors: dict, alpha: float) -> bool: return True   # a row split keeps its maths
+
+    @classmethod
+    def fuse_rows(cls, parts: list[tuple]) -> tuple | None:
+        "One (tensors, alpha) on the stacked rows of `parts` [(tensors, alpha)] (from_kohya's q/k/v); None if inexact."
+        alpha = parts[0][1]
+        t = _cat_rows([t for t, _ in parts], cls.row_tensors) if all(a == alpha for _, a in parts) else None
+        return None if t is None or not cls.splits_exactly(t, alpha) else (t, alpha)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict, alpha: float, shape) -> "Adapter":
+        "The adapter that `tensors` and `alpha` describe, for a weight of `shape` (load, resume, merge)."
+        self = cls.__new__(cls)
+        Adapter.__init__(self, shape, alpha)
+        for name, t in tensors.items(): setattr(self, name, nn.Parameter(t.detach().float().clone()))
+        return self
+
+    @classmethod
+    def n_params(cls, shape, **keys) -> int:
+        "Trained parameters for a weight of `shape` (the memory planner), counted on the meta device."
+        with torch.device("meta"): tensors = cls.build(torch.empty(shape), **keys).tensors()
+        return sum(t.numel() for t in tensors.values())
+
+# %% ../nbs/60_lora.ipynb #67dea3f8
+@register_adapter("lora")
+class LoRA(Adapter):
+    "Parametrization W → W + (alpha/rank)·up@down for a Linear/Conv weight or a fused projection (Hu et al. 2021)."
+    signature, keys, row_tensors = "lora_down", ("rank", "lora_alpha", "lora_dropout", "lora_init"), ("lora_up",)
+    def __init__(self, shape, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0, init: str = "reference"):
+        super().__init__(shape, alpha)
         if init not in LORA_INITS: raise ValueError(f"lora_init {init!r}: expected one of {sorted(LORA_INITS)}")
         n_out = shape[0]
-        self.shape, self.rank, self.alpha, self.dropout = tuple(shape), rank, float(alpha), dropout
+        self.rank, self.dropout = rank, dropout
         self.lora_down = nn.Parameter(torch.empty(rank, *shape[1:]))                      # (r, in[, k, k])
         self.lora_up = nn.Parameter(torch.empty(n_out, rank, *[1] * (len(shape) - 2)))  # (out, r[, 1, 1])
         with torch.no_grad(): LORA_INITS[init](self.lora_down, self.lora_up)
-        self.enabled = True
 
     @property
     def scale(self) -> float: return self.alpha / self.rank
 
-    def delta(self) -> torch.Tensor:
+    def update(self, W=None) -> torch.Tensor:
         "The weight update (alpha/rank)·up@down, shaped like the weight."
         down = self.lora_down.flatten(1)                                   # (r, in·k·k)
         if self.training and self.dropout > 0:
             down = down * F.dropout(torch.ones_like(down[:1]), self.dropout)
         return (self.lora_up.flatten(1) @ down).view(self.shape) * self.scale
 
-    def forward(self, W):
-        return W + self.delta().to(W.dtype) if self.enabled else W
+    @classmethod
+    def build(cls, W, rank=4, lora_alpha=1.0, lora_dropout=0.0, lora_init="reference", **keys):
+        return cls(W.shape, rank, lora_alpha, lora_dropout, lora_init, **keys)
+    @classmethod
+    def from_tensors(cls, tensors, alpha, shape):
+        self = super().from_tensors(tensors, alpha, shape)
+        self.rank, self.dropout = self.lora_down.shape[0], 0.0
+        return self
+    @classmethod
+    def claims(cls, names): return "lora_down" in names and "dora_scale" not in names
+    @classmethod
+    def fuse_rows(cls, parts):
+        "Always exact (`_fuse`): rank r with a shared D (our own split), else rank 3r with a block-diagonal U."
+        down, up, alpha = _fuse([(t["lora_down"], t["lora_up"], a) for t, a in parts])
+        return {"lora_down": down, "lora_up": up}, alpha
+    @classmethod
+    def default_alpha(cls, tensors): return float(tensors["lora_down"].shape[0])
 
 # %% ../nbs/60_lora.ipynb #666cb29f
 def _owner(model: nn.Module, path: str):
@@ -95,17 +185,22 @@ def _owner(model: nn.Module, path: str):
 
 # %% ../nbs/60_lora.ipynb #4f412b56
 def apply_lora(model: nn.Module, filters=None, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0,
-               targets=None, freeze: bool = True, init: str = "reference") -> list[str]:
-    "Add a `LoRA` to each target (from `filters`, or explicit parameter paths); freeze the base; return the targets."
+               targets=None, freeze: bool = True, init: str = "reference", adapter: str = "lora",
+               options: dict | None = None) -> list[str]:
+    """Add an `adapter` (a registered type, `LoRA` by default; `options`: its other config keys) to each target (from
+    `filters`, or explicit parameter paths); freeze the base; return the targets."""
     targets = list(targets) if targets is not None else lora_targets(model, filters)
     if not targets: raise ValueError(f"apply_lora: module_filters {filters!r} match no Linear, Conv2d or attention "
                                      f"in {type(model).__name__}; e.g. ['.attn'] for the attention projections")
+    cls = ADAPTERS.choose(adapter)
+    given = {**dict(rank=rank, lora_alpha=alpha, lora_dropout=dropout, lora_init=init), **(options or {})}
+    keys = {k: v for k, v in given.items() if k in cls.keys}
     if freeze: model.requires_grad_(False)
     for path in targets:
         owner, name = _owner(model, path)
         if parametrize.is_parametrized(owner, name): raise ValueError(f"apply_lora: {path} already has a LoRA")
         W = getattr(owner, name)
-        parametrize.register_parametrization(owner, name, LoRA(W.shape, rank, alpha, dropout, init).to(W.device))
+        parametrize.register_parametrization(owner, name, cls.build(W.detach(), **keys).to(W.device))
     return targets
 
 # %% ../nbs/60_lora.ipynb #8c86648a
@@ -118,14 +213,19 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 # %% ../nbs/60_lora.ipynb #897a26c6
-def lora_layers(model: nn.Module) -> dict[str, LoRA]:
-    "{parameter path (without wrapper prefixes): LoRA} of every adapted weight of `model`."
+def is_adapter(m) -> bool:
+    """True for an `Adapter` of any registered type, also one whose class comes from another copy of this module (the
+    registry is process-wide: a notebook and the package register the same names)."""
+    return any(c.__name__ == "Adapter" and c.__module__ in (__name__, "cascade_nb.lora") for c in type(m).__mro__)
+
+def lora_layers(model: nn.Module) -> dict[str, Adapter]:
+    "{parameter path (without wrapper prefixes): adapter} of every adapted weight of `model` (any `Adapter` type)."
     out = {}
     for mod_name, m in model.named_modules():
         if not parametrize.is_parametrized(m): continue
         for pname, plist in m.parametrizations.items():
             for p in plist:
-                if isinstance(p, LoRA):
+                if is_adapter(p):
                     path = f"{mod_name}.{pname}" if mod_name else pname
                     for pre in ("module.", "_orig_mod.", "generator."): path = path.removeprefix(pre)
                     out[path] = p
@@ -134,14 +234,14 @@ def lora_layers(model: nn.Module) -> dict[str, LoRA]:
 # %% ../nbs/60_lora.ipynb #4a65be8e
 @contextlib.contextmanager
 def scaled_adapters(model: nn.Module, scale: float):
-    "A context in which every adapter of `model` acts at `scale` × its trained strength (each LoRA's alpha scaled)."
+    "A context in which every adapter of `model` acts at `scale` × its trained strength (W + scale·ΔW, any type)."
     layers = list(lora_layers(model).values())
-    alphas = [l.alpha for l in layers]
+    multipliers = [l.multiplier for l in layers]
     try:
-        for l in layers: l.alpha *= scale
+        for l in layers: l.multiplier *= scale
         yield model
     finally:
-        for l, a in zip(layers, alphas): l.alpha = a
+        for l, s in zip(layers, multipliers): l.multiplier = s
 
 # %% ../nbs/60_lora.ipynb #ae91af72
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -150,20 +250,53 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/60_lora.ipynb #c9b4730a
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    "The adapters of `model` in cascade_nb's layout: {P.lora_down, P.lora_up, P.alpha} per adapted parameter path P."
+    """The adapters of `model` in cascade_nb's layout: {P.<tensor name>, P.alpha} per adapted parameter path P (LoRA:
+    P.lora_down, P.lora_up; the other types their LyCORIS names)."""
     sd = {}
     for path, l in lora_layers(model).items():
-        sd[f"{path}.lora_down"] = _full(l.lora_down).detach().float().cpu()
-        sd[f"{path}.lora_up"] = _full(l.lora_up).detach().float().cpu()
+        for name, t in l.tensors().items(): sd[f"{path}.{name}"] = _full(t).detach().float().cpu()
         sd[f"{path}.alpha"] = torch.tensor(l.alpha)
     return sd
 
 # %% ../nbs/60_lora.ipynb #bbad4f5c
 def lora_entries(lora: dict) -> dict[str, tuple]:
-    "{parameter path: (down, up, alpha)} from a LoRA state dict in cascade_nb's layout."
-    paths = [k[:-len('.lora_down')] for k in lora if k.endswith('.lora_down')]
+    "{parameter path: (down, up, alpha)} from a LoRA state dict in cascade_nb's layout (plain `lora` entries only)."
+    paths = [k[:-len('.lora_down')] for k in lora if k.endswith('.lora_down') and f"{k[:-10]}.dora_scale" not in lora]
     return {p: (lora[f"{p}.lora_down"], lora[f"{p}.lora_up"], float(lora.get(f"{p}.alpha", torch.tensor(1.))))
             for p in paths}
+
+def _lora_only(lora: dict, what: str):
+    "ValueError naming `what` and the types it cannot write, for a state dict with other adapter types than `lora`."
+    kinds = sorted({cls.kind for cls, _, _ in adapter_entries(lora).values()} - {"lora"})
+    if kinds: raise ValueError(f"{what}: writes adapter type 'lora' only; this file has {', '.join(kinds)} "
+                               "(to_kohya writes every type)")
+
+# %% ../nbs/60_lora.ipynb #9334ae0e
+def adapter_kind(names) -> type[Adapter]:
+    "The registered type whose tensor names `names` (one file entry's) are; ValueError naming them if none."
+    names = set(names)
+    for cls in ADAPTERS.values():
+        if cls.claims(names): return cls
+    raise ValueError(f"tensor names {sorted(names)} are no registered adapter type's ({', '.join(ADAPTERS)})")
+
+def adapter_entries(lora: dict) -> dict[str, tuple]:
+    "{parameter path: (type, {tensor name: tensor}, alpha)} from a state dict in cascade_nb's layout (any types)."
+    groups = {}
+    for k, v in lora.items():
+        if k.startswith("tokens."): continue
+        path, _, name = k.rpartition(".")
+        groups.setdefault(path, {})[name] = v
+    out = {}
+    for path, t in groups.items():
+        alpha = t.pop("alpha", None)
+        cls = adapter_kind(t)
+        out[path] = (cls, t, cls.default_alpha(t) if alpha is None else float(alpha))
+    return out
+
+def adapter_from_entry(entry: tuple, shape) -> Adapter:
+    "The adapter (on the CPU, fp32, eval mode) of one `adapter_entries` entry, for a weight of `shape`."
+    cls, tensors, alpha = entry
+    return cls.from_tensors(tensors, alpha, shape).eval()
 
 # %% ../nbs/60_lora.ipynb #89cd71ce
 def lora_delta(down, up, alpha: float, shape) -> torch.Tensor:
@@ -172,8 +305,9 @@ def lora_delta(down, up, alpha: float, shape) -> torch.Tensor:
 
 # %% ../nbs/60_lora.ipynb #2b958cad
 def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
-    "Adapt `model` with the LoRA state dict `lora` (adds the adapters where missing, then copies the weights)."
-    entries = lora_entries(lora)
+    """Adapt `model` with the state dict `lora` (any adapter types; adds the adapters where missing, then copies the
+    weights)."""
+    entries = adapter_entries(lora)
     have = lora_layers(model)
     missing = [p for p in entries if p not in have]
     for p in missing:
@@ -182,39 +316,219 @@ def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
             raise KeyError(f"load_lora: the LoRA adapts {p!r}, which {type(model).__name__} "
                            "does not have") from None
     for p in missing:
-        down, up, alpha = entries[p]
         owner, name = _owner(model, p)
         W = getattr(owner, name)
-        parametrize.register_parametrization(owner, name, LoRA(W.shape, down.shape[0], alpha).to(W.device))
+        parametrize.register_parametrization(owner, name, adapter_from_entry(entries[p], W.shape).train().to(W.device))
     if freeze: model.requires_grad_(False)
     layers = lora_layers(model)
     with torch.no_grad():
-        for p, (down, up, alpha) in entries.items():
-            l = layers[p]
-            if l.lora_down.shape != down.shape or l.lora_up.shape != up.shape:
-                raise ValueError(f"load_lora: {p} has rank {l.rank} in the model, the file has shapes "
-                                 f"{tuple(down.shape)}/{tuple(up.shape)}")
-            l.lora_down.copy_(down); l.lora_up.copy_(up); l.alpha = alpha
+        for p, (cls, tensors, alpha) in entries.items():
+            l, mine = layers[p], layers[p].tensors()
+            shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+            if type(l) is not cls or shapes != {k: tuple(t.shape) for k, t in mine.items()}:
+                have = {k: tuple(t.shape) for k, t in mine.items()}
+                raise ValueError(f"load_lora: {p} is a {l.kind} of shapes {have} in the model, the file has a "
+                                 f"{cls.kind} of shapes {shapes}")
+            for k, t in tensors.items(): mine[k].copy_(t)
+            l.alpha = alpha
             l.requires_grad_(True)
     return list(entries)
 
 # %% ../nbs/60_lora.ipynb #8d936d13
+def lora_metadata(model: nn.Module) -> dict[str, str]:
+    "The safetensors header strings of `model`'s adapters: `adapter` (their type(s)) and the types' options."
+    layers = lora_layers(model).values()
+    meta = {"adapter": ",".join(sorted({l.kind for l in layers}))}
+    for l in layers: meta.update({k: json.dumps(v) for k, v in l.options().items()})
+    return meta
+
 def save_lora(lora: dict, path, metadata: dict | None = None):
-    "Write a LoRA state dict as safetensors (atomically), with optional string metadata."
+    "Write a LoRA state dict as safetensors (atomically), with optional string metadata (e.g. `lora_metadata`)."
     save_safetensors_atomic(lora, path, metadata={"format": "cascade_nb.lora", **(metadata or {})})
 
 # %% ../nbs/60_lora.ipynb #2371a444
 @torch.no_grad()
 def merge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
-    "Fold a LoRA state dict into `model`'s weights in place: W += scale·(alpha/rank)·up@down."
-    for p, (down, up, alpha) in lora_entries(lora).items():
+    """Fold a LoRA state dict (any adapter types) into `model`'s weights in place: W ← W + scale·ΔW (computed in fp32
+    for the types whose ΔW depends on W). A DoRA's original W is kept on `model` for `unmerge_lora`."""
+    kept = model.__dict__.setdefault("_lora_kept_weights", {})
+    for p, entry in adapter_entries(lora).items():
         W = model.get_parameter(p)
-        W.add_(lora_delta(down.to(W.device), up.to(W.device), alpha, W.shape).to(W.dtype), alpha=scale)
+        a = adapter_from_entry(entry, W.shape).to(W.device)
+        if a.keeps_original: kept[p] = W.detach().clone()
+        W.add_(a.update(W.float()).to(W.dtype), alpha=scale)
     return model
 
+@torch.no_grad()
 def unmerge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
-    "Undo `merge_lora(model, lora, scale)`."
-    return merge_lora(model, lora, -scale)
+    "Undo `merge_lora(model, lora, scale)` (in the reverse order), each type by its own inverse (`Adapter.unmerge`)."
+    kept = model.__dict__.get("_lora_kept_weights", {})
+    for p, entry in reversed(adapter_entries(lora).items()):
+        W = model.get_parameter(p)
+        a = adapter_from_entry(entry, W.shape).to(W.device)
+        if a.keeps_original and p not in kept:
+            raise ValueError(f"unmerge_lora: {p} is a {a.kind} merged elsewhere; its original weight was not kept")
+        W.copy_(kept.pop(p) if a.keeps_original else a.unmerge(W, scale).to(W.dtype))
+    return model
+
+# %% ../nbs/60_lora.ipynb #834eb7b2
+def _lycoris(module: str):
+    "`lycoris.functional.<module>`, imported on first use: it costs about 6 s, and bitsandbytes logs CPU warnings."
+    import importlib, logging
+    logging.disable(logging.WARNING)
+    try: return importlib.import_module(f"lycoris.functional.{module}")
+    finally: logging.disable(logging.NOTSET)
+
+# %% ../nbs/60_lora.ipynb #52b02eb2
+@register_adapter("lokr")
+class LoKr(Adapter):
+    "ΔW = scale·(w1 ⊗ w2), w2 (and with decompose_both w1) low rank; scale alpha/rank if factorized, else 1 (LyCORIS)."
+    signature, keys = "lokr_w1", ("rank", "lora_alpha", "lokr_factor", "decompose_both", "full_matrix")
+    row_tensors = ("lokr_w1", "lokr_w1_a")
+    factors = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+    def __init__(self, shape, rank=4, lora_alpha=1.0, lokr_factor=-1, decompose_both=False, full_matrix=False):
+        super().__init__(shape, lora_alpha)
+        weight_gen = _lycoris("lokr").weight_gen
+        # on W's 2-d view (out, in·k·k): ComfyUI reshapes kron(w1, w2) to the weight's shape
+        flat = torch.empty(shape[0], math.prod(shape[1:]), device="meta")
+        w1, w1a, w1b, w2, w2a, w2b, _ = weight_gen(flat, rank, tucker=False, factor=lokr_factor,
+                                                   decompose_both=decompose_both and not full_matrix)
+        if full_matrix and w2 is None:
+            # functional.lokr.weight_gen ignores full_matrix for 2-d weights (LyCORIS' module honours it): w2 full, 0
+            w2, w2a, w2b = torch.zeros(w2a.shape[0], w2b.shape[1]), None, None
+        for name, t in zip(self.factors, (w1, w1a, w1b, w2, w2a, w2b)):
+            if t is not None: setattr(self, name, nn.Parameter(t))
+        self._options = dict(lokr_factor=lokr_factor, decompose_both=decompose_both, full_matrix=full_matrix)
+
+    def _factors(self): return tuple(getattr(self, n, None) for n in self.factors) + (None,)
+    @property
+    def rank(self):
+        t = self.tensors()
+        return t["lokr_w1_b"].shape[0] if "lokr_w1_b" in t else t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else None
+
+    def update(self, W=None):
+        diff_weight = _lycoris("lokr").diff_weight
+        # the torch body: lycoris' fused/compiled backends are for its own modules on GPU
+        return diff_weight(*self._factors(), gamma=self.alpha, backend="torch").reshape(self.shape)
+
+    @classmethod
+    def claims(cls, names): return "lokr_w1" in names or "lokr_w1_a" in names
+    @classmethod
+    def default_alpha(cls, tensors):
+        return float(next((tensors[k].shape[0] for k in ("lokr_w1_b", "lokr_w2_b") if k in tensors), 1))
+
+# %% ../nbs/60_lora.ipynb #e42113af
+@register_adapter("loha")
+class LoHa(Adapter):
+    "ΔW = (alpha/rank)·(w1a@w1b) ⊙ (w2a@w2b): rank r² from 2r(out + in) parameters (FedPara, LyCORIS)."
+    signature, keys, row_tensors = "hada_w1_a", ("rank", "lora_alpha"), ("hada_w1_a", "hada_w2_a")
+    def __init__(self, shape, rank=4, lora_alpha=1.0):
+        super().__init__(shape, lora_alpha)
+        weight_gen = _lycoris("loha").weight_gen
+        # on W's 2-d view: functional.loha.weight_gen's non-tucker conv factors drop the kernel taps
+        w1d, w1u, w2d, w2u, _, _ = weight_gen(torch.empty(shape[0], math.prod(shape[1:]), device="meta"), rank)
+        self.hada_w1_a, self.hada_w1_b = nn.Parameter(w1u), nn.Parameter(w1d)      # (out, r) = 0, (r, in·k·k)
+        self.hada_w2_a, self.hada_w2_b = nn.Parameter(w2u), nn.Parameter(w2d)
+
+    @property
+    def rank(self): return self.hada_w1_b.shape[0]
+
+    def update(self, W=None):
+        diff_weight = _lycoris("loha").diff_weight
+        # HadaWeight saves the scale for its backward: a tensor
+        scale = torch.tensor(self.alpha / self.rank, device=self.hada_w1_a.device)
+        return diff_weight(self.hada_w1_b, self.hada_w1_a, self.hada_w2_b, self.hada_w2_a, None, None, gamma=scale,
+                           backend="torch").reshape(self.shape)
+
+    @classmethod
+    def default_alpha(cls, tensors): return float(tensors["hada_w1_b"].shape[0])
+
+# %% ../nbs/60_lora.ipynb #f01894ac
+@register_adapter("dora")
+class DoRA(LoRA):
+    "W' = dora_scale·(W + ΔW)/‖W + ΔW‖ per output row, ΔW a LoRA; dora_scale starts at ‖W‖ (Liu et al. 2024)."
+    signature, row_tensors, keeps_original = "dora_scale", ("lora_up", "dora_scale"), True
+    def __init__(self, shape, rank=4, alpha=1.0, dropout=0.0, init="reference", W=None):
+        super().__init__(shape, rank, alpha, dropout, init)
+        norms = (W.detach().float().flatten(1).norm(dim=1) if W is not None else torch.ones(shape[0]))
+        self.dora_scale = nn.Parameter(norms.view(shape[0], *[1] * (len(shape) - 1)))   # (out, 1[, 1, 1])
+
+    def update(self, W=None):
+        weight_decompose = _lycoris("general").weight_decompose
+        W = W.float()
+        return weight_decompose(W + super().update(), self.dora_scale, 1, wd_on_out=True, backend="torch") - W
+
+    @classmethod
+    def build(cls, W, rank=4, lora_alpha=1.0, lora_dropout=0.0, lora_init="reference"):
+        return cls(W.shape, rank, lora_alpha, lora_dropout, lora_init, W=W)
+    @classmethod
+    def claims(cls, names): return {"lora_down", "dora_scale"} <= names
+    @classmethod
+    def fuse_rows(cls, parts):
+        lora, alpha = super().fuse_rows(parts)
+        return {**lora, "dora_scale": torch.cat([t["dora_scale"] for t, _ in parts])}, alpha
+
+# %% ../nbs/60_lora.ipynb #03173e65
+def _divisor_near(n: int, b: int) -> int:
+    "The divisor of `n` closest to `b` (the smaller one on a tie): what an error suggests for a block size."
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - b), d))
+
+# %% ../nbs/60_lora.ipynb #dd27472b
+@register_adapter("oft")
+class OFT(Adapter):
+    "W' = rescale·(Rᵀ W) per block of output rows, R = Cayley(B − Bᵀ), B = 0 at init (Qiu et al. 2023, diag-OFT)."
+    signature, keys = "oft_blocks", ("oft_block_size", "oft_constraint", "oft_rescale")
+    row_tensors = ("oft_blocks", "rescale")
+    def __init__(self, shape, oft_block_size=32, oft_constraint=0.0, oft_rescale=False):
+        super().__init__(shape, oft_constraint)          # alpha: the bound on ‖Q‖ (0: none), as LyCORIS stores it
+        n_out, b = shape[0], oft_block_size
+        self.oft_blocks = nn.Parameter(torch.zeros(n_out // b, b, b))
+        if oft_rescale: self.rescale = nn.Parameter(torch.ones(n_out, *[1] * (len(shape) - 1)))
+        self._options = dict(oft_block_size=b, oft_constraint=oft_constraint, oft_rescale=oft_rescale)
+
+    def rotation(self) -> torch.Tensor:
+        "R per block, (n, b, b), with the constraint applied."
+        get_r = _lycoris("diag_oft").get_r
+        return get_r(self.oft_blocks, constraint=self.alpha)
+
+    def update(self, W=None):
+        diff_weight = _lycoris("diag_oft").diff_weight
+        return diff_weight(W.float(), self.oft_blocks, getattr(self, "rescale", None), constraint=self.alpha,
+                           backend="torch")
+
+    def unmerge(self, W, scale: float):
+        """W from `W + scale·ΔW`: that map is linear in W, block k's rows multiplied by
+        A_k = (1 − s)·I + s·diag(rescale_k)·R_kᵀ, so each block solves A_k X = W'_k (exact to fp32 rounding)."""
+        n, b, _ = self.oft_blocks.shape
+        R = self.rotation().transpose(1, 2)                                                 # (n, b, b)
+        D = getattr(self, "rescale", torch.ones(n * b, device=W.device)).reshape(n, b, 1)
+        A = (1 - scale) * torch.eye(b, device=W.device) + scale * D * R
+        return torch.linalg.solve(A, W.float().reshape(n, b, -1)).reshape(W.shape)
+
+    @classmethod
+    def build(cls, W, oft_block_size=32, oft_constraint=0.0, oft_rescale=False):
+        if W.shape[0] % oft_block_size:
+            suggest = _divisor_near(W.shape[0], oft_block_size)
+            raise ConfigError(f"key 'oft_block_size': {oft_block_size} does not divide the {W.shape[0]} output rows "
+                              f"of a {tuple(W.shape)} weight; expected a divisor, e.g. {suggest}")
+        return cls(W.shape, oft_block_size, oft_constraint, oft_rescale)
+    @classmethod
+    def default_alpha(cls, tensors): return 0.0
+    @classmethod
+    def splits_exactly(cls, tensors, alpha):
+        "The bound is on the whole Q: a split (or a fusion) keeps the rotation only where the bound does not bind."
+        B = tensors["oft_blocks"]
+        return alpha <= 0 or float(torch.norm(B - B.transpose(-1, -2))) + 1e-8 <= alpha
+
+# %% ../nbs/60_lora.ipynb #a1ea934a
+@register_adapter("full")
+class FullDiff(Adapter):
+    "ΔW itself, `diff` (LyCORIS' full / ComfyUI's `.diff` key): what an exact export writes where no factor splits."
+    signature, row_tensors = "diff", ("diff",)
+    def __init__(self, shape, diff=None):
+        super().__init__(shape, 1.0)
+        self.diff = nn.Parameter(torch.zeros(shape) if diff is None else diff.detach().float().clone())
+    def update(self, W=None): return self.diff
 
 # %% ../nbs/60_lora.ipynb #431f870d
 class TokenDeltas(nn.Module):
@@ -324,8 +638,8 @@ def load_tokens(tokenizer, text_model, lora: dict) -> list[str]:
 # %% ../nbs/60_lora.ipynb #bc25c39a
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
-    "A context in which `model` is its frozen base: every `LoRA` and `TokenDeltas` inside it switched off."
-    parts = [m for m in model.modules() if isinstance(m, (LoRA, TokenDeltas))]
+    "A context in which `model` is its frozen base: every `Adapter` and `TokenDeltas` inside it switched off."
+    parts = [m for m in model.modules() if is_adapter(m) or isinstance(m, TokenDeltas)]
     states = [m.enabled for m in parts]
     try:
         for m in parts: m.enabled = False
@@ -386,41 +700,90 @@ def _fuse(parts: list) -> tuple:
         down, up = downs[0], torch.cat(ups)
     return down.contiguous(), up.contiguous(), float(down.shape[0])
 
+# %% ../nbs/60_lora.ipynb #68d32bdc
+def _split_rows(tensors: dict, row_tensors, n: int) -> list[dict] | None:
+    "`tensors` as n adapters on n equal row blocks of W: row tensors chunked, the others shared; None if not divisible."
+    rows = [k for k in row_tensors if k in tensors]
+    if any(tensors[k].shape[0] % n for k in rows): return None
+    chunks = {k: tensors[k].chunk(n) for k in rows}
+    return [{k: (chunks[k][i] if k in chunks else v).clone() for k, v in tensors.items()} for i in range(n)]
+
+def _cat_rows(parts: list[dict], row_tensors) -> dict | None:
+    "The inverse of `_split_rows`: one adapter from parts that share every tensor but their row tensors; else None."
+    first = parts[0]
+    shared = [k for k in first if k not in row_tensors]
+    if any(p.keys() != first.keys() or not all(torch.equal(p[k], first[k]) for k in shared) for p in parts[1:]):
+        return None
+    return {k: torch.cat([p[k] for p in parts]) if k in row_tensors else first[k] for k in first}
+
+# %% ../nbs/60_lora.ipynb #12dec690
+def _fuse_parts(parts: list[tuple], where: str) -> tuple:
+    "One entry (type, tensors, alpha) on stacked outputs from the q/k/v parts [(type, tensors, alpha)] of `where`."
+    kinds = {cls.kind for cls, _, _ in parts}
+    if len(kinds) != 1: raise ValueError(f"from_kohya: {where} mixes adapter types {sorted(kinds)}")
+    cls = parts[0][0]
+    fused = cls.fuse_rows([(t, a) for _, t, a in parts])
+    if fused is None:
+        raise ValueError(f"from_kohya: the {cls.kind} parts of {where} share no factors, so they have no exact "
+                         "fused form; load them onto separate q/k/v projections")
+    return cls, *fused
+
 # %% ../nbs/60_lora.ipynb #af40ada9
-def to_kohya(lora: dict) -> dict[str, torch.Tensor]:
-    "A LoRA state dict in the kohya/ComfyUI Stable Cascade layout (`lora_unet_*.lora_down/up.weight`, `.alpha`)."
+def _kohya_name(name: str) -> str: return f"{name}.weight" if name in ("lora_down", "lora_up") else name
+
+def _kohya_parts(path: str, entry: tuple, model) -> list[tuple]:
+    "(module in the split layout, type, tensors, alpha): the fused projection as exact q/k/v parts, else the module."
+    cls, t, alpha = entry
+    if not path.endswith(_FUSED): return [(path.removesuffix('.weight'), cls, t, alpha)]
+    mods = [path[:-len('in_proj_weight')] + p for p in ('to_q', 'to_k', 'to_v')]
+    parts = _split_rows(t, cls.row_tensors, 3) if cls.splits_exactly(t, alpha) else None
+    if parts is not None: return [(m, cls, p, alpha) for m, p in zip(mods, parts)]
+    if model is None:
+        raise ValueError(f"to_kohya: the {cls.kind} on {path} has no exact q/k/v split; pass `model` (its base) "
+                         "to write its ΔW as `.diff`")
+    W = model.get_parameter(path).detach()
+    diff = adapter_from_entry(entry, W.shape).update(W.float().cpu())
+    return [(m, FullDiff, {"diff": d.clone()}, 1.0) for m, d in zip(mods, diff.chunk(3))]
+
+def to_kohya(lora: dict, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """A LoRA state dict (any adapter types) in the kohya/LyCORIS/ComfyUI Stable Cascade layout
+    (`lora_unet_<module>.<tensor>`, `.alpha`); `model` only for a fused projection whose type has no exact split."""
     out = {}
-    for path, (down, up, alpha) in lora_entries(lora).items():
-        for mod, d, u, a in _split_fused(path, down, up, alpha):
+    for path, entry in adapter_entries(lora).items():
+        for mod, cls, t, a in _kohya_parts(path, entry, model):
             key = "lora_unet_" + mod.replace('.', '_')
-            out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = d.contiguous(), u.contiguous()
-            out[f"{key}.alpha"] = torch.tensor(float(a))
+            out.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
+            if cls is not FullDiff: out[f"{key}.alpha"] = torch.tensor(float(a))
     return out
 
 # %% ../nbs/60_lora.ipynb #eca4e256
 def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
-    "A kohya/ComfyUI Stable Cascade LoRA → cascade_nb's layout for `model` (q/k/v fused back exactly)."
+    "A kohya/LyCORIS/ComfyUI Stable Cascade file (any adapter types) → cascade_nb's layout for `model` (q/k/v fused)."
     by_key = {n.replace('.', '_'): n for n, _ in model.named_modules() if n}
     by_key.update({n.replace('.', '_') + '_' + p: f"{n}.{p}" for n, m in model.named_modules()
                    if isinstance(m, nn.MultiheadAttention) for p in ('to_q', 'to_k', 'to_v')})
+    groups = {}
+    for k, v in sd.items():
+        if not k.startswith("lora_unet_"): continue
+        key, _, name = k.removeprefix("lora_unet_").partition(".")
+        groups.setdefault(key, {})[name.removesuffix(".weight")] = v
     entries, fused = {}, {}
-    for k in sd:
-        if not k.endswith('.lora_down.weight'): continue
-        key = k[:-len('.lora_down.weight')].removeprefix('lora_unet_')
-        if key not in by_key: raise KeyError(f"from_kohya: {k} names no module of {type(model).__name__}")
-        d, u = sd[k], sd[k.replace('lora_down', 'lora_up')]
-        a = float(sd.get(k.replace('lora_down.weight', 'alpha'), torch.tensor(float(d.shape[0]))))
-        name = by_key[key]
+    for key, t in groups.items():
+        if key not in by_key: raise KeyError(f"from_kohya: lora_unet_{key} names no module of {type(model).__name__}")
+        alpha = t.pop("alpha", None)
+        cls = adapter_kind(t)
+        entry, name = (cls, t, cls.default_alpha(t) if alpha is None else float(alpha)), by_key[key]
         if name.rsplit('.', 1)[-1] in ('to_q', 'to_k', 'to_v'):
-            fused.setdefault(name.rsplit('.', 1)[0], {})[name[-4:]] = (d, u, a)
-        else: entries[f"{name}.weight"] = (d, u, a)
+            fused.setdefault(name.rsplit('.', 1)[0], {})[name[-4:]] = entry
+        else: entries[f"{name}.weight"] = entry
     for mod, parts in fused.items():
         if len(parts) != 3:
             raise KeyError(f"from_kohya: {mod} has LoRA for {sorted(parts)} only; need to_q, to_k and to_v")
-        entries[f"{mod}.in_proj_weight"] = _fuse([parts[p] for p in ('to_q', 'to_k', 'to_v')])
+        entries[f"{mod}.in_proj_weight"] = _fuse_parts([parts[p] for p in ('to_q', 'to_k', 'to_v')], mod)
     out = {}
-    for p, (d, u, a) in entries.items():
-        out[f"{p}.lora_down"], out[f"{p}.lora_up"], out[f"{p}.alpha"] = d, u, torch.tensor(float(a))
+    for p, (cls, t, a) in entries.items():
+        out.update({f"{p}.{n}": v for n, v in t.items()})
+        out[f"{p}.alpha"] = torch.tensor(float(a))
     return out
 
 # %% ../nbs/60_lora.ipynb #f6db5b08
@@ -431,6 +794,7 @@ def _to_diffusers_module(name: str) -> str:
 def save_peft_adapter(lora: dict, out_dir) -> Path:
     "Write a peft LoRA adapter for diffusers' StableCascadeUNet (adapter_config.json + adapter_model.safetensors)."
     from peft import LoraConfig
+    _lora_only(lora, "save_peft_adapter")
     entries, sd = lora_entries(lora), {}
     ranks = {d.shape[0] for d, _, _ in entries.values()}
     alphas = {a for _, _, a in entries.values()}
@@ -503,6 +867,7 @@ def is_reference_lora(sd: dict) -> bool:
 def to_reference(lora: dict, model: nn.Module, text_model=None) -> dict[str, torch.Tensor]:
     """cascade_nb's layout → the reference's `lora.safetensors` for `model` (token deltas relative to `text_model`'s
     rows)."""
+    _lora_only(lora, "to_reference")
     entries, mods, out = lora_entries(lora), dict(model.named_modules()), {}
     order = [p for p in reference_lora_targets(model, [p.rpartition('.')[0] for p in entries]) if p in entries]
     if set(order) != set(entries):
@@ -586,10 +951,11 @@ def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, 
 
 # %% ../nbs/60_lora.ipynb #dbea53f5
 @config_section("lora", ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,
-                                    prior_loss_weight=AT_LEAST_0))
+                                    prior_loss_weight=AT_LEAST_0, lokr_factor=Range(-1), oft_block_size=AT_LEAST_1,
+                                    oft_constraint=AT_LEAST_0))
 @dataclass
 class LoraConfig:
-    "LoRA and token training (official train_c_lora keys)."
+    "LoRA and token training (official train_c_lora keys), and the adapter type (`ADAPTERS`) with its options."
     module_filters: Optional[list[str]] = None  # substrings/regexes of module names to adapt, e.g. ['.attn']
     rank: Optional[int] = None
     lora_alpha: Optional[float] = None    # None: scale 1/rank as the reference (alpha = 1)
@@ -599,6 +965,36 @@ class LoraConfig:
     train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
     lora_checkpoint_path: Optional[str] = None
     prior_loss_weight: float = 1.0        # lambda on the `prior: true` entries' samples (prior prediction)
+    adapter: Choice["adapter"] = "lora"   # the adapter type: lora | lokr | loha | dora | oft
+    lokr_factor: Optional[int] = None     # lokr: -1 (default) as balanced as possible, else this factor
+    decompose_both: Optional[bool] = None  # lokr: w1 low rank too (default false)
+    full_matrix: Optional[bool] = None    # lokr: w2 a full matrix, no low rank (default false)
+    oft_block_size: Optional[int] = None  # oft: rows per rotation block, dividing every adapted out dim (default 32)
+    oft_constraint: Optional[float] = None  # oft: bound on the norm of Q (COFT), stored as alpha; 0 (default): none
+    oft_rescale: Optional[bool] = None    # oft: a trained scale per output row (default false)
+
+# %% ../nbs/60_lora.ipynb #9e31be6e
+_TYPE_KEYS = ("rank", "lora_alpha", "lora_dropout", "lokr_factor", "decompose_both", "full_matrix", "oft_block_size",
+              "oft_constraint", "oft_rescale")
+
+def check_adapter_keys(lc: LoraConfig):
+    "ConfigError, naming the key, for an adapter option that the chosen `adapter` does not read."
+    cls = ADAPTERS.choose(lc.adapter)
+    for k in _TYPE_KEYS:
+        v = getattr(lc, k)
+        if v is None or (k == "lora_dropout" and v == 0) or k in cls.keys: continue
+        readers = ", ".join(n for n, c in ADAPTERS.items() if k in c.keys)
+        raise ConfigError(f"key '{k}': {v!r} is an option of adapter {readers}, not of adapter '{lc.adapter}'; "
+                          "remove it")
+    if lc.lokr_factor == 0:
+        raise ConfigError("key 'lokr_factor': 0; expected -1 (as balanced as possible) or a factor >= 1")
+
+def adapter_keys(lc: LoraConfig) -> tuple[type, dict]:
+    "(the `adapter` type, the config keys it reads that are set): what `apply_lora` and the memory planner build."
+    cls = ADAPTERS.choose(lc.adapter)
+    given = dict(rank=lc.rank or 4, lora_alpha=1.0 if lc.lora_alpha is None else lc.lora_alpha,
+                 lora_dropout=lc.lora_dropout, lora_init=lc.lora_init, **{k: getattr(lc, k) for k in _TYPE_KEYS[3:]})
+    return cls, {k: v for k, v in given.items() if k in cls.keys and v is not None}
 
 # %% ../nbs/60_lora.ipynb #8d9c9858
 class LoraNet(nn.Module):
@@ -647,7 +1043,8 @@ def _lora_memory_terms(cls, cfg, generator, batch, side, prec):
     lc, rows = cfg.lora, {}
     targets = lora_targets(generator, lc.module_filters) if lc.module_filters else []
     shapes = [generator.get_parameter(t).shape for t in targets]
-    n_train = sum(lc.rank * (s[0] + math.prod(s[1:])) for s in shapes) + 1280 * len(lc.train_tokens or ())
+    kind, keys = adapter_keys(lc)
+    n_train = sum(kind.n_params(s, **keys) for s in shapes) + 1280 * len(lc.train_tokens or ())
     adapted = sum(math.prod(s) for s in shapes)
     if adapted:
         n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
@@ -663,7 +1060,7 @@ def _lora_memory_terms(cls, cfg, generator, batch, side, prec):
 
 # %% ../nbs/60_lora.ipynb #e7d8a9d7
 def _lora_build(mode, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype):
-    "`LoraTraining.__init__`: freeze the generator, attach fp32 adapters, add the train tokens, build `net`."
+    "`LoraTraining.__init__`: freeze the generator, attach fp32 adapters (`adapter`), add train tokens, build `net`."
     lc = cfg.lora
     mode.cfg, mode.tokenizer, mode.text_model, mode.image_model = cfg, tokenizer, text_model, image_model
     mode.space, mode.compute_dtype = space, compute_dtype
@@ -671,8 +1068,8 @@ def _lora_build(mode, cfg, generator, tokenizer, text_model, image_model, space,
     if cfg.train.ema_start_iters is not None: warnings.warn("LoRA training keeps no EMA (ema_* keys are ignored)")
     generator.requires_grad_(False)
     alpha = 1.0 if lc.lora_alpha is None else lc.lora_alpha
-    mode.targets = apply_lora(generator, lc.module_filters, lc.rank, alpha, lc.lora_dropout,
-                              init=lc.lora_init) if lc.module_filters else []
+    mode.targets = apply_lora(generator, lc.module_filters, lc.rank, alpha, lc.lora_dropout, init=lc.lora_init,
+                              adapter=lc.adapter, options=adapter_keys(lc)[1]) if lc.module_filters else []
     for l in lora_layers(generator).values(): l.float()            # fp32 adapters even on bf16 weights
     mode.tokens = add_train_tokens(tokenizer, text_model, lc.train_tokens) if lc.train_tokens else {}
     if lc.lora_checkpoint_path: mode._load(lc.lora_checkpoint_path, generator)
@@ -738,10 +1135,12 @@ def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model):
 
 # %% ../nbs/60_lora.ipynb #ddf0513c
 def _lora_check_config(cfg):
-    "`LoraTraining.check_config`: adapters or tokens to train; `prior_loss_weight` only with `prior: true` entries."
+    """`LoraTraining.check_config`: adapters or tokens to train; only the chosen adapter type's options;
+    `prior_loss_weight` only with `prior: true` entries."""
     if not (cfg.lora.module_filters or cfg.lora.train_tokens):
         raise ConfigError("a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
-    if cfg.lora.rank is None: cfg.lora.rank = 4
+    check_adapter_keys(cfg.lora)
+    if cfg.lora.rank is None and "rank" in ADAPTERS.choose(cfg.lora.adapter).keys: cfg.lora.rank = 4
     if cfg.lora.prior_loss_weight != 1 and not has_prior_entries(cfg):
         raise ConfigError(f"key 'prior_loss_weight': {cfg.lora.prior_loss_weight:g} weights the samples of "
                           "`prior: true` entries, but no webdataset_path entry has `prior: true`")
