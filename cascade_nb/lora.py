@@ -84,6 +84,7 @@ class Adapter(nn.Module):
     keys: tuple = ()           # the `lora` config keys it reads (besides module_filters)
     row_tensors: tuple = ()    # its tensors whose first axis runs over W's output rows (or blocks of them)
     keeps_original = False     # merging forgets what unmerging needs: merge_lora keeps the original W
+    layout_alpha = 1.0         # the alpha of an entry in cascade_nb's layout that has none (LoRA's scale 1/rank)
     def __init__(self, shape, alpha: float):
         super().__init__()
         self.shape, self.alpha, self.enabled, self.multiplier = tuple(shape), float(alpha), True, 1.0
@@ -109,7 +110,7 @@ class Adapter(nn.Module):
     @classmethod
     def claims(cls, names: set) -> bool: return cls.signature in names
     @classmethod
-    def default_alpha(cls, tensors: dict) -> float: return 1.0   # a file entry without alpha
+    def default_alpha(cls, tensors: dict) -> float: return 1.0   # a kohya/LyCORIS entry without alpha
     @classmethod
     def build(cls, W: torch.Tensor, **keys) -> "Adapter": return cls(W.shape, **keys)   # fresh, zero update
     @classmethod
@@ -290,7 +291,7 @@ def adapter_entries(lora: dict) -> dict[str, tuple]:
     for path, t in groups.items():
         alpha = t.pop("alpha", None)
         cls = adapter_kind(t)
-        out[path] = (cls, t, cls.default_alpha(t) if alpha is None else float(alpha))
+        out[path] = (cls, t, cls.layout_alpha if alpha is None else float(alpha))
     return out
 
 def adapter_from_entry(entry: tuple, shape) -> Adapter:
@@ -300,8 +301,8 @@ def adapter_from_entry(entry: tuple, shape) -> Adapter:
 
 # %% ../nbs/60_lora.ipynb #89cd71ce
 def lora_delta(down, up, alpha: float, shape) -> torch.Tensor:
-    "The weight update of one LoRA entry, (alpha/rank)·up@down reshaped to the weight's `shape`."
-    return (up.float().flatten(1) @ down.float().flatten(1)).view(shape) * (alpha / down.shape[0])
+    "The weight update of one LoRA entry, (alpha/rank)·up@down reshaped to the weight's `shape` (`LoRA.update`)."
+    return LoRA.from_tensors({"lora_down": down, "lora_up": up}, alpha, shape).eval().update().detach()
 
 # %% ../nbs/60_lora.ipynb #2b958cad
 def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
@@ -478,6 +479,7 @@ def _divisor_near(n: int, b: int) -> int:
 class OFT(Adapter):
     "W' = rescale·(Rᵀ W) per block of output rows, R = Cayley(B − Bᵀ), B = 0 at init (Qiu et al. 2023, diag-OFT)."
     signature, keys = "oft_blocks", ("oft_block_size", "oft_constraint", "oft_rescale")
+    layout_alpha = 0.0   # no constraint
     row_tensors = ("oft_blocks", "rescale")
     def __init__(self, shape, oft_block_size=32, oft_constraint=0.0, oft_rescale=False):
         super().__init__(shape, oft_constraint)          # alpha: the bound on ‖Q‖ (0: none), as LyCORIS stores it
