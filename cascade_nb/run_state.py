@@ -415,6 +415,8 @@ def optimizer_groups(groups: dict[str, list], t, scale: float = 1.0) -> list[dic
                                            "lr_multiplier": m}
             out[key]["params"].append(p)
     if why := _unused(groups, t, decided): raise ConfigError(why)
+    if groups and not out: raise ConfigError("key 'lr_multipliers': a multiplier of 0 for every trained parameter "
+                                             "leaves nothing to train")
     return list(out.values())
 
 # %% ../nbs/40_run_state.ipynb #pg436484
