@@ -86,7 +86,7 @@ def test_oft_rotates_block_rows_and_ignores_rescale(params):
     R = cayley(blocks, 0.5)
     want = torch.cat([(R[k] - torch.eye(8)).T @ W[8 * k:8 * k + 8] for k in range(8)])
     assert torch.allclose(rd.deltas[PATH], want, atol=1e-5) and not rd.skipped
-    assert any("rescale" in w for w in rd.warnings)
+    assert any("rescale" in w for w in rd.warnings) and any("alpha·out_dim = 32" in w for w in rd.warnings)
     rd = read_comfyui({f"{KEY}.oft_blocks": blocks}, params)                               # no alpha: not applied
     assert rd.deltas == {} and "no .alpha" in rd.warnings[0]
     with torch.device("meta"): meta = consumer_params(StageC.from_preset("tiny"))
@@ -107,12 +107,12 @@ def test_boft_one_stage_is_a_shuffled_block_rotation(params):
 def test_dora_scale_axis_rules(params):
     W, up, down = params[PATH], rnd(64, 4), rnd(4, 64)
     s, diff = 2 / 4, up @ down
-    lyco = rnd(1, 64).abs()                                  # LyCORIS default: one magnitude per input column
+    lyco = rnd(1, 64).abs()                                  # LyCORIS wd_on_out=False: one per input column
     rd = read_comfyui({f"{KEY}.lora_up.weight": up, f"{KEY}.lora_down.weight": down, f"{KEY}.alpha": torch.tensor(2.),
                        f"{KEY}.dora_scale": lyco}, params)
     calc = W + s * diff
     assert torch.allclose(rd.deltas[PATH], calc * lyco / calc.norm(dim=0, keepdim=True) - W, atol=1e-5)
-    per_row = rnd(64, 1).abs()                               # peft / wd_on_output: ComfyUI divides by the BASE rows
+    per_row = rnd(64, 1).abs()                               # peft / wd_on_out=True: ComfyUI divides by the BASE rows
     rd = read_comfyui({f"{KEY}.lora_up.weight": up, f"{KEY}.lora_down.weight": down, f"{KEY}.alpha": torch.tensor(2.),
                        f"{KEY}.dora_scale": per_row}, params)
     assert torch.allclose(rd.deltas[PATH], calc * per_row / W.norm(dim=1, keepdim=True) - W, atol=1e-5)

@@ -48,30 +48,30 @@ def test_export_kohya_then_check_it_for_comfyui_and_kohya(run_dir, tmp_path):
     # family, rank, alpha, scale; |dW| measured on the merged model
     assert row.split()[1:5] == ["lora", "4", "1", "0.25"] and float(row.split()[5]) > 0
 
-def test_export_official_and_check_it_for_official_and_comfyui(run_dir, tmp_path):
+def test_export_official_and_check_it_for_official_and_comfyui(run_dir, tmp_path, capsys):
     run, model_yaml = run_dir
     res = lora_cli("export", run, "--to", "official", "--out", tmp_path / "o.safetensors")
     assert res.returncode == 0, res.stderr
     res = lora_cli("check", tmp_path / "o.safetensors", "--for", "official", "--model", model_yaml)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "official: loads 26 of 26 keys" in res.stdout and "token rows changed: [49408]" in res.stdout
-    res = lora_cli("check", tmp_path / "o.safetensors")                   # ComfyUI maps none of its keys
-    assert res.returncode == 1 and res.stdout.startswith("comfyui: loads 0 of 26 keys; skips 26: embeddings.indices")
+    from cascade_nb.adapter_files import main                             # in-process from here (no import cost)
+    assert main(["check", str(tmp_path / "o.safetensors")]) == 1          # ComfyUI maps none of its keys
+    assert capsys.readouterr().out.startswith("comfyui: loads 0 of 26 keys; skips 26: embeddings.indices")
 
-def test_export_embedding_and_errors(run_dir, tmp_path):
-    run, _ = run_dir
-    res = lora_cli("export", run, "--to", "embedding", "--out", tmp_path / "emoji.safetensors")
-    assert res.returncode == 0, res.stderr
+def test_export_embedding_and_errors(run_dir, tmp_path, capsys):
     from safetensors.torch import load_file
+    from cascade_nb.adapter_files import main
+    run, _ = run_dir
+    assert main(["export", str(run), "--to", "embedding", "--out", str(tmp_path / "emoji.safetensors")]) == 0
     assert load_file(str(tmp_path / "emoji.safetensors"))["clip_g"].shape == (1, 64)
-    res = lora_cli("check", tmp_path / "emoji.safetensors", "--for", "comfyui")
     # without the run's text model the width is CLIP-G's 1280: ComfyUI would ignore this 64-wide test vector
-    assert res.returncode == 1 and "width 64 != the text encoder's 1280" in res.stdout
+    assert main(["check", str(tmp_path / "emoji.safetensors"), "--for", "comfyui"]) == 1
+    assert "width 64 != the text encoder's 1280" in capsys.readouterr().out
     res = lora_cli("export", run, "--to", "comfy", "--out", tmp_path / "x")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert res.stderr.startswith("config error: --to: 'comfy' is not a registered adapter layout; (registered: "
                                  "cascade_nb, official, kohya, peft, embedding"), res.stderr
-
 
 def test_check_errors_are_one_line(run_dir, tmp_path, capsys):
     from cascade_nb.adapter_files import main
