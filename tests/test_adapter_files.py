@@ -184,3 +184,38 @@ def test_peft_itself_honours_the_rank_pattern_we_write(tmp_path):
                      json.loads((tmp_path / "a" / "adapter_config.json").read_text()))
     assert mod.r["default"] == 2 and mod.scaling["default"] == 2.5
     assert torch.allclose(got, ours.deltas[PATH], atol=1e-6) and before
+
+def test_embedding_export_one_file_per_token(tmp_path):
+    import json
+    from safetensors.torch import load_file
+    from cascade_nb.core import safetensors_header
+    from cascade_nb.adapter_files import export_adapter
+    rows = rnd(2, 1280)
+    tokens = {"tokens.ids": torch.tensor([49408, 49409]), "tokens.embeddings": rows,
+              "tokens.names": torch.tensor(list(json.dumps(["[cat toy]", "<style>"]).encode()), dtype=torch.uint8)}
+    paths, _ = export_adapter(tokens, "embedding", tmp_path / "emb")
+    assert [p.name for p in paths] == ["cat_toy.safetensors", "style.safetensors"]
+    assert torch.equal(load_file(str(paths[1]))["clip_g"], rows[1:])
+    meta = safetensors_header(paths[0])[0]
+    assert meta["modelspec.trigger_phrase"] == "[cat toy]" and "ss_network_dim" not in meta
+    assert meta["modelspec.architecture"] == "stable-cascade-v1-prior/textual-inversion"
+
+def test_a_onetrainer_style_file_exports_to_peft(tmp_path, params):
+    "Another trainer's lora_prior_unet_ keys (OneTrainer) → cascade_nb's layout → peft, the same ΔW throughout."
+    from cascade_nb.adapter_files import AdapterSource, source_lora, export_adapter, cascade_nb_deltas
+    model = StageC.from_preset("tiny")
+    up, down = rnd(64, 2), rnd(2, 64)
+    ot = {"lora_prior_unet_down_blocks_0_2_kv_mapper_1.lora_up.weight": up,
+          "lora_prior_unet_down_blocks_0_2_kv_mapper_1.lora_down.weight": down,
+          "lora_prior_unet_down_blocks_0_2_kv_mapper_1.alpha": torch.tensor(1.),
+          "lora_prior_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": rnd(256, 2)}
+    rd = read_comfyui(ot, params)                       # an up without its down: ComfyUI fails on the whole file
+    assert rd.refused and rd.deltas == {} and "ComfyUI stops loading the file here" in rd.warnings[0]
+    want = up @ down / 2
+    lora = source_lora(AdapterSource(tmp_path / "ot.safetensors", ot, {}), model)
+    assert torch.allclose(cascade_nb_deltas(lora, params)[PATH], want, atol=1e-6)
+    import json
+    from safetensors.torch import load_file
+    paths, _ = export_adapter(lora, "peft", tmp_path / "peft")
+    rd = read_peft(load_file(str(paths[1])), params, None, json.loads(paths[0].read_text()))
+    assert torch.allclose(rd.deltas[PATH], want, atol=1e-6)
