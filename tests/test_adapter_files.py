@@ -148,6 +148,9 @@ def test_peft_rslora_alpha_pattern_and_dora(params):
                    dict(r=4, lora_alpha=8, target_modules=["kv_mapper.1"], use_dora=True))
     calc = W + 2 * B @ A
     assert torch.allclose(rd.deltas[PATH], m[:, None] * calc / calc.norm(dim=1, keepdim=True) - W, atol=1e-5)
+    rd = read_peft(sd, params, None, dict(r=4, lora_alpha=8, target_modules=["kv_mapper.1"], use_dora=True))
+    m0 = W.norm(dim=1, keepdim=True)                         # no magnitude saved: peft's initial ‖W‖ rows
+    assert torch.allclose(rd.deltas[PATH], m0 * calc / calc.norm(dim=1, keepdim=True) - W, atol=1e-5)
     rd = read_peft(sd, params, None, dict(r=4, lora_alpha=8, target_modules=["to_q"]))     # not targeted
     assert rd.deltas == {} and len(rd.skipped) == 2
 
