@@ -842,3 +842,10 @@ class PriorHook(ConfigHook):
                           "(mode lora does); remove it")
 
 register_config_hook("prior", PriorHook())
+
+# %% ../nbs/60_lora.ipynb #ed47e929
+if __name__ == "__main__" and "__file__" in globals():
+    # `python -m cascade_nb.lora export|check ...` is `adapter_files.main`: that module is the next notebook and
+    # imports this one, so it is looked up by name here, only when this file runs as the command
+    import importlib, sys
+    sys.exit(importlib.import_module("cascade_nb.adapter_files").main())
