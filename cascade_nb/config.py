@@ -21,8 +21,8 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
 
 # %% auto #0
 __all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SOURCE_KEYS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES',
-           'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'ModelConfig',
-           'GDFConfig', 'DataConfig', 'SourceEntry', 'source_entry', 'source_entries', 'TrainConfig',
+           'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS',
+           'ModelConfig', 'GDFConfig', 'DataConfig', 'SourceEntry', 'source_entry', 'source_entries', 'TrainConfig',
            'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'check_range', 'config_section', 'Config',
            'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'dump_config', 'save_config',
            'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce',
@@ -210,6 +210,12 @@ class TrainConfig:
     fused_backward: bool = False
     stochastic_rounding: bool = False     # with fused_backward and dtype bfloat16: bf16 weights, no fp32 master copy
     weight_decay: float = 0.01
+    # the lr and weight decay of each group of trained parameters the mode names (full: generator; lora: adapters,
+    # tokens, text_encoder_adapters; controlnet: backbone, projections), e.g. {tokens: {lr: 5e-3, weight_decay: 0}};
+    # a key left out is the run's lr / weight_decay (nbs/40_run_state, parameter groups)
+    param_groups: dict[str, dict[str, float]] = field(default_factory=dict)
+    # {module-path pattern (substring or regex): multiplier of its group's lr}; the first match wins; 0 freezes
+    lr_multipliers: dict[str, float] = field(default_factory=dict)
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     grad_clip: float = 1.0                # max grad norm on trainable parameters
@@ -417,7 +423,10 @@ _ALIASES = {"learning_rate": "lr", "train_batch_size": "batch_size", "max_train_
             "use_ema": "ema_start_iters", "ema_decay": "ema_beta", "snr_gamma": "loss_weight",
             "train_data_dir": "webdataset_path", "lr_scheduler_num_cycles": "lr_cycles",
             "lr_scheduler_power": "lr_power", "optimizer_kwargs": "optimizer_args",
-            "optimizer_config": "optimizer_args", "lr_end": "min_lr", "lr_scheduler_min_lr_ratio": "min_lr"}
+            "optimizer_config": "optimizer_args", "lr_end": "min_lr", "lr_scheduler_min_lr_ratio": "min_lr",
+            # kohya's per-part LRs: our param_groups (LoRA: adapters, tokens); its block LR weights: lr_multipliers
+            "unet_lr": "param_groups", "text_encoder_lr": "param_groups", "embedding_lr": "param_groups",
+            "down_lr_weight": "lr_multipliers", "mid_lr_weight": "lr_multipliers", "up_lr_weight": "lr_multipliers"}
 
 # %% ../nbs/01_config.ipynb #69096c8a
 def _modes_hint() -> str:
@@ -576,6 +585,21 @@ def _check_augment_and_mask(cfg: Config, need):
              f"key '{key}' weights the loss by a mask, but loss_mask is off; set loss_mask: alpha, member or auto")
 
 
+# %% ../nbs/01_config.ipynb #pg05873d
+GROUP_KEYS = {"lr": POSITIVE, "weight_decay": AT_LEAST_0}
+"What a `param_groups` entry may set, and each one's range."
+
+def _check_param_groups(t, need):
+    "`param_groups` entries set `GROUP_KEYS` in range; `lr_multipliers` are patterns with multipliers >= 0."
+    for group, given in t.param_groups.items():
+        for k, v in given.items():
+            need(k in GROUP_KEYS, f"key 'param_groups.{group}.{k}' is unknown; expected {' or '.join(GROUP_KEYS)}")
+            need(v in GROUP_KEYS[k], f"key 'param_groups.{group}.{k}': {v!r} is out of range; expected {GROUP_KEYS[k]}")
+    for pat, m in t.lr_multipliers.items():
+        need(bool(pat), "key 'lr_multipliers': an empty pattern matches every parameter; set lr instead")
+        need(m in AT_LEAST_0, f"key 'lr_multipliers.{pat}': {m!r} is out of range; expected {AT_LEAST_0} "
+                              "(0 freezes the parameters it matches)")
+
 # %% ../nbs/01_config.ipynb #8dddb117
 def _check(cfg: Config, where: str, training: bool):
     def need(cond, msg):
@@ -611,6 +635,7 @@ def _check(cfg: Config, where: str, training: bool):
     need(t.min_lr < t.lr, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends at must be "
                           "lower than the LR it starts from")
     _check_augment_and_mask(cfg, need)
+    _check_param_groups(t, need)
     if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
     if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
     if d.captions_getter is None: d.captions_getter = CaptionsGetter()

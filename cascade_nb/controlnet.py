@@ -21,10 +21,10 @@ from .typed_yaml import AT_LEAST_0
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 
 # %% auto #0
-__all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CNetResBlock', 'ControlNet', 'controlnet_config', 'load_controlnet',
-           'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter', 'SRFilter',
-           'SREffnetFilter', 'IdentityFilter', 'make_filter', 'ControlNetConfig', 'meta_controlnet', 'control_points',
-           'ControlNetNet', 'ControlNetTraining']
+__all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet', 'controlnet_config',
+           'load_controlnet', 'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter',
+           'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'make_filter', 'ControlNetConfig', 'meta_controlnet',
+           'control_points', 'ControlNetNet', 'controlnet_param_group', 'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -400,6 +400,14 @@ def _controlnet_build(training, cfg, generator, tokenizer, text_model, image_mod
         if idx >= n_hints: proj.requires_grad_(False)
     training.net = ControlNetNet(generator, controlnet)
 
+# %% ../nbs/61_controlnet.ipynb #pg8aecbb
+CONTROLNET_PARAM_GROUPS = ("backbone", "projections")
+"`ControlNetTraining`'s parameter groups: the control image's encoder, the per-block injection convolutions."
+
+def controlnet_param_group(name: str) -> str:
+    "The group of a trained parameter of `ControlNetNet`: in the ControlNet's `backbone`, or in its `projections`."
+    return "backbone" if name.startswith("controlnet.backbone.") else "projections"
+
 # %% ../nbs/61_controlnet.ipynb #2da15b82
 @training_mode("controlnet")
 class ControlNetTraining(TrainingMode):
@@ -408,6 +416,7 @@ class ControlNetTraining(TrainingMode):
     supports_ema = False   # an EMA of `net` would copy the frozen generator
     base_is_rebuilt = True   # the state holds the ControlNet, not the frozen generator
     trains_generator = False
+    param_group_names, param_group = CONTROLNET_PARAM_GROUPS, staticmethod(controlnet_param_group)
     @classmethod
     def selected_by(cls, cfg):   # official ControlNet keys
         return cfg.controlnet.controlnet_blocks is not None or bool(cfg.controlnet.controlnet_filter)

@@ -445,6 +445,8 @@ class LCMLoraTraining(LCMTraining):
         self.lora = LoraTraining(cfg, generator, *models, **kw)
         return self.lora.net
     def trainable_modules(self, net): return self.lora.trainable_modules(net)
+    param_group_names = LoraTraining.param_group_names   # adapters (and tokens): `param_groups` as in mode lora
+    def param_group(self, name: str) -> str: return self.lora.param_group(name)
     def target(self, net) -> nn.Module:
         "The network whose consistency output is the target: the adapted student itself, as diffusers."
         return net

@@ -19,6 +19,7 @@ from .core import default_device, resolve_dtype, to_uint8, seeded_randn
 from .hub import parse_hub_spec
 from .gdf.presets import stage_c_gdf, stage_b_gdf, SAMPLING_DEFAULTS
 from .gdf.samplers import SAMPLERS
+from .models.stage_b import stage_b_latents
 from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode_image, load_clip_tokenizer,
                                     load_clip_text_model, load_clip_image_model)
 
@@ -322,10 +323,8 @@ class CascadePipeline(ModelStore):
                  generator: torch.Generator | None = None) -> torch.Tensor:
         "Stage B: (B, 4, h_b, w_b) latents from Stage C latents and pooled text (unconditional: zero latent, `clip_u`)."
         with self.use('stage_b') as stage_b:
-            cond = dict(effnet=latent_c, clip=clip)
-            uncond = dict(effnet=torch.zeros_like(latent_c), clip=clip_u)
-            shape = (latent_c.shape[0], getattr(stage_b, 'config', {}).get('c_out', 4), *size)
-            return self._sample(self.gdf_b, stage_b, cond, uncond, shape, steps, cfg, shift, generator)
+            return stage_b_latents(_in_dtype(stage_b, self.dtype), latent_c, clip, clip_u, size, steps, cfg, shift,
+                                   generator, c_out=getattr(stage_b, 'config', {}).get('c_out', 4), gdf=self.gdf_b)
 
     @torch.no_grad()
     def run(self, prompts, negative_prompt="", height: int = 1024, width: int = 1024, steps_c: int = 20,

@@ -20,27 +20,23 @@ from .registry import registry
 from .config import ConfigError, ConfigHook, config_section, register_config_hook, source_entries, REQUIRED
 from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY, Choice, Range
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights, TRAINING_MODES
+from .run_state import first_match
 
 # %% auto #0
-__all__ = ['LORA_INITS', 'ADAPTERS', 'match_filters', 'lora_targets', 'register_adapter', 'Adapter', 'LoRA', 'apply_lora',
-           'base_state_dict', 'is_adapter', 'lora_layers', 'scaled_adapters', 'lora_state_dict', 'lora_entries',
-           'adapter_kind', 'adapter_entries', 'adapter_from_entry', 'lora_delta', 'load_lora', 'lora_metadata',
-           'save_lora', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff', 'TokenDeltas',
-           'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget',
+__all__ = ['LORA_INITS', 'ADAPTERS', 'LORA_PARAM_GROUPS', 'match_filters', 'lora_targets', 'register_adapter', 'Adapter', 'LoRA',
+           'apply_lora', 'base_state_dict', 'is_adapter', 'lora_layers', 'scaled_adapters', 'lora_state_dict',
+           'lora_entries', 'adapter_kind', 'adapter_entries', 'adapter_from_entry', 'lora_delta', 'load_lora',
+           'lora_metadata', 'save_lora', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff',
+           'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget',
            'has_prior_entries', 'prior_extras', 'prior_loss', 'to_kohya', 'from_kohya', 'save_peft_adapter',
            'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
            'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'LoraNet', 'lora_base_generator',
-           'merged_lora_run', 'LoraTraining', 'PriorHook']
+           'merged_lora_run', 'lora_param_group', 'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
     "True when a module name contains one of `filters` as a substring or matches it as a regular expression."
-    for f in filters or ():
-        if f in name: return True
-        try:
-            if re.search(f, name): return True
-        except re.error: pass
-    return False
+    return first_match(name, filters) is not None   # the rule of `lr_multipliers` too (nbs/40_run_state)
 
 # %% ../nbs/60_lora.ipynb #99d74491
 def lora_targets(model: nn.Module, filters) -> list[str]:
@@ -1147,6 +1143,15 @@ def _lora_check_config(cfg):
         raise ConfigError(f"key 'prior_loss_weight': {cfg.lora.prior_loss_weight:g} weights the samples of "
                           "`prior: true` entries, but no webdataset_path entry has `prior: true`")
 
+# %% ../nbs/60_lora.ipynb #pga5a85b
+LORA_PARAM_GROUPS = ("adapters", "tokens", "text_encoder_adapters")
+"`LoraTraining`'s parameter groups (`param_groups` keys): the generator's adapters, token rows, text-encoder adapters."
+
+def lora_param_group(name: str) -> str:
+    "The group of a trained parameter of `LoraNet`: a `TokenDeltas` row is `tokens`, else an adapter of its model."
+    if not name.startswith("text_model."): return "adapters"
+    return "tokens" if name.endswith(".delta") else "text_encoder_adapters"
+
 # %% ../nbs/60_lora.ipynb #96e9b7f7
 @training_mode("lora")
 class LoraTraining(TrainingMode):
@@ -1155,6 +1160,7 @@ class LoraTraining(TrainingMode):
     supports_ema = False   # an EMA would copy the frozen generator too; average the adapters offline if needed
     trains_generator, base_is_rebuilt = False, True   # the state: adapters and token rows, not the frozen generator
     predicts_prior = True  # `prior: true` samples: the target is the base's prediction (adapters off)
+    param_group_names, param_group = LORA_PARAM_GROUPS, staticmethod(lora_param_group)   # (nbs/40_run_state)
     @classmethod
     def selected_by(cls, cfg): return bool(cfg.lora.module_filters or cfg.lora.train_tokens)   # official LoRA keys
     @classmethod
@@ -1205,7 +1211,6 @@ class LoraTraining(TrainingMode):
         if not self.tokens: return self.full.uncond(conds)
         n, device = len(conds["input_ids"]), conds["input_ids"].device
         return {**self._token_conds([""] * n, device), "clip_img": torch.zeros_like(conds["clip_img"])}
-
     def adapter_scaled(self, net, scale: float):
         "A context in which the adapters of `net` act at `scale` × their trained strength (`scaled_adapters`)."
         return scaled_adapters(net, scale)
@@ -1238,3 +1243,10 @@ class PriorHook(ConfigHook):
                           "(mode lora does); remove it")
 
 register_config_hook("prior", PriorHook())
+
+# %% ../nbs/60_lora.ipynb #ed47e929
+if __name__ == "__main__" and "__file__" in globals():
+    # `python -m cascade_nb.lora export|check ...` is `adapter_files.main`: that module is the next notebook and
+    # imports this one, so it is looked up by name here, only when this file runs as the command
+    import importlib, sys
+    sys.exit(importlib.import_module("cascade_nb.adapter_files").main())

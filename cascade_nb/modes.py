@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/modes.html.md"""
 
 # %% ../nbs/40b_modes.ipynb #9f59922c
 from __future__ import annotations
-import contextlib
+import contextlib, difflib
 from dataclasses import fields
 from pathlib import Path
 import torch
@@ -22,11 +22,11 @@ from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 
 # %% auto #0
 __all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage',
-           'load_released_generator', 'TrainingMode', 'build_generator', 'check_model_overrides', 'build_text_encoder',
-           'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen',
-           'build_latent_space', 'diffusion_loss', 'mask_weight', 'sample_weights', 'training_mode',
+           'load_released_generator', 'TrainedGroups', 'TrainingMode', 'build_generator', 'check_model_overrides',
+           'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace',
+           'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight', 'sample_weights', 'training_mode',
            'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries', 'resolve_mode', 'check_mode_sections',
-           'ModeHook', 'FullTraining', 'StageBTraining']
+           'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -95,8 +95,18 @@ def load_released_generator(cfg: Config, run, ema: bool = True) -> tuple[nn.Modu
     return generator, weights
 
 
+# %% ../nbs/40b_modes.ipynb #pg9ab71d
+class TrainedGroups:
+    "The groups a training mode's trained parameters fall in (`param_groups` keys): by default one, `generator`."
+    param_group_names = ("generator",)
+    @classmethod
+    def for_config(cls, cfg: Config) -> type: return cls   # the class that trains `cfg` (lcm: LCM-LoRA, by its keys)
+    def param_group(self, name: str) -> str:
+        "The group (of `param_group_names`) of trained parameter `name` of `net`: the first, the whole generator."
+        return self.param_group_names[0]
+
 # %% ../nbs/40b_modes.ipynb #619e7e79
-class TrainingMode:
+class TrainingMode(TrainedGroups):
     "The training-mode protocol; every hook has a default (Stage C full fine-tuning). See the table above."
     supports_ema = True          # keep an EMA of `net` (ema_* keys); False where `net` holds a frozen generator
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
@@ -446,6 +456,20 @@ class ModeHook(ConfigHook):
 
 register_config_hook("training_mode", ModeHook())
 
+
+# %% ../nbs/40b_modes.ipynb #pg248fe9
+class ParamGroupsHook(ConfigHook):
+    "Loading a config: the groups `param_groups` sets are groups of its mode's (`param_group_names`)."
+    def after(self, cfg: Config, where: str):
+        mode = TRAINING_MODES.choose(cfg.train.mode).for_config(cfg)
+        for g in cfg.train.param_groups:
+            if g in mode.param_group_names: continue
+            close = difflib.get_close_matches(str(g), mode.param_group_names, n=1)
+            raise ConfigError(f"{where}: key 'param_groups': {g!r} is not a parameter group of mode "
+                              f"'{cfg.train.mode}'" + (f"; did you mean {close[0]!r}?" if close else "")
+                              + f" (its groups: {', '.join(mode.param_group_names)})")
+
+register_config_hook("param_groups", ParamGroupsHook())
 
 # %% ../nbs/40b_modes.ipynb #05cfc65c
 @training_mode("full")

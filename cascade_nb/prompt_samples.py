@@ -15,7 +15,8 @@ from .typed_yaml import read_yaml_file, coerce, Range, AT_LEAST_0, AT_LEAST_1
 from .core import atomic_write_text, atomic_write_json, frozen
 from .registry import registry, UnknownChoice
 from .hub import parse_hub_spec
-from .gdf.presets import stage_b_gdf, SAMPLING_DEFAULTS
+from .gdf.presets import SAMPLING_DEFAULTS
+from .models.stage_b import stage_b_latents
 from .data.buckets import size_rule
 from .run_state import training_hook, ema_weights, evaluation_view
 from .sample import sample_run, save_png, _slug, chunk_seed
@@ -24,9 +25,8 @@ from .train import LAUNCH_CHECKS, tracker_image
 # %% auto #0
 __all__ = ['PROMPT_FIELDS', 'MAX_PROMPTS', 'MAX_PROMPTS_BYTES', 'SAMPLE_DECODERS', 'STAGE_B_KEYS', 'SamplePrompt',
            'prompt_defaults', 'read_prompt_entries', 'prompt_entry', 'read_prompts', 'adapter_scaled', 'sample_prompt',
-           'LatentSpaceDecoder', 'check_cascade_decode', 'stage_b_latents', 'CascadeDecoder', 'sample_decoder',
-           'prompt_folder', 'write_prompt_samples', 'sample_weights', 'log_prompt_samples', 'PromptSamples',
-           'check_sample_prompts']
+           'LatentSpaceDecoder', 'check_cascade_decode', 'CascadeDecoder', 'sample_decoder', 'prompt_folder',
+           'write_prompt_samples', 'sample_weights', 'log_prompt_samples', 'PromptSamples', 'check_sample_prompts']
 
 # %% ../nbs/44_prompt_samples.ipynb #0c600f0e
 @dataclass(frozen=True)
@@ -191,18 +191,6 @@ def check_cascade_decode(cfg: Config):
                             "a Stage A weights file, e.g. models/stage_a.safetensors", tiny=True))
     if why: raise ConfigError(why)
 
-# %% ../nbs/44_prompt_samples.ipynb #d3c0de06
-@torch.no_grad()
-def stage_b_latents(stage_b, latent_c, clip, clip_u, side: int, steps: int, cfg_scale: float, generator):
-    """(B, 4, side, side): Stage B sampled on Stage C latents `latent_c` and pooled text `clip`, CFG against a zero
-    latent and `clip_u`, with the reference's Stage B shift and CFG rescale (`SAMPLING_DEFAULTS`)."""
-    d = SAMPLING_DEFAULTS["stage_b"]
-    cond, uncond = dict(effnet=latent_c, clip=clip), dict(effnet=torch.zeros_like(latent_c), clip=clip_u)
-    shape = (latent_c.shape[0], getattr(stage_b, "config", {}).get("c_out", 4), side, side)
-    *_, last = stage_b_gdf().sample(stage_b, cond, shape, uncond, timesteps=steps, cfg=cfg_scale, shift=d["shift"],
-                                    cfg_rho=d["cfg_rho"], device=latent_c.device, generator=generator)
-    return last.x0
-
 # %% ../nbs/44_prompt_samples.ipynb #d3c0de08
 @SAMPLE_DECODERS.register("cascade")
 class CascadeDecoder:
@@ -227,8 +215,8 @@ class CascadeDecoder:
         stage_b, stage_a = self.load(x0.device)
         g = torch.Generator().manual_seed(chunk_seed(p.seed, 1))   # on the CPU: the same noise on every device
         side = math.ceil(p.size / 2 ** stage_a.config["levels"])
-        latent_b = stage_b_latents(stage_b, x0, conds["clip_text_pooled"], uncond["clip_text_pooled"], side, self.steps,
-                                   self.cfg_scale, g)
+        latent_b = stage_b_latents(stage_b, x0, conds["clip_text_pooled"], uncond["clip_text_pooled"], (side, side),
+                                   steps=self.steps, cfg=self.cfg_scale, generator=g)
         return stage_a.decode(latent_b).float().clamp(0, 1)[..., :p.size, :p.size]
 
 def sample_decoder(cfg: Config):

@@ -13,7 +13,8 @@ from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import torch
 from torch import nn
-from .core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
+from .core import (human_count, atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic,
+    safetensors_header,
     seeded_rand, _header_dtypes, _SAFETENSORS_DTYPES)
 from .registry import registry, ConfigError
 from .hub import parse_hub_spec, hub_settings
@@ -25,15 +26,16 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'RESUME_KEYS', 'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay',
            'polynomial_decay', 'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec',
            'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
-           'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'local_shard', 'ema_lerp_', 'ema_update_',
-           'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'schedule_free_view', 'ScheduleFreeAdamW',
-           'evaluation_view', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
-           'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums', 'RunDirRecord',
-           'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
-           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'frozen_parameters',
-           'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint', 'local_weights',
-           'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state', 'save_sample_grid', 'StopWaiting',
-           'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
+           'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups', 'group_settings',
+           'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'local_shard', 'ema_lerp_',
+           'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'schedule_free_view',
+           'ScheduleFreeAdamW', 'evaluation_view', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite',
+           'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums',
+           'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state',
+           'write_weights', 'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files',
+           'frozen_parameters', 'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint',
+           'local_weights', 'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state',
+           'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -270,6 +272,13 @@ class Prodigy(OptimizerSpec):
             return Opt(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay, **args)
     @staticmethod
     def state_bytes(param_bytes): return 4 * param_bytes   # two moments, the initial weights, the accumulator s
+    @staticmethod
+    def refusal(t):
+        lrs = {t.lr, *(g["lr"] for g in (t.param_groups or {}).values() if "lr" in g)}
+        if len(lrs) > 1 or any(m not in (0, 1) for m in (t.lr_multipliers or {}).values()):
+            return ("estimates one step size over all its parameters and refuses groups at other lrs (prodigyopt): "
+                    "remove the lr of param_groups and the lr_multipliers other than 0 (weight_decay per group is "
+                    "fine)")
 
 # %% ../nbs/40_run_state.ipynb #8f855b31
 class OptimizerArgsHook(ConfigHook):
@@ -295,11 +304,14 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, generator: torch.Gener
 # %% ../nbs/40_run_state.ipynb #19b38b2d
 class FusedBackward:
     """One optimizer per trained tensor, stepped inside backward as soon as the tensor's gradient is complete, the
-    gradient freed right after; `step`/`zero_grad` are no-ops, `param_groups` and the state dicts span all tensors."""
+    gradient freed right after; `step`/`zero_grad` are no-ops, `param_groups` and the state dicts span all tensors.
+    `params`: tensors, or torch param groups (dicts) whose `lr` and `weight_decay` each tensor's optimizer takes."""
     def __init__(self, params, build, grad_clip: float | None = None, stochastic_rounding: bool = False,
                  seed: int = 0):
-        self.params = [p for p in params if p.requires_grad]
-        self.opts = [build([p]) for p in self.params]
+        groups = [g if isinstance(g, dict) else {"params": [g]} for g in params]
+        trained = [(p, g) for g in groups for p in g["params"] if p.requires_grad]
+        self.params = [p for p, _ in trained]
+        self.opts = [build([{**g, "params": [p]}]) for p, g in trained]
         self.grad_clip, self.stochastic_rounding, self.seed, self.update = grad_clip, stochastic_rounding, seed, 0
         self.sq_norm = None   # the sum of squared gradient norms of this update, on the device (no sync)
         self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self._step, i))
@@ -350,6 +362,86 @@ class FusedBackward:
             bf16, p.data = p.data, p.data.float()
             o.load_state_dict(s)
             p.data = bf16
+
+# %% ../nbs/40_run_state.ipynb #pg678e79
+def first_match(name: str, patterns) -> str | None:
+    "The first of `patterns` that `name` contains as a substring or matches as a regular expression; None: none does."
+    for pat in patterns or ():
+        if pat in name: return pat
+        try:
+            if re.search(pat, name): return pat
+        except re.error: pass
+    return None
+
+# %% ../nbs/40_run_state.ipynb #pg068020
+def named_groups(net: nn.Module, group_of) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    "The trained parameters of `net` as (name, parameter) pairs by the group `group_of(name)` names, in use order."
+    out = {}
+    for name, p in net.named_parameters():
+        if p.requires_grad: out.setdefault(group_of(name), []).append((name, p))
+    return out
+
+def group_settings(t, group: str, scale: float = 1.0) -> dict:
+    "A group's `lr` (× `scale`, the `scale_lr` factor) and `weight_decay`: its `param_groups` entry, else the run's."
+    given = (t.param_groups or {}).get(group, {})
+    return {"lr": given.get("lr", t.lr) * scale, "weight_decay": given.get("weight_decay", t.weight_decay)}
+
+# %% ../nbs/40_run_state.ipynb #pg65ec59
+def _unused(groups: dict, t, decided: set) -> str | None:
+    "What `param_groups` / `lr_multipliers` names that no trained parameter of `groups` takes; None: nothing."
+    held = ", ".join(f"{g} ({len(ps)} tensors)" for g, ps in groups.items()) or "none"
+    for g in t.param_groups or {}:
+        if g not in groups:
+            return f"key 'param_groups.{g}': this run trains no parameter in group {g!r} (its groups: {held})"
+    for pat in t.lr_multipliers or {}:
+        if pat not in decided:
+            return (f"key 'lr_multipliers.{pat}': {pat!r} decides the lr of no trained parameter (none matches, or an "
+                    f"earlier pattern takes them all); e.g. {next(n for ps in groups.values() for n, _ in ps)!r}")
+    return None
+
+def optimizer_groups(groups: dict[str, list], t, scale: float = 1.0) -> list[dict]:
+    """torch param groups of `named_groups`: one per group and LR multiplier (`lr_multipliers`, first matching pattern),
+    with `lr`, `weight_decay`, the `group` name and the `lr_multiplier`. A multiplier of 0 freezes the parameter."""
+    out, decided = {}, set()
+    for group, named in groups.items():
+        settings = group_settings(t, group, scale)
+        for name, p in named:
+            pat = first_match(name, t.lr_multipliers)
+            m = 1.0 if pat is None else float(t.lr_multipliers[pat])
+            decided.add(pat)
+            if m == 0: p.requires_grad_(False); continue
+            key = (group, m)
+            if key not in out: out[key] = {"params": [], **settings, "lr": settings["lr"] * m, "group": group,
+                                           "lr_multiplier": m}
+            out[key]["params"].append(p)
+    if why := _unused(groups, t, decided): raise ConfigError(why)
+    if groups and not out: raise ConfigError("key 'lr_multipliers': a multiplier of 0 for every trained parameter "
+                                             "leaves nothing to train")
+    return list(out.values())
+
+# %% ../nbs/40_run_state.ipynb #pg436484
+def group_lrs(opt) -> dict[str, float]:
+    "Each named group's LR now, before `lr_multipliers` (`optimizer_groups`); {} for an optimizer of unnamed groups."
+    out = {}
+    for g in getattr(opt, "param_groups", ()):
+        if "group" in g: out.setdefault(g["group"], g["lr"] / g["lr_multiplier"])
+    return out
+
+def describe_groups(groups: list[dict]) -> str:
+    "One line: each group's parameter count, LR (and its multiplied parts) and weight decay."
+    parts = {}
+    for g in groups:
+        n = sum(p.numel() for p in g["params"])
+        d = parts.setdefault(g["group"], {"n": 0, "lr": g["lr"] / g["lr_multiplier"], "wd": g["weight_decay"], "x": []})
+        d["n"] += n
+        if g["lr_multiplier"] != 1: d["x"].append(f"x{g['lr_multiplier']:g} on {human_count(n)}")
+    return "parameter groups: " + "; ".join(
+        f"{k} {human_count(d['n'])} parameters at lr {d['lr']:.3g}" + (f" ({', '.join(d['x'])})" if d["x"] else "")
+        + f", weight decay {d['wd']:g}" for k, d in parts.items())
+
+def group_layout(opt) -> list[list]:
+    "[group, lr multiplier, tensors] of each torch param group: what a checkpoint records of them."
+    return [[g.get("group"), g.get("lr_multiplier", 1.0), len(g["params"])] for g in getattr(opt, "param_groups", ())]
 
 # %% ../nbs/40_run_state.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ from .gdf.samplers import SAMPLERS
 from .data.sources import format_skips
 from fastprogress.fastprogress import progress_bar
 from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
-                                  FusedBackward, evaluation_view,
+                                  FusedBackward, evaluation_view, named_groups, optimizer_groups, describe_groups,
+                                  group_lrs, group_layout,
                                   ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
                                   NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
                                   RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
@@ -45,9 +46,10 @@ __all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'LAUNCH_CHECK_MODULES', 'sample_l
            'validation_loss', 'per_process_batch', 'batch_stream', 'whole_source', 'training_data', 'preview_batch',
            'Run', 'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite',
            'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
-           'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers', 'start_logging', 'duration',
-           'Clock', 'report_partial_states', 'run_summary', 'check_optimizer', 'run_launch_checks', 'start_launch',
-           'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics', 'main']
+           'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers',
+           'start_logging', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
+           'run_launch_checks', 'start_launch', 'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics',
+           'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -213,7 +215,7 @@ class Run:
 # %% ../nbs/41_train.ipynb #b82b6e63
 def build_optimizer(t, params, lr: float, device):
     """The registered optimizer `t.optimizer` names (`OPTIMIZERS`: fused AdamW, bitsandbytes' 8-bit AdamW...) over
-    `params`."""
+    `params`: tensors, or torch param groups with their own `lr` and `weight_decay` (`optimizer_groups`)."""
     spec = OPTIMIZERS.choose(t.optimizer)
     build = lambda ps: spec.build(ps, t, lr, **spec.args(t))
     if not t.fused_backward: return build(params)
@@ -368,10 +370,21 @@ def run_info(run: Run) -> dict:
     """What info.json records next to each checkpoint: counters, process count, resolved config, adaptive buckets,
     versions."""
     import cascade_nb, accelerate
-    return {**run.state.state_dict(), "num_processes": run.acc.num_processes, "config": run.cfg.to_yaml_dict(),
+    return {**run.state.state_dict(), "num_processes": run.acc.num_processes,
+            "optimizer_groups": group_layout(run.opt), "config": run.cfg.to_yaml_dict(),
             "adaptive_loss": {k: {n: v.tolist() for n, v in part.items()} for k, part in run.gdf.state_dict().items()},
             "versions": {"cascade_nb": cascade_nb.__version__, "torch": torch.__version__,
                          "accelerate": accelerate.__version__}}
+
+# %% ../nbs/41_train.ipynb #pg4fc4af
+def check_resumed_groups(run: Run, info: dict):
+    "RunDirError in one line when the checkpoint's optimizer holds other parameter groups than this run builds."
+    saved, now = info.get("optimizer_groups"), group_layout(run.opt)
+    if saved is None or saved == now: return
+    show = lambda layout: ", ".join(f"{g} x{m:g} ({n} tensors)" for g, m, n in layout)
+    raise RunDirError(f"{run.run_dir.path}: its optimizer holds the groups {show(saved)}, and this run builds "
+                      f"{show(now)}; resume with the param_groups and lr_multipliers it was saved with, or start a new "
+                      "experiment_id")
 
 # %% ../nbs/41_train.ipynb #ac5d393d
 def tracker_image(acc, tag: str, path, step: int, caption: str | None = None):
@@ -413,8 +426,11 @@ def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped:
     metrics.jsonl."""
     acc, cfg = run.acc, run.cfg
     updates = len(losses) / cfg.train.grad_accum_steps
+    # with several parameter groups, each group's LR (`lr` stays the first group's)
+    lrs = group_lrs(run.opt)
     m = {"loss": acc.gather(torch.stack(losses).float().mean()[None]).mean().item(),
-         "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": lr, "ema_beta": ema_beta,
+         "grad_norm": float(grad_norm) if grad_norm is not None else None, "lr": next(iter(lrs.values()), lr),
+         **({f"lr/{g}": v for g, v in lrs.items()} if len(lrs) > 1 else {}), "ema_beta": ema_beta,
          "samples_seen": run.state.samples_seen,
          "images_per_s": cfg.data.batch_size * updates / seconds, "step_time_s": seconds / updates,
          "peak_memory_gb": _peak_memory_gb(acc.device),
@@ -640,8 +656,13 @@ def resume_run(run: Run, info: dict):
     """Restore `run` from its checkpoint (weights, optimizer, RNG states, counters, EMA, adaptive buckets; no pickle
     runs); say what differs."""
     acc, state = run.acc, run.state
+    check_resumed_groups(run, info)
+    # torch's `load_state_dict` restores each group's saved settings: this run's weight decays are put back after it
+    # (the LRs are `set_lr`'s, each update), so the config's param_groups apply from the resume on
+    decays = [g.get("weight_decay") for g in run.opt.param_groups]
     # the latest state, or (warned) the previous one when the latest is unreadable
     state_dir = resume(run)
+    for g, wd in zip(run.opt.param_groups, decays): g["weight_decay"] = wd
     if info.get("num_processes") != acc.num_processes:
         warnings.warn(f"resuming a run saved with {info.get('num_processes')} process(es) on {acc.num_processes}: "
                       "training continues, but not on exactly the same batches")
@@ -684,8 +705,11 @@ def train(cfg: Config) -> dict:
     # --- models, optimizer and LR schedule
     mode, net, gdf, ema = build_models(cfg, acc)
     micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
-    lr = t.lr * (micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1)
-    opt = build_optimizer(t, [p for p in net.parameters() if p.requires_grad], lr, device)
+    scale = micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1
+    # each group of trained parameters the mode names at its own lr and weight decay (param_groups, lr_multipliers)
+    groups = optimizer_groups(named_groups(net, mode.param_group), t, scale)
+    acc.print(describe_groups(groups))
+    opt = build_optimizer(t, groups, t.lr * scale, device)
     lr_at, base_lrs = LRSchedule.of(t), [g["lr"] for g in opt.param_groups]
 
     # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)

@@ -18,7 +18,8 @@ from .blocks import LayerNorm2d, TimestepBlock
 from .stage_c import StageC
 
 # %% auto #0
-__all__ = ['STAGE_B_PRESETS', 'StageB', 'save_stage_b', 'load_stage_b', 'random_effnet_size', 'effnet_condition']
+__all__ = ['STAGE_B_PRESETS', 'StageB', 'save_stage_b', 'load_stage_b', 'random_effnet_size', 'effnet_condition',
+           'stage_b_latents']
 
 # %% ../../nbs/26_models.stage_b.ipynb #afd5d39e
 def _cond_mapper(c_in: int, c: int) -> nn.Sequential:
@@ -151,3 +152,22 @@ def effnet_condition(encode: Callable, images01: torch.Tensor, p_drop: float = 0
     out = z.new_zeros(images01.shape[0], *z.shape[1:])
     out[keep.to(z.device)] = z
     return out
+
+# %% ../../nbs/26_models.stage_b.ipynb #bd4ff885
+@torch.no_grad()
+def stage_b_latents(stage_b: Callable, latent_c: torch.Tensor, clip: torch.Tensor, clip_u: torch.Tensor,
+                    size: tuple[int, int], steps: int | None = None, cfg: float | None = None,
+                    shift: float | None = None, generator: torch.Generator | None = None, c_out: int | None = None,
+                    gdf=None) -> torch.Tensor:
+    """(B, c_out, *size) Stage A latents: `stage_b(x, r, effnet=, clip=)` sampled on Stage C latents `latent_c` and
+    pooled text `clip`, CFG against a zero latent and `clip_u`; steps, CFG, shift and CFG rescale default to the
+    reference's (`SAMPLING_DEFAULTS['stage_b']`)."""
+    from cascade_nb.gdf.presets import stage_b_gdf, SAMPLING_DEFAULTS
+    d = SAMPLING_DEFAULTS["stage_b"]
+    cond, uncond = dict(effnet=latent_c, clip=clip), dict(effnet=torch.zeros_like(latent_c), clip=clip_u)
+    c_out = c_out or getattr(stage_b, "config", {}).get("c_out", 4)
+    *_, last = (gdf or stage_b_gdf()).sample(
+        stage_b, cond, (latent_c.shape[0], c_out, *size), uncond, timesteps=steps or d["timesteps"],
+        cfg=d["cfg"] if cfg is None else cfg, shift=d["shift"] if shift is None else shift, cfg_rho=d["cfg_rho"],
+        device=latent_c.device, generator=generator)
+    return last.x0

@@ -1,0 +1,83 @@
+"""`python -m cascade_nb.lora export|check` as a user runs it (subprocesses, ~5 s of imports each): a run directory
+exported to the kohya/ComfyUI, official and embedding layouts, each checked the consumer's way; one-line errors."""
+import json, subprocess, sys, pytest, torch, yaml
+from conftest import ROOT
+
+def lora_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "cascade_nb.lora", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    "A finished LoRA run of configs/lora_demo.yaml: info.json with its config, lora.safetensors with a token."
+    from cascade_nb.models.stage_c import StageC
+    from cascade_nb.models.clip import tiny_clip_text_model, load_clip_tokenizer, sample_tokenizer_dir
+    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict, save_lora, add_train_tokens, token_state_dict
+    tmp = tmp_path_factory.mktemp("lora_run")
+    raw = yaml.safe_load((ROOT / "configs" / "lora_demo.yaml").read_text())
+    torch.manual_seed(0)
+    model = StageC.from_preset("tiny", **raw["model_overrides"])
+    apply_lora(model, raw["module_filters"], rank=raw["rank"], init="peft")
+    with torch.no_grad():
+        for l in lora_layers(model).values(): l.lora_up.normal_(std=0.05)
+    tok, text = load_clip_tokenizer(sample_tokenizer_dir()), tiny_clip_text_model()
+    add_train_tokens(tok, text, raw["train_tokens"])
+    with torch.no_grad(): text.get_input_embeddings().delta.normal_(std=0.1)
+    run = tmp / "run"; run.mkdir()
+    save_lora({**lora_state_dict(model), **token_state_dict(tok, text)}, run / "lora.safetensors")
+    (run / "info.json").write_text(json.dumps({"config": raw}))
+    model_yaml = tmp / "model.yaml"                        # the same model, randomly initialised (no checkpoint here)
+    model_yaml.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "generator_checkpoint_path"}))
+    return run, model_yaml
+
+def test_export_kohya_then_check_it_for_comfyui_and_kohya(run_dir, tmp_path):
+    run, model_yaml = run_dir
+    res = lora_cli("export", run, "--to", "kohya", "--out", tmp_path / "k.safetensors")
+    assert res.returncode == 0, res.stderr
+    assert "export the tokens with --to embedding" in res.stderr
+    from cascade_nb.core import safetensors_header
+    meta, shapes = safetensors_header(tmp_path / "k.safetensors")
+    assert meta["ss_network_dim"] == "4" and meta["ss_sd_model_name"] == "generator.safetensors"
+    assert json.loads(meta["cascade_nb.trigger_tokens"]) == ["[emoji]"]
+    assert "lora_unet_down_blocks_0_2_attention_attn_to_q.alpha" in shapes
+    res = lora_cli("check", tmp_path / "k.safetensors", "--for", "comfyui", "--model", model_yaml)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "comfyui: loads 72 of 72 keys" and "warning" not in res.stdout
+    row = next(line for line in lines if line.startswith("lora_unet_down_blocks_0_2_attention_attn_to_q "))
+    # family, rank, alpha, scale; |dW| measured on the merged model
+    assert row.split()[1:5] == ["lora", "4", "1", "0.25"] and float(row.split()[5]) > 0
+
+def test_export_official_and_check_it_for_official_and_comfyui(run_dir, tmp_path, capsys):
+    run, model_yaml = run_dir
+    res = lora_cli("export", run, "--to", "official", "--out", tmp_path / "o.safetensors")
+    assert res.returncode == 0, res.stderr
+    res = lora_cli("check", tmp_path / "o.safetensors", "--for", "official", "--model", model_yaml)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "official: loads 26 of 26 keys" in res.stdout and "token rows changed: [49408]" in res.stdout
+    from cascade_nb.adapter_files import main                             # in-process from here (no import cost)
+    assert main(["check", str(tmp_path / "o.safetensors")]) == 1          # ComfyUI maps none of its keys
+    assert capsys.readouterr().out.startswith("comfyui: loads 0 of 26 keys; skips 26: embeddings.indices")
+
+def test_export_embedding_and_errors(run_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+    from cascade_nb.adapter_files import main
+    run, _ = run_dir
+    assert main(["export", str(run), "--to", "embedding", "--out", str(tmp_path / "emoji.safetensors")]) == 0
+    assert load_file(str(tmp_path / "emoji.safetensors"))["clip_g"].shape == (1, 64)
+    # without the run's text model the width is CLIP-G's 1280: ComfyUI would ignore this 64-wide test vector
+    assert main(["check", str(tmp_path / "emoji.safetensors"), "--for", "comfyui"]) == 1
+    assert "width 64 != the text encoder's 1280" in capsys.readouterr().out
+    res = lora_cli("export", run, "--to", "comfy", "--out", tmp_path / "x")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith("config error: --to: 'comfy' is not a registered adapter layout; (registered: "
+                                 "cascade_nb, official, kohya, peft, embedding"), res.stderr
+
+def test_check_errors_are_one_line(run_dir, tmp_path, capsys):
+    from cascade_nb.adapter_files import main
+    for args, msg in [(("check", run_dir[0], "--for", "comfy"), "--for: 'comfy' is not a registered adapter consumer"),
+                      (("check", tmp_path / "missing.safetensors"), "missing.safetensors: no such file"),
+                      (("check", tmp_path), "neither a run directory (info.json) nor a peft folder")]:
+        with pytest.raises(SystemExit) as e: main(list(map(str, args)))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and msg in err, err
