@@ -143,14 +143,15 @@ def test_sampling_with_the_lora_ema_restores_the_live_adapters():
     assert torch.equal(rows["sampled (EMA)"], want) and not torch.equal(rows["sampled (EMA)"], rows["sampled"])
 
 def test_controlnet_ema(tmp_path):
-    """ControlNet (its trained tensors, through the same code; resume is LoRA's above): the released
-    `controlnet_ema.safetensors` has the keys of `controlnet.safetensors` and the EMA by hand of the trained ones, and
-    is what the run samples with."""
+    """ControlNet on 2 processes under DDP (its trained tensors, through the same code; resume is LoRA's above): each
+    process averages whole tensors, the released `controlnet_ema.safetensors` has the keys of `controlnet.safetensors`
+    and the EMA by hand of the trained ones, and is what the run samples with."""
     from test_controlnet_train import cnet_args, SIMPLE
     from cascade_nb.sample import run_generator
     run_dir, reference = tmp_path / "ckpt" / "c", tmp_path / "reference.safetensors"
-    run_cli(DRIVER, "--ema-probe", reference,
-            *cnet_args(tmp_path, "c", "controlnet_c_3b_canny.yaml", *EMA_KEYS, *SIMPLE, "save_every=4"))
+    args = cnet_args(tmp_path, "c", "controlnet_c_3b_canny.yaml", *EMA_KEYS, *SIMPLE, "save_every=4", "batch_size=8")
+    res = _launch_2proc("--ema-probe", reference, "--check-ddp-sync", *args)
+    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     ema, live = (load_file(str(run_dir / f"controlnet{s}.safetensors")) for s in ("_ema", ""))
     averaged = state_ema_keys(run_dir)
     assert averaged and all(k.startswith("controlnet.") for k in averaged)      # no frozen generator
