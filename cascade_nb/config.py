@@ -221,7 +221,7 @@ class TrainConfig:
     grad_clip: float = 1.0                # max grad norm on trainable parameters
     mixed_precision: Optional[Literal["no", "bf16"]] = None  # None = what `accelerate launch` says
     seed: int = 42
-    ema_start_iters: Optional[int] = None  # EMA of the generator starts after this many updates (None: no EMA)
+    ema_start_iters: Optional[int] = None  # EMA of what trains starts after this many updates (None: no EMA)
     ema_iters: Optional[int] = None        # update the EMA every this many updates
     ema_beta: Optional[float] = None       # EMA decay
     ema_on_cpu: bool = False               # keep the EMA weights in CPU memory

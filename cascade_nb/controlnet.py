@@ -352,11 +352,11 @@ class ControlNetNet(nn.Module):
 
 # %% ../nbs/61_controlnet.ipynb #3e8bc1fa
 def _controlnet_released_generator(cls, cfg, run, ema):
-    "`ControlNetTraining.released_generator`: the base generator of `run` with its `controlnet.safetensors`."
-    from pathlib import Path
+    """`ControlNetTraining.released_generator`: the base generator of `run` with its `controlnet_ema.safetensors` (with
+    `ema`, when it kept an EMA) or `controlnet.safetensors`."""
     from cascade_nb.lora import lora_base_generator
-    path = Path(run)/"controlnet.safetensors"
-    if not path.exists(): raise FileNotFoundError(f"{run} has no controlnet.safetensors yet")
+    from cascade_nb.modes import released_file
+    path = released_file(run, "controlnet", ema)
     base = lora_base_generator(cfg, run, what="ControlNet")
     return ControlNetNet(base, load_controlnet(path, cfg.controlnet.controlnet_blocks)), path
 
@@ -369,8 +369,6 @@ def _controlnet_build(training, cfg, generator, tokenizer, text_model, image_mod
     if released is not None: generator = generator.generator
     training.cfg, training.space, training.compute_dtype = cfg, space, compute_dtype
     training.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-    if cfg.train.ema_start_iters is not None:
-        warnings.warn("ControlNet training keeps no EMA (ema_* keys are ignored)")
     generator.requires_grad_(False)
     effnet = getattr(space, "effnet", None)
     training.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
@@ -413,7 +411,7 @@ def controlnet_param_group(name: str) -> str:
 class ControlNetTraining(TrainingMode):
     """ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` (official layout)
     is released."""
-    supports_ema = False   # an EMA of `net` would copy the frozen generator
+    supports_ema = True    # of the ControlNet's trained tensors only (`base_is_rebuilt`): controlnet_ema.safetensors
     base_is_rebuilt = True   # the state holds the ControlNet, not the frozen generator
     trains_generator = False
     param_group_names, param_group = CONTROLNET_PARAM_GROUPS, staticmethod(controlnet_param_group)

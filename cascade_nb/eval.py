@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
 from .core import save_safetensors_atomic, images_to_device
-from .run_state import training_hook, ema_weights, gather_ema, evaluation_view
+from .run_state import training_hook, ema_weights, released_ema, evaluation_view
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 
@@ -292,20 +292,24 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
         was_training = model.training
         results, samples = evaluate_run(evaluator, mode, gdf, net=model.eval(), device=acc.device)
         model.train(was_training)
+    # the model scored may be `net` itself (an EMA of the trained tensors lent to it, an adapter's net): only what
+    # trains goes back to train mode, the frozen base stays in eval
+    mode.set_training(net, True)
     results = broadcast_object_list([results])[0]   # one decision everywhere, even with non-deterministic kernels
     logged = {f"eval/{k}": v for k, v in results.items()}
     acc.log(logged, step=update)
     evaluator.history.append({"update": update, **logged})
     best = evaluator.improved(results, state)   # best value and update recorded in `state` (a TrainState)
     released = mode.released(acc, net) if best else {}   # gathers full weights under FSDP: all processes
-    ema_sd = gather_ema(ema) if best and ema is not None else {}   # so does a sharded EMA
+    # so does a sharded EMA: `generator_ema`, or the mode's files made with the EMA (`lora_ema`)
+    if best and ema is not None: released = released_ema(ema, acc, mode, net, list(released))
     if acc.is_main_process:
         with open(metrics_path, "a") as f: f.write(json.dumps({"update": update, **logged}) + "\n")
         from cascade_nb.train import tracker_image
         tracker_image(acc, "eval", _save_eval_grid(evaluator, samples, Path(out_dir)/f"eval_{update:06d}.png"), update)
         for name, sd in released.items():
-            fname = f"{name}_ema_best.safetensors" if ema is not None else f"{name}_best.safetensors"
-            save_safetensors_atomic(ema_sd if ema is not None else sd, run_dir.path/fname)
+            fname = f"{name}_best.safetensors"
+            save_safetensors_atomic(sd, run_dir.path/fname)
             (run_dir.path/"best.json").write_text(json.dumps({"metric": evaluator.best_metric,
                                                               "value": state.best_metric_value,
                                                               "update": update, "weights": fname}, indent=1) + "\n")

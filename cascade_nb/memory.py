@@ -354,8 +354,9 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
     if fsdp: rows["FSDP gathered blocks"] = 2 * max(b.params for b in stage_c_blocks(gen)) * (2 if amp else wb)
     if t.ema_start_iters is not None and mode.supports_ema:
-        # FSDP: this GPU's shards
-        rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else n_gen * wb // shard
+        # FSDP: this GPU's shards; a mode whose state leaves out its frozen base averages its trained tensors only
+        ema_b = n_train * train_b if mode.base_is_rebuilt else n_gen * wb
+        rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else ema_b // shard
     enc = _encoder_params(cfg)
     rows["frozen encoders (" + ", ".join(enc) + ")"] = sum(enc.values()) * frozen_b
 

@@ -22,11 +22,11 @@ from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 
 # %% auto #0
 __all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage',
-           'load_released_generator', 'TrainedGroups', 'TrainingMode', 'build_generator', 'check_model_overrides',
-           'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace',
-           'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight', 'sample_weights', 'training_mode',
-           'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries', 'resolve_mode', 'check_mode_sections',
-           'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
+           'released_file', 'load_released_generator', 'TrainedGroups', 'TrainingMode', 'build_generator',
+           'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
+           'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight',
+           'sample_weights', 'training_mode', 'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries',
+           'resolve_mode', 'check_mode_sections', 'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -82,14 +82,21 @@ def wrong_stage(mode: type, stage: str) -> str:
             "and override `encode`/`uncond`/`epsilon`")
 
 
+# %% ../nbs/40b_modes.ipynb #5cb7eed1
+def released_file(run, name: str, ema: bool = True) -> Path:
+    """The file `name` a finished run released: `{name}_ema.safetensors` (with `ema`, when the run kept an EMA), else
+    `{name}.safetensors`; how every mode picks its weights to sample (`generator`, `lora`, `controlnet`)."""
+    names = ([f"{name}_ema.safetensors"] if ema else []) + [f"{name}.safetensors"]
+    found = next((Path(run)/f for f in names if (Path(run)/f).exists()), None)
+    if found is None: raise FileNotFoundError(f"{run} has no {' or '.join(names)} yet")
+    return found
+
 # %% ../nbs/40b_modes.ipynb #eea855de
 def load_released_generator(cfg: Config, run, ema: bool = True) -> tuple[nn.Module, Path]:
     "(generator, weights file) of a finished run: its released `generator_ema` (with `ema`) or `generator.safetensors`."
     from safetensors.torch import load_file
     from cascade_nb.cli import readable_weights
-    names = (["generator_ema.safetensors"] if ema else []) + ["generator.safetensors"]
-    weights = next((Path(run)/f for f in names if (Path(run)/f).exists()), None)
-    if weights is None: raise FileNotFoundError(f"{run} has no {' or '.join(names)} yet")
+    weights = released_file(run, "generator", ema)
     generator = build_generator(cfg)
     generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
     return generator, weights
@@ -108,7 +115,7 @@ class TrainedGroups:
 # %% ../nbs/40b_modes.ipynb #619e7e79
 class TrainingMode(TrainedGroups):
     "The training-mode protocol; every hook has a default (Stage C full fine-tuning). See the table above."
-    supports_ema = True          # keep an EMA of `net` (ema_* keys); False where `net` holds a frozen generator
+    supports_ema = True          # keep an EMA (ema_* keys): of `net`, or with `base_is_rebuilt` of its trained tensors
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
     stages = ("c",)              # the stages it trains (`encode` makes Stage C's inputs); StageBTraining's: ("b",)
     name = None                  # set by @training_mode
@@ -144,7 +151,7 @@ class TrainingMode(TrainedGroups):
         "(generator, weights file) a finished run samples with: its released `generator_ema`/`generator.safetensors`."
         return load_released_generator(cfg, run, ema)
     @classmethod
-    def add_released_tokens(cls, cfg: Config, run, tokenizer, text_model) -> list[str]:
+    def add_released_tokens(cls, cfg: Config, run, tokenizer, text_model, ema: bool = True) -> list[str]:
         "Add what a finished run trained in the text encoder to `tokenizer`, `text_model` (LoRA: tokens): their names."
         return []
     @classmethod

@@ -270,13 +270,14 @@ def _global_rng_kept(device):
 
 def sample_weights(run, prompts: list[SamplePrompt], decoder=None) -> dict[str, list[torch.Tensor]]:
     """{'weights': images, 'ema': images} of `prompts` from the run's current weights and (when it keeps one on the
-    training device) its EMA, made by `decoder` (`sample_prompt`); all processes; no random stream of the run moves."""
+    training device, or of the trained tensors only, which are lent to `net`) its EMA, made by `decoder`
+    (`sample_prompt`); all processes; no random stream of the run moves."""
     acc, mode, gdf, cfg = run.acc, run.mode, run.gdf, run.cfg
     net = acc.unwrap_model(run.net)
     mode.set_training(run.net, False)
     with _global_rng_kept(acc.device), acc.autocast(), evaluation_view(run):
         images = {"weights": [sample_prompt(mode, gdf, cfg, p, net, acc.device, decoder) for p in prompts]}
-        if run.ema is not None and not (cfg.train.ema_on_cpu and acc.device.type != "cpu"):
+        if run.ema is not None and (run.ema.trained_only or not (cfg.train.ema_on_cpu and acc.device.type != "cpu")):
             with ema_weights(run.ema, net) as m:
                 images["ema"] = [sample_prompt(mode, gdf, cfg, p, m, acc.device, decoder) for p in prompts]
     mode.set_training(run.net, True)
@@ -305,7 +306,10 @@ class PromptSamples:
         self.prompts, self.every, self.last = read_prompts(cfg), cfg.checkpoint.sample_every, cfg.train.updates
         self.decoder = sample_decoder(cfg)
         if self.every is None: self.every = cfg.checkpoint.save_every
-        if cfg.train.ema_on_cpu and torch.cuda.is_available():
+        from .modes import TRAINING_MODES
+        # an EMA of the trained tensors only (`base_is_rebuilt`) is lent to the model on the GPU: it samples there
+        lent = TRAINING_MODES.choose(cfg.train.mode).base_is_rebuilt
+        if cfg.train.ema_on_cpu and torch.cuda.is_available() and not lent:
             warnings.warn("ema_on_cpu: the prompt samples show the trained weights only (the EMA stays on the CPU)")
     @classmethod
     def enabled(cls, cfg: Config) -> bool: return bool(cfg.checkpoint.sample_prompts)

@@ -28,14 +28,15 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
            'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups', 'group_settings',
            'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'local_shard', 'ema_lerp_',
-           'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'schedule_free_view',
-           'ScheduleFreeAdamW', 'evaluation_view', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite',
-           'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError', 'file_checksums', 'verify_checksums',
-           'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state',
-           'write_weights', 'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files',
-           'frozen_parameters', 'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint',
-           'local_weights', 'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state',
-           'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent', 'StopAgreement']
+           'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'released_ema',
+           'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view', 'TrainState', 'training_hook',
+           'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError',
+           'file_checksums', 'verify_checksums', 'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator',
+           'save_ema', 'save_training_state', 'write_weights', 'fsync_tree', 'load_ema', 'load_training_state',
+           'check_checkpoint_files', 'frozen_parameters', 'trained_tensors_only', 'state_view', 'check_saved_tensors',
+           'file_fingerprint', 'local_weights', 'base_fingerprints', 'check_base', 'save_model_state',
+           'load_model_state', 'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent',
+           'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -483,32 +484,47 @@ def resharded(net: nn.Module) -> nn.Module:
 # %% ../nbs/40_run_state.ipynb #23bf3d9d
 class EMA:
     """The EMA of a run's weights, held as the run holds the weights: a copy of the module (one process, DDP), on
-    `device`; or under FSDP (`sharded`) only this process's shard of each parameter, sharded like the prepared model."""
-    def __init__(self, net: nn.Module, device, sharded: bool = False):
-        self.device, self.sharded, self.saved = torch.device(device), sharded, None   # saved: see `save_ema`
-        self.dtypes = {n: p.dtype for n, p in net.named_parameters()}   # FSDP's prepare may upcast: the EMA keeps these
-        self.keys = list(net.state_dict())                              # the released layout: parameters and buffers
-        self.full_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-        self.module = None if sharded else copy.deepcopy(net).requires_grad_(False).eval().to(self.device)
+    `device`; or under FSDP (`sharded`) only this process's shard of each parameter, sharded like the prepared model.
+    `trained_only`: the EMA of the trained parameters only (`requires_grad`, by name; no buffers), this process's part
+    of each, where `net` also holds frozen weights (a LoRA's or a ControlNet's generator) that a copy would only
+    repeat."""
+    def __init__(self, net: nn.Module, device, sharded: bool = False, trained_only: bool = False):
+        self.device, self.sharded, self.trained_only = torch.device(device), sharded, trained_only
+        self.saved = None   # see `save_ema`
+        # FSDP's prepare may upcast: the EMA keeps these dtypes
+        self.dtypes = {n: p.dtype for n, p in net.named_parameters() if p.requires_grad or not trained_only}
+        # the released layout: parameters and buffers (a whole model), or the averaged parameters
+        self.keys = list(self.dtypes) if trained_only else list(net.state_dict())
+        self.full_bytes = sum(p.numel() * p.element_size() for n, p in net.named_parameters() if n in self.dtypes)
+        whole = not (sharded or trained_only)
+        self.module = copy.deepcopy(net).requires_grad_(False).eval().to(self.device) if whole else None
         self.shards, self.specs, self.buffers = {}, {}, {}
+        if trained_only and not sharded: self._copy(dict(net.named_parameters()))
+
+    def _copy(self, params: dict):
+        "This process's part of each averaged parameter in `params` (name → tensor), copied onto the EMA's device."
+        self.shards = {n: local_shard(params[n].detach()).to(self.device, t, copy=True) for n, t in self.dtypes.items()}
 
     def attach(self, net: nn.Module) -> "EMA":
         "After `accelerator.prepare`: under FSDP, copy this process's shard of each of `net`'s (DTensor) parameters."
         if not self.sharded: return self
         params = dict(net.named_parameters())
-        if params.keys() != self.dtypes.keys() or not all(hasattr(p, "to_local") for p in params.values()):
+        if (not self.trained_only and params.keys() != self.dtypes.keys()) or \
+                not all(hasattr(params.get(n), "to_local") for n in self.dtypes):
             raise RuntimeError("EMA: the prepared model's parameters are not FSDP2 shards of the model's "
                                "(fsdp_version: 2 is needed)")
-        for n, p in params.items():
-            self.shards[n] = local_shard(p.detach()).to(self.device, self.dtypes[n], copy=True)
+        self._copy(params)
+        for n in self.dtypes:
+            p = params[n]
             self.specs[n] = (p.device_mesh, p.placements, p.shape, p.stride())   # to gather and to checkpoint it
-        self.buffers = {n: b.detach().to(self.device, copy=True) for n, b in net.named_buffers() if n in self.keys}
+        if not self.trained_only:
+            self.buffers = {n: b.detach().to(self.device, copy=True) for n, b in net.named_buffers() if n in self.keys}
         return self
 
     def update_(self, model: nn.Module, beta: float):
         "ema ← beta·ema + (1−beta)·model (`ema_update_`) on what this process holds: no communication under FSDP."
         self.saved = None
-        if not self.sharded: return ema_update_(self.module, model, beta)
+        if self.module is not None: return ema_update_(self.module, model, beta)
         params = dict(resharded(model).named_parameters())
         ema_lerp_(list(self.shards.values()), [params[n] for n in self.shards], beta)
         with torch.no_grad():
@@ -516,8 +532,8 @@ class EMA:
                 if n in self.buffers: self.buffers[n].copy_(b)
 
     def state_dict(self) -> dict:
-        "What this process holds: the module's state dict, or its shards (and the buffers)."
-        return self.module.state_dict() if not self.sharded else {**self.shards, **self.buffers}
+        "What this process holds: the module's state dict, or its parameters' parts (and the buffers)."
+        return self.module.state_dict() if self.module is not None else {**self.shards, **self.buffers}
 
 # %% ../nbs/40_run_state.ipynb #dfd790b1
 def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
@@ -531,8 +547,9 @@ def _dtensor(local: torch.Tensor, spec) -> torch.Tensor:
 @torch.no_grad()
 def gather_ema(ema: EMA) -> dict:
     """The whole EMA in the model's key layout. Under FSDP every process calls it (one all-gather per tensor, one tensor
-    at a time); process 0 gets the tensors, on the CPU, the others {}."""
-    if not ema.sharded: return ema.module.state_dict()
+    at a time); process 0 gets the tensors, on the CPU, the others {}. With `trained_only`: the averaged parameters."""
+    if ema.module is not None: return ema.module.state_dict()
+    if not ema.sharded: return dict(ema.shards)
     import torch.distributed as dist
     keep, out = dist.get_rank() == 0, {}
     for k in ema.keys:
@@ -543,9 +560,9 @@ def gather_ema(ema: EMA) -> dict:
 # %% ../nbs/40_run_state.ipynb #cb4272fe
 @contextlib.contextmanager
 def ema_weights(ema: EMA, net: nn.Module):
-    """A module computing with the EMA weights: the EMA's own, or under FSDP the prepared `net` (every process enters)
-    with the EMA's shards copied into its shards, and its own restored after."""
-    if not ema.sharded: yield ema.module; return
+    """A module computing with the EMA weights: the EMA's own copy, or else (FSDP, `trained_only`) `net` itself (every
+    process enters) with the EMA's tensors copied into its own, which are restored after, bit for bit."""
+    if ema.module is not None: yield ema.module; return
     params, bufs = dict(resharded(net).named_parameters()), dict(net.named_buffers())
     mine = [local_shard(params[n].detach()) for n in ema.shards] + [bufs[n] for n in ema.buffers]
     with torch.no_grad():
@@ -557,6 +574,16 @@ def ema_weights(ema: EMA, net: nn.Module):
         with torch.no_grad():
             resharded(net)   # the forwards leave the root unsharded, holding the EMA's weights
             torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(kept, mine)])
+
+# %% ../nbs/40_run_state.ipynb #9a576a5a
+def released_ema(ema: EMA, acc, mode, net: nn.Module, names: list[str]) -> dict:
+    """The EMA's released files, `{name}_ema`: a whole-model EMA as the first of the run's file `names` (the state's
+    file, or gathered); a `trained_only` one as each of the mode's `released` files, made with the EMA swapped into the
+    prepared `net` (all processes: FSDP gathers)."""
+    if not ema.trained_only: return {f"{names[0]}_ema": ema.saved or gather_ema(ema)}
+    with ema_weights(ema, acc.unwrap_model(net)):
+        # copies: a state dict may alias the weights, which get their own values back on leaving
+        return {f"{n}_ema": {k: v.clone() for k, v in sd.items()} for n, sd in mode.released(acc, net).items()}
 
 # %% ../nbs/40_run_state.ipynb #98275f6e
 @contextlib.contextmanager
@@ -997,6 +1024,18 @@ def _read(path: Path, read):
     try: return read(path)
     except Exception as e: raise RuntimeError(f"resume: {path} is unreadable ({type(e).__name__}: {e})") from None
 
+# %% ../nbs/40_run_state.ipynb #ddbad7f9
+@torch.no_grad()
+def _copy_saved(tensors: dict, saved: dict, path: Path):
+    "Copy `saved` into `tensors` (an EMA's), refusing, with the file and the key, a key, shape or dtype that differs."
+    for k in sorted(tensors.keys() | saved.keys()):
+        if k not in saved: raise RuntimeError(f"resume: {path}: the EMA tensor {k!r} is not saved (another mode's?)")
+        if k not in tensors: raise RuntimeError(f"resume: {path}: key {k!r} is not a tensor this run averages")
+        if (saved[k].shape, saved[k].dtype) != (tensors[k].shape, tensors[k].dtype):
+            raise RuntimeError(f"resume: {path}: key {k!r} is {saved[k].dtype} {list(saved[k].shape)} there, "
+                               f"{tensors[k].dtype} {list(tensors[k].shape)} in this run's EMA")
+    for k, t in tensors.items(): t.copy_(saved[k])
+
 # %% ../nbs/40_run_state.ipynb #3035ff26
 def load_ema(ema: EMA, state_dir):
     """Restore what `save_ema` wrote; under FSDP every process calls it, and shards saved by another process count are
@@ -1004,8 +1043,10 @@ def load_ema(ema: EMA, state_dir):
     from safetensors.torch import load_file
     d, ema.saved = Path(state_dir), None
     if not ema.sharded:
+        saved = _read(d/"ema.safetensors", lambda p: load_file(str(p)))
         # onto its device
-        return ema.module.load_state_dict(_read(d/"ema.safetensors", lambda p: load_file(str(p))))
+        if ema.module is not None: return ema.module.load_state_dict(saved)
+        return _copy_saved(ema.shards, saved, d/"ema.safetensors")
     import torch.distributed.checkpoint as dcp
     sd = {**{n: _dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers}
     _read(d/"ema"/".metadata", lambda p: dcp.load(sd, checkpoint_id=p.parent))

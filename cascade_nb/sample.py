@@ -71,7 +71,8 @@ def load_run(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False)
     from cascade_nb.modes import resolve_mode
     cfg, generator, weights = run_generator(checkpoint_dir, ema, device, best)
     tok, text_model = build_text_encoder(cfg, device)
-    resolve_mode(cfg).add_released_tokens(cfg, checkpoint_dir, tok, text_model)   # e.g. a LoRA's trained tokens
+    # e.g. a LoRA's trained tokens, from the file its adapters came from
+    resolve_mode(cfg).add_released_tokens(cfg, checkpoint_dir, tok, text_model, ema)
     mode = resolve_mode(cfg).inference(cfg, generator, tok, text_model, None, build_latent_space(cfg, device))
     mode.weights_file = weights
     return mode, gdf_from_config(cfg.gdf), cfg

@@ -32,7 +32,7 @@ from .data.sources import format_skips
 from fastprogress.fastprogress import progress_bar
 from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
                                   FusedBackward, evaluation_view, named_groups, optimizer_groups, describe_groups,
-                                  group_lrs, group_layout,
+                                  group_lrs, group_layout, released_ema,
                                   ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
                                   NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
                                   RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
@@ -319,8 +319,8 @@ def export_weights(run: Run):
     acc, state = run.acc, run.state
     with evaluation_view(run):
         released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
-        # the state's file, or gathered
-        if run.ema is not None: released[f"{next(iter(released))}_ema"] = run.ema.saved or gather_ema(run.ema)
+        # `generator_ema` (the state's file, or gathered), or the mode's files made with the EMA (`lora_ema`)
+        if run.ema is not None: released.update(released_ema(run.ema, acc, run.mode, run.net, list(released)))
         if acc.is_main_process:
             ck = run.cfg.checkpoint
             backup = state.update % ck.backup_every == 0 and state.update > 0
@@ -642,8 +642,10 @@ def build_models(cfg: Config, acc) -> tuple:
     net, gdf = mode.net, gdf_from_config(cfg.gdf, cfg.recipe)
     ema = None
     if t.ema_start_iters is not None and mode.supports_ema:
-        # under FSDP the EMA keeps this process's shards, attached after `prepare`
-        ema = EMA(net, "cpu" if t.ema_on_cpu else device, sharded=acc.distributed_type == DistributedType.FSDP)
+        # under FSDP the EMA keeps this process's shards, attached after `prepare`; where the state leaves out a frozen
+        # base (LoRA, ControlNet), the EMA averages the trained tensors only
+        ema = EMA(net, "cpu" if t.ema_on_cpu else device, sharded=acc.distributed_type == DistributedType.FSDP,
+                  trained_only=mode.base_is_rebuilt)
     # regional compile: each block type compiled once; the module tree (the state-dict keys) is unchanged
     if cfg.model.compile: compile_blocks(net)
     acc.print(f"{t.mode} training of {type(generator).__name__} {cfg.model.model_version}: "
