@@ -21,6 +21,7 @@ from .config import ConfigError, ConfigHook, config_section, register_config_hoo
 from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY, Choice, Range
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights, TRAINING_MODES
 from .run_state import first_match
+from .modes import released_file
 
 # %% auto #0
 __all__ = ['LORA_INITS', 'ADAPTERS', 'LORA_PARAM_GROUPS', 'match_filters', 'lora_targets', 'register_adapter', 'Adapter', 'LoRA',
@@ -1025,11 +1026,10 @@ def lora_base_generator(cfg, run, what: str = "LoRA") -> nn.Module:
     return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
 
 # %% ../nbs/60_lora.ipynb #aea67130
-def merged_lora_run(cfg, run, base: nn.Module) -> tuple[nn.Module, Path]:
-    """(`base` with the run's `lora.safetensors` merged in, that file): how a LoRA run samples
-    (`TrainingMode.released_generator`)."""
-    path = Path(run)/"lora.safetensors"
-    if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
+def merged_lora_run(cfg, run, base: nn.Module, ema: bool = True) -> tuple[nn.Module, Path]:
+    """(`base` with the run's `lora_ema.safetensors` (with `ema`, when it kept an EMA) or `lora.safetensors` merged in,
+    that file): how a LoRA run samples (`TrainingMode.released_generator`)."""
+    path = released_file(run, "lora", ema)
     # the adapters; the trained tokens go into a text encoder (`LoraTraining.add_released_tokens`)
     load_lora_file(path, base)
     return base, path
@@ -1063,7 +1063,6 @@ def _lora_build(mode, cfg, generator, tokenizer, text_model, image_model, space,
     mode.cfg, mode.tokenizer, mode.text_model, mode.image_model = cfg, tokenizer, text_model, image_model
     mode.space, mode.compute_dtype = space, compute_dtype
     mode.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-    if cfg.train.ema_start_iters is not None: warnings.warn("LoRA training keeps no EMA (ema_* keys are ignored)")
     generator.requires_grad_(False)
     alpha = 1.0 if lc.lora_alpha is None else lc.lora_alpha
     mode.targets = apply_lora(generator, lc.module_filters, lc.rank, alpha, lc.lora_dropout, init=lc.lora_init,
@@ -1124,12 +1123,10 @@ def _lora_released(mode, accelerator, net):
     return {"lora": sd}
 
 # %% ../nbs/60_lora.ipynb #3717c5b9
-def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model):
-    "`LoraTraining.add_released_tokens`: the trained tokens of `run`'s `lora.safetensors` into a text encoder."
+def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model, ema=True):
+    "`LoraTraining.add_released_tokens`: the trained tokens of the file `merged_lora_run` merges into a text encoder."
     from safetensors.torch import load_file
-    path = Path(run)/"lora.safetensors"
-    if not path.exists(): raise FileNotFoundError(f"{run} has no lora.safetensors yet")
-    return load_tokens(tokenizer, text_model, load_file(str(path)))
+    return load_tokens(tokenizer, text_model, load_file(str(released_file(run, "lora", ema))))
 
 # %% ../nbs/60_lora.ipynb #ddf0513c
 def _lora_check_config(cfg):
@@ -1157,7 +1154,7 @@ def lora_param_group(name: str) -> str:
 class LoraTraining(TrainingMode):
     """LoRA (+ token) training of Stage C: frozen generator and text encoder, adapters and token deltas train,
     `lora.safetensors` is released."""
-    supports_ema = False   # an EMA would copy the frozen generator too; average the adapters offline if needed
+    supports_ema = True    # of the adapters and token rows only (`base_is_rebuilt`), released as `lora_ema.safetensors`
     trains_generator, base_is_rebuilt = False, True   # the state: adapters and token rows, not the frozen generator
     predicts_prior = True  # `prior: true` samples: the target is the base's prediction (adapters off)
     param_group_names, param_group = LORA_PARAM_GROUPS, staticmethod(lora_param_group)   # (nbs/40_run_state)
@@ -1222,12 +1219,12 @@ class LoraTraining(TrainingMode):
     @classmethod
     def released_generator(cls, cfg, run, ema: bool = True):
         "The base generator with the run's `lora.safetensors` merged in (see `merged_lora_run`)."
-        return merged_lora_run(cfg, run, lora_base_generator(cfg, run))
+        return merged_lora_run(cfg, run, lora_base_generator(cfg, run), ema)
 
     @classmethod
-    def add_released_tokens(cls, cfg, run, tokenizer, text_model) -> list[str]:
+    def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool = True) -> list[str]:
         "The run's trained tokens (`lora.safetensors`) added to `tokenizer`, written into `text_model` (`load_tokens`)."
-        return _lora_add_released_tokens(cls, cfg=cfg, run=run, tokenizer=tokenizer, text_model=text_model)
+        return _lora_add_released_tokens(cls, cfg=cfg, run=run, tokenizer=tokenizer, text_model=text_model, ema=ema)
 
     @classmethod
     def inference(cls, cfg, *models, **kw):
