@@ -374,8 +374,15 @@ def read_comfyui(sd: dict, params: dict, metadata: dict | None = None, config: d
     rd.loaded = [k for k in sd if k in used]
     rd.skipped = [k for k in sd if k not in used]
     if rd.refused: rd.deltas, rd.layers = {}, {}
+    _forms_notes(rd, metadata)
     _scale_notes(rd, metadata)
     return rd
+
+def _forms_notes(rd: Reading, metadata: dict | None):
+    "No DoRA-norm warning for the layers a cascade_nb export wrote in ComfyUI's form (`cascade_nb.comfyui_forms`)."
+    forms = json.loads((metadata or {}).get("cascade_nb.comfyui_forms") or "{}")
+    ready = {x for x, l in rd.layers.items() if l.target.weight in forms}
+    rd.warnings = [w for w in rd.warnings if not (w.partition(":")[0] in ready and "dora_scale per output row" in w)]
 
 def _scale_notes(rd: Reading, metadata: dict | None):
     """Scales that look wrong: against the rank/alpha per layer the file's metadata records (cascade_nb's exports),

@@ -264,6 +264,8 @@ def test_every_type_exported_for_comfyui_and_peft_reads_as_merge_lora(case, type
     rd = read_comfyui(sd, params, meta)
     assert delta_error(rd, want) < 1e-5 and not rd.skipped and not warns, (delta_error(rd, want), warns)
     assert meta["cascade_nb.adapter_type"] == TYPES[case][0]
+    # the one note left: ComfyUI's bound on Q is alpha, LyCORIS' module's alpha·out_dim (ours is ComfyUI's)
+    assert all("LyCORIS' constraint" in w for w in rd.warnings) and (not rd.warnings or case == "oft_constraint")
     if case == "oft_rescale": assert {l.kind for l in rd.layers.values()} == {"diff"}
     # no exact q/k/v split: the OFT's bound binds on the whole Q, the LoKr's 4-row w1 does not divide into thirds
     if case in ("oft_constraint", "lokr_factor_4"): assert any(k.endswith("attn_to_q.diff") for k in sd)
