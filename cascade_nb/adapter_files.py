@@ -678,7 +678,9 @@ def _export_kohya(lora, out: Path, ctx: ExportContext) -> list[Path]:
     ready, forms, warns = comfy_ready(_adapters_only(lora), weighted)
     ctx.warnings += warns
     meta = {**ctx.metadata, **({"cascade_nb.comfyui_forms": json.dumps(forms)} if forms else {})}
-    save_safetensors_atomic(to_kohya(ready, weighted), out, metadata=meta); return [out]
+    try: sd = to_kohya(ready, weighted)
+    except ValueError as e: raise ValueError(f"{e} (export --model CHECKPOINT)") from None
+    save_safetensors_atomic(sd, out, metadata=meta); return [out]
 
 def _export_official(lora, out: Path, ctx: ExportContext) -> list[Path]:
     if ctx.model is None: raise ConfigError("--to official needs the Stage C the LoRA adapts (its module order)")

@@ -107,6 +107,9 @@ def test_lokr_and_oft_runs_release_headers_and_check_clean(tmp_path, capsys):
         assert main(["check", run / "lora.safetensors", "--model", base]) == 0
         table = capsys.readouterr().out
         assert table.startswith("cascade_nb: loads") and "warning" not in table and f" {kind} " in table
+        if kind == "lokr":                                 # without the base: no .diff, a one-line error
+            with pytest.raises(SystemExit, match="2"): main(["export", run, "--to", "kohya", "--out", tmp_path / "x"])
+            assert "no exact q/k/v split" in capsys.readouterr().err
         assert main(["export", run, "--to", "kohya", "--out", tmp_path / f"{kind}.safetensors", "--model", base]) == 0
         capsys.readouterr()
         assert json.loads(safetensors_header(tmp_path / f"{kind}.safetensors")[0]["cascade_nb.adapter_options"])
