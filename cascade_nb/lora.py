@@ -766,7 +766,9 @@ def text_encoder_to_kohya(te: dict) -> dict[str, torch.Tensor]:
     "Text-encoder adapters (`split_text_encoder`'s second part) under kohya's/ComfyUI's `lora_te_<module>` keys."
     out = {}
     for path, (cls, t, alpha) in adapter_entries(te).items():
-        key = _KOHYA_TE[0] + path.removesuffix(".weight").replace(".", "_")
+        stem = path.removesuffix(".weight").replace(".", "_")
+        # ComfyUI maps the text projection of Stable Cascade's CLIP-G under the OneTrainer stem only
+        key = (_KOHYA_TE[1] if stem == "text_projection" else _KOHYA_TE[0]) + stem
         out.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
         out[f"{key}.alpha"] = torch.tensor(float(alpha))
     return out

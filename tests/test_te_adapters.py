@@ -106,3 +106,30 @@ def test_text_encoder_adapters_refuse_cached_text_embeddings():
                                                           "caption_dropout=0", "generator_checkpoint_path=null"])
     msg = str(e.value)
     assert "text_encoder_adapter" in msg and "latent_space: cached" in msg and "\n" not in msg, msg
+
+@pytest.mark.parametrize("adapter", ["lora", "loha"])
+def test_kohya_text_encoder_keys_read_by_comfyui_with_the_same_delta(adapter):
+    """Every Linear of the tiny CLIP (text_projection too) through to_kohya: ComfyUI's reader adds our ΔW, and
+    from_kohya inverts it."""
+    from cascade_nb.adapter_files import read_comfyui, consumer_params, delta_error
+    from cascade_nb.lora import (apply_lora, lora_layers, text_encoder_state_dict, to_kohya, from_kohya, merge_lora,
+                                 base_state_dict)
+    from cascade_nb.models.clip import tiny_clip_text_model
+    from cascade_nb.models.stage_c import StageC
+    te = tiny_clip_text_model()
+    targets = apply_lora(te, ["self_attn", "mlp", "text_projection"], rank=2, adapter=adapter, freeze=False)
+    assert "text_projection.weight" in targets and len(targets) == 13
+    torch.manual_seed(0)
+    for layer in lora_layers(te).values():
+        for t in layer.tensors().values(): torch.nn.init.normal_(t, std=0.1)
+    lora = text_encoder_state_dict(te)
+    ko = to_kohya(lora)
+    assert "lora_prior_te_text_projection.alpha" in ko
+    base, gen = tiny_clip_text_model(), StageC.from_preset("tiny")
+    rd = read_comfyui(ko, consumer_params(gen, base))
+    merged = base_state_dict(merge_lora(tiny_clip_text_model(), {k[len("text_model."):]: v for k, v in lora.items()}))
+    plain = base_state_dict(base)
+    expected = {f"text_encoder.{p}": merged[p] - plain[p] for p in targets}
+    assert not rd.skipped and delta_error(rd, expected) < 1e-6, (rd.skipped[:4], rd.warnings[:4])
+    back = from_kohya(ko, gen)
+    assert back.keys() == lora.keys() and all(torch.equal(back[k].float(), lora[k].float()) for k in lora)
