@@ -16,6 +16,7 @@ from test_param_groups import optimizer_groups_saved
 from test_train import resumes_to_the_killed_state
 
 X = 5e-3   # the text encoder's adapters' lr (the others train at lora_demo's 1e-3)
+TE_UP = "text_model.text_model.encoder.layers.0.self_attn.q_proj.weight.lora_up"
 
 def te_args(tmp: Path, name: str, *extra) -> list:
     base = pretrained_tiny(tmp / "base.safetensors")
@@ -24,7 +25,9 @@ def te_args(tmp: Path, name: str, *extra) -> list:
             f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt", f"output_path={tmp}/out", "tracker=none",
             "wandb_project=null", "num_workers=0", "batch_size=4", "log_every=1", "sample_steps=2", "updates=6",
             "save_every=2", "warmup_updates=2", "lr_schedule=constant", "text_encoder_adapter=lora",
-            "text_encoder_rank=2", f"param_groups={{text_encoder_adapters: {{lr: {X}}}}}", *extra]
+            "text_encoder_rank=2", f"param_groups={{text_encoder_adapters: {{lr: {X}}}}}",
+            # the EMA of the trained tensors (the text encoder's adapters among them), released as lora_ema.safetensors
+            "ema_start_iters=1", "ema_iters=1", "ema_beta=0.9", *extra]
 
 def fixed_batch(folder: Path) -> dict:
     "The 8 training images (16 px, in [0, 1]) and their captions."
@@ -66,8 +69,9 @@ def test_text_encoder_adapters_train_resume_export_and_sample(tmp_path):
     saved = _saved_model_layout(state)[1]
     assert sum(k.startswith("text_model.text_model.encoder.") and ".lora_" in k for k in saved) == 24
     # released: the generator's keys as before, the text encoder's under text_model. (rank 2, both layers' 6 weights)
-    lora_file = released_file(run, "lora", True)
-    lora = load_file(str(lora_file))
+    lora_file = released_file(run, "lora", False)
+    lora, ema = load_file(str(lora_file)), load_file(str(run / "lora_ema.safetensors"))
+    assert ema.keys() == lora.keys() and not torch.equal(ema[TE_UP], lora[TE_UP])
     gen_part, te_part = split_text_encoder({k: v for k, v in lora.items() if not k.startswith("tokens.")})
     assert len(lora_entries(gen_part)) == 12 and len(lora_entries(te_part)) == 12
     assert {d.shape[0] for d, _, _ in lora_entries(te_part).values()} == {2}
@@ -92,8 +96,8 @@ def test_text_encoder_adapters_train_resume_export_and_sample(tmp_path):
     # sampling: the CLI runs, and the text encoder it uses has the adapters merged
     res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "a [fernando] face", "--n", "1",
                   "--steps", "2", "--out", tmp_path / "samples")
-    assert "wrote 1 images" in res.stdout, res.stdout
-    mode, _, _ = load_run(run)
+    assert "wrote 1 images" in res.stdout and res.stdout.strip().endswith("lora_ema.safetensors"), res.stdout
+    mode, _, _ = load_run(run, ema=False)
     p = "text_model.encoder.layers.1.mlp.fc1.weight"
     want = text_model.get_parameter(p) + lora_delta(*lora_entries(te_part)[p], text_model.get_parameter(p).shape)
     assert torch.allclose(mode.text_model.get_parameter(p), want, atol=1e-6)
