@@ -137,3 +137,14 @@ def test_kohya_text_encoder_keys_read_by_comfyui_with_the_same_delta(adapter):
     assert not rd.skipped and delta_error(rd, expected) < 1e-6, (rd.skipped[:4], rd.warnings[:4])
     back = from_kohya(ko, gen)
     assert back.keys() == lora.keys() and all(torch.equal(back[k].float(), lora[k].float()) for k in lora)
+
+def test_text_encoder_adapters_under_fsdp2(tmp_path):
+    """Two CPU processes under FSDP2 (the text encoder inside the sharded `net`): a run killed in its commit resumes to
+    the same state, and the released file holds the gathered text-encoder adapters."""
+    from test_train import _launch_2proc
+    from cascade_nb.lora import split_text_encoder, lora_entries
+    fsdp = lambda *a, check=True: _launch_2proc("--fsdp-cpu", *a, check=check)
+    run = tmp_path / "ckpt" / "f"
+    resumes_to_the_killed_state(run, te_args(tmp_path, "f", "updates=4", "batch_size=8"), launch=fsdp)
+    te_part = split_text_encoder(load_file(str(run / "lora.safetensors")))[1]
+    assert len(lora_entries(te_part)) == 12 and all(d.abs().sum() > 0 for d, _, _ in lora_entries(te_part).values())
