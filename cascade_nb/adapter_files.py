@@ -14,16 +14,18 @@ from torch import nn
 from .registry import Registry
 from .config import ConfigError
 from .core import save_safetensors_atomic, safetensors_header
-from .lora import (lora_entries, lora_delta, base_state_dict, to_kohya, to_reference, is_reference_lora,
-                             from_kohya, from_reference, load_peft_adapter, _split_fused, _to_diffusers_module)
+from .lora import (base_state_dict, to_kohya, to_reference, is_reference_lora, from_kohya, from_reference,
+                             load_peft_adapter, _to_diffusers_module, _kohya_parts, adapter_entries, adapter_from_entry,
+                             adapter_metadata, layer_records, token_names, LoRA, FullDiff)
 
 # %% auto #0
-__all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'LAYOUTS', 'consumer_params', 'clip_g_params', 'Target', 'split_modules', 'Layer',
-           'Reading', 'Family', 'comfy_weight_decompose', 'text_modules', 'consumer_names', 'comfy_names',
-           'read_comfyui', 'is_embedding_file', 'read_comfy_embedding', 'read_kohya', 'peft_pattern', 'peft_targets',
-           'read_peft', 'reference_targets', 'read_official', 'cascade_nb_deltas', 'delta_error', 'adapter_metadata',
-           'peft_files', 'ExportContext', 'export_adapter', 'AdapterSource', 'read_source', 'source_layout',
-           'source_lora', 'meta_stage_c', 'run_export', 'reading_table', 'merge_reading', 'run_check', 'main']
+__all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'COMFY_FORMS', 'LAYOUTS', 'consumer_params', 'clip_g_params', 'Target',
+           'split_modules', 'Layer', 'Reading', 'Family', 'comfy_weight_decompose', 'text_modules', 'consumer_names',
+           'comfy_names', 'read_comfyui', 'is_embedding_file', 'read_comfy_embedding', 'read_kohya', 'peft_pattern',
+           'peft_targets', 'read_peft', 'reference_targets', 'read_official', 'read_cascade_nb', 'cascade_nb_deltas',
+           'delta_error', 'peft_files', 'ExportContext', 'comfy_ready', 'export_adapter', 'AdapterSource',
+           'read_source', 'source_layout', 'source_lora', 'meta_stage_c', 'run_export', 'reading_table',
+           'merge_reading', 'run_check', 'main']
 
 # %% ../nbs/60b_adapter_files.ipynb #824b2f61
 def consumer_params(model: nn.Module, text_model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -372,8 +374,15 @@ def read_comfyui(sd: dict, params: dict, metadata: dict | None = None, config: d
     rd.loaded = [k for k in sd if k in used]
     rd.skipped = [k for k in sd if k not in used]
     if rd.refused: rd.deltas, rd.layers = {}, {}
+    _forms_notes(rd, metadata)
     _scale_notes(rd, metadata)
     return rd
+
+def _forms_notes(rd: Reading, metadata: dict | None):
+    "No DoRA-norm warning for the layers a cascade_nb export wrote in ComfyUI's form (`cascade_nb.comfyui_forms`)."
+    forms = json.loads((metadata or {}).get("cascade_nb.comfyui_forms") or "{}")
+    ready = {x for x, l in rd.layers.items() if l.target.weight in forms}
+    rd.warnings = [w for w in rd.warnings if not (w.partition(":")[0] in ready and "dora_scale per output row" in w)]
 
 def _scale_notes(rd: Reading, metadata: dict | None):
     """Scales that look wrong: against the rank/alpha per layer the file's metadata records (cascade_nb's exports),
@@ -381,7 +390,11 @@ def _scale_notes(rd: Reading, metadata: dict | None):
     recorded = json.loads((metadata or {}).get("cascade_nb.layers", "null") or "null")
     if recorded:
         for name, l in rd.layers.items():
-            if (want := recorded.get(l.target.weight)) and not math.isclose(l.scale, want["alpha"] / want["rank"]):
+            # the types whose scale is alpha/rank (a DoRA's, an OFT's or a `.diff`'s reading has no such scale)
+            want = recorded.get(l.target.weight) or {}
+            if l.kind != want.get("kind", "lora") or l.kind not in ("lora", "loha", "lokr") or not want.get("rank"):
+                continue
+            if not math.isclose(l.scale, want["alpha"] / want["rank"]):
                 rd.warnings.append(f"{name}: {rd.consumer} scales by {l.scale:.4g}; the file was trained with "
                                    f"alpha/rank = {want['alpha']:g}/{want['rank']}")
         return
@@ -537,14 +550,34 @@ def read_official(sd: dict, params: dict, metadata: dict | None = None, config: 
     return rd
 
 # %% ../nbs/60b_adapter_files.ipynb #8b156afb
+def read_cascade_nb(sd: dict, params: dict, metadata: dict | None = None, config: dict | None = None) -> Reading:
+    "What cascade_nb's own `load_lora`/`merge_lora` add for a file in its layout (any adapter type), tokens aside."
+    rd = Reading("cascade_nb")
+    for p, entry in adapter_entries(sd).items():
+        cls, t, alpha = entry
+        if p not in params:
+            rd.warnings.append(f"{p}: no such parameter in the model (a file for another model?)"); continue
+        a, W = adapter_from_entry(entry, params[p].shape), params[p]
+        rank = getattr(a, "rank", None)
+        scale = alpha / rank if rank and cls.kind in ("lora", "loha", "lokr") else 1.0
+        with torch.no_grad(): delta = a.update(W.float())
+        if delta.is_meta:
+            rd.warnings.append(f"{p}: {cls.kind} depends on the base weights; pass --model to evaluate it")
+            rd.layers[p] = Layer(Target(p), cls.kind, rank, alpha, float("nan")); continue
+        rd.add(params, Target(p), delta)
+        rd.layers[p] = Layer(Target(p), cls.kind, rank, alpha, scale)
+    rd.loaded = [k for k in sd if k.startswith("tokens.") or k.rpartition(".")[0] in rd.layers]
+    rd.skipped = [k for k in sd if k not in rd.loaded]
+    return rd
+
 CONSUMERS = Registry("adapter_consumer", {"comfyui": read_comfyui, "kohya": read_kohya, "peft": read_peft,
-                                          "official": read_official},
+                                          "official": read_official, "cascade_nb": read_cascade_nb},
                      how="CONSUMERS.register('name', reader) in cascade_nb.adapter_files")
 "Consumer name → reader(sd, params, metadata, config) → `Reading`."
 
 def cascade_nb_deltas(lora: dict, params: dict) -> dict[str, torch.Tensor]:
-    "cascade_nb's own ΔW per parameter for a LoRA state dict in its layout (what `merge_lora` adds): (alpha/r)·U D."
-    return {p: lora_delta(d, u, a, params[p].shape) for p, (d, u, a) in lora_entries(lora).items()}
+    "cascade_nb's own ΔW per parameter for a state dict in its layout, any type (what `merge_lora` adds to `params`)."
+    return read_cascade_nb(lora, params).deltas
 
 def delta_error(rd: Reading, expected: dict) -> float:
     """The largest |ΔW_consumer - ΔW_expected| over the parameters (e.g. merged minus base weights, any adapter
@@ -553,56 +586,43 @@ def delta_error(rd: Reading, expected: dict) -> float:
         raise ValueError(f"{rd.consumer} patches {sorted(set(rd.deltas) ^ set(expected))[:4]} differently")
     return max((float((rd.deltas[k] - expected[k].float()).abs().max()) for k in expected), default=0.0)
 
-# %% ../nbs/60b_adapter_files.ipynb #8f0c3bbf
-def _one_or_dynamic(values) -> str:
-    values = set(values)
-    return f"{values.pop():g}" if len(values) == 1 else "Dynamic"
-
-def adapter_metadata(lora: dict, layout: str, base: str | None = None, tokens=(), module_filters=None) -> dict:
-    "String metadata for an exported adapter file: kohya's `ss_*` and SAI model-spec fields plus cascade_nb's."
-    import cascade_nb
-    entries = lora_entries(lora)
-    ranks = {p: int(d.shape[0]) for p, (d, _, _) in entries.items()}
-    alphas = {p: float(a) for p, (_, _, a) in entries.items()}
-    meta = {"format": "cascade_nb.lora" if layout == "cascade_nb" else "pt",
-            "ss_sd_model_name": Path(base).name if base else "", "modelspec.sai_model_spec": "1.0.0",
-            "modelspec.architecture": "stable-cascade-v1-prior/" + ("textual-inversion" if layout == "embedding"
-                                                                    else "lora"),
-            "cascade_nb.version": cascade_nb.__version__, "cascade_nb.layout": layout,
-            "cascade_nb.adapter_type": "lora",
-            "cascade_nb.generator_checkpoint_path": base or "",
-            "cascade_nb.layers": json.dumps({p: {"rank": ranks[p], "alpha": alphas[p]} for p in entries}),
-            "cascade_nb.trigger_tokens": json.dumps(list(tokens)),
-            "cascade_nb.module_filters": json.dumps(list(module_filters) if module_filters else None)}
-    # kohya's fields describe a kohya-style file (the official layout folds alpha into lora_up)
-    if entries and layout in ("cascade_nb", "kohya", "peft"):
-        meta.update({"ss_network_module": "networks.lora", "ss_network_dim": _one_or_dynamic(ranks.values()),
-                     "ss_network_alpha": _one_or_dynamic(alphas.values())})
-    if tokens: meta["modelspec.trigger_phrase"] = ", ".join(tokens)
-    return meta
-
 # %% ../nbs/60b_adapter_files.ipynb #3bc5d15d
+_PEFT_REFUSED = {
+    "loha": "peft's LoHa (hada_*, scale alpha/r) is not yet checked against a real peft load here",
+    "lokr": "peft's LoKr scales by alpha/r also where w1 and w2 are full (LyCORIS and ComfyUI: by 1)",
+    "oft": "peft's OFT keeps each block's skew part as a vector (oft_R) bounded by coft/eps, not LyCORIS' blocks "
+           "and alpha",
+    "full": "peft has no full-difference adapter"}
+
+def _peft_kind(lora: dict) -> str:
+    "`lora` or `dora`, the one type of `lora` peft can load; a one-line ConfigError naming the others and why."
+    kinds = sorted({cls.kind for cls, _, _ in adapter_entries(lora).values()})
+    if len(kinds) == 1 and kinds[0] in ("lora", "dora"): return kinds[0]
+    why = "; ".join(f"{k}: {_PEFT_REFUSED.get(k, 'not a peft type')}" for k in kinds if k not in ("lora", "dora"))
+    raise ConfigError(f"--to peft: writes one type, lora or dora (use_dora); this file has {', '.join(kinds)} "
+                      f"({why or 'a mix'}); export it with --to kohya")
+
 def peft_files(lora: dict) -> tuple[dict, dict]:
-    "(adapter_config fields, adapter_model state dict) of a LoRA for diffusers' StableCascadeUNet, ranks per module."
-    sd, pairs = {}, {}
-    for path, (down, up, alpha) in lora_entries(lora).items():
-        for mod, d, u, a in _split_fused(path, down, up, alpha):
+    """(adapter_config fields, adapter_model state dict) of a LoRA or DoRA (`use_dora`, magnitude per output row) for
+    diffusers' StableCascadeUNet, ranks per module."""
+    sd, pairs, dora = {}, {}, _peft_kind(lora) == "dora"
+    for path, entry in adapter_entries(lora).items():
+        # the fused projection as q/k/v rows: exact for LoRA (a shared down) and DoRA (per-row magnitudes)
+        for mod, _, t, a in _kohya_parts(path, entry, None):
             mod = _to_diffusers_module(mod)
-            pairs[mod] = (int(d.shape[0]), float(a))
-            sd[f"base_model.model.{mod}.lora_A.weight"] = d.contiguous()
-            sd[f"base_model.model.{mod}.lora_B.weight"] = u.contiguous()
+            pairs[mod] = (int(t["lora_down"].shape[0]), float(a))
+            sd[f"base_model.model.{mod}.lora_A.weight"] = t["lora_down"].contiguous()
+            sd[f"base_model.model.{mod}.lora_B.weight"] = t["lora_up"].contiguous()
+            if dora: sd[f"base_model.model.{mod}.lora_magnitude_vector"] = t["dora_scale"].flatten().contiguous()
     counts = {}
     for pair in pairs.values(): counts[pair] = counts.get(pair, 0) + 1
     r, alpha = max(counts, key=counts.get)
-    cfg = dict(r=r, lora_alpha=alpha, target_modules=sorted(pairs),
+    cfg = dict(r=r, lora_alpha=alpha, target_modules=sorted(pairs), use_dora=dora,
                rank_pattern={m: p[0] for m, p in pairs.items() if p[0] != r},
                alpha_pattern={m: p[1] for m, p in pairs.items() if p[1] != alpha})
     return cfg, sd
 
 # %% ../nbs/60b_adapter_files.ipynb #52edcd11
-def _token_names(lora: dict) -> list[str]:
-    return json.loads(bytes(lora["tokens.names"].tolist()).decode()) if "tokens.names" in lora else []
-
 def _adapters_only(lora: dict) -> dict: return {k: v for k, v in lora.items() if not k.startswith("tokens.")}
 
 def _safe_name(token: str) -> str: return re.sub(r"[^A-Za-z0-9_-]+", "_", token).strip("_") or "token"
@@ -615,6 +635,38 @@ class ExportContext:
     metadata: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
 
+# %% ../nbs/60b_adapter_files.ipynb #fb055cb8
+def _comfy_dora(entry: tuple, W: torch.Tensor) -> tuple:
+    "A DoRA whose magnitude ComfyUI divides by ‖W‖ rows: m·‖W‖/‖W + ΔW_LoRA‖ (per output row)."
+    cls, t, alpha = entry
+    diff = LoRA.from_tensors({k: t[k] for k in ("lora_down", "lora_up")}, alpha, W.shape).eval().update().detach()
+    def rows(M): return M.reshape(M.shape[0], -1).norm(dim=1).reshape(t["dora_scale"].shape)
+    return cls, {**t, "dora_scale": t["dora_scale"] * rows(W.float()) / rows(W.float() + diff)}, alpha
+
+def _comfy_oft(entry: tuple, W: torch.Tensor) -> tuple:
+    "An OFT with `rescale`, which ComfyUI does not apply: its ΔW as a full difference (`.diff`)."
+    if "rescale" not in entry[1]: return entry
+    return FullDiff, {"diff": adapter_from_entry(entry, W.shape).update(W.float()).detach()}, 1.0
+
+COMFY_FORMS = Registry("comfy_form", {"dora": _comfy_dora, "oft": _comfy_oft},
+                       how="COMFY_FORMS.register('adapter type', form) in cascade_nb.adapter_files")
+"Adapter type → form(entry, base weight) → the entry ComfyUI reads as our ΔW."
+
+def comfy_ready(lora: dict, model: nn.Module | None) -> tuple[dict, dict, list[str]]:
+    """(`lora` with its entries in `COMFY_FORMS` rewritten, {path: new type} of the rewritten, warnings where that
+    needs base weights `model` lacks)."""
+    out, forms, todo = {}, {}, []
+    for p, entry in adapter_entries(lora).items():
+        W = None if model is None else model.get_parameter(p).detach()
+        if (form := COMFY_FORMS.get(entry[0].kind)) and (W is None or W.is_meta): todo.append(p)
+        elif form and (new := form(entry, W.cpu())) is not entry: entry, forms[p] = new, new[0].kind
+        cls, t, alpha = entry
+        out.update({f"{p}.{n}": v for n, v in t.items()})
+        if cls is not FullDiff: out[f"{p}.alpha"] = torch.tensor(float(alpha))
+    warn = [f"{len(todo)} {adapter_entries(lora)[todo[0]][0].kind} layers (e.g. {todo[0]}) keep LyCORIS' form, "
+            "which ComfyUI reads differently: export with the base weights for an exact ComfyUI file"] if todo else []
+    return out, forms, warn
+
 # %% ../nbs/60b_adapter_files.ipynb #07efdc4a
 def _export_cascade_nb(lora, out: Path, ctx: ExportContext) -> list[Path]:
     save_safetensors_atomic(lora, out, metadata=ctx.metadata); return [out]
@@ -622,7 +674,13 @@ def _export_cascade_nb(lora, out: Path, ctx: ExportContext) -> list[Path]:
 def _export_kohya(lora, out: Path, ctx: ExportContext) -> list[Path]:
     if "tokens.ids" in lora:
         ctx.warnings.append("the kohya/ComfyUI file holds the adapters only: export the tokens with --to embedding")
-    save_safetensors_atomic(to_kohya(_adapters_only(lora)), out, metadata=ctx.metadata); return [out]
+    weighted = ctx.model if ctx.model is not None and not next(ctx.model.parameters()).is_meta else None
+    ready, forms, warns = comfy_ready(_adapters_only(lora), weighted)
+    ctx.warnings += warns
+    meta = {**ctx.metadata, **({"cascade_nb.comfyui_forms": json.dumps(forms)} if forms else {})}
+    try: sd = to_kohya(ready, weighted)
+    except ValueError as e: raise ValueError(f"{e} (export --model CHECKPOINT)") from None
+    save_safetensors_atomic(sd, out, metadata=meta); return [out]
 
 def _export_official(lora, out: Path, ctx: ExportContext) -> list[Path]:
     if ctx.model is None: raise ConfigError("--to official needs the Stage C the LoRA adapts (its module order)")
@@ -639,7 +697,7 @@ def _export_peft(lora, out: Path, ctx: ExportContext) -> list[Path]:
 # %% ../nbs/60b_adapter_files.ipynb #590c377d
 def _export_embedding(lora, out: Path, ctx: ExportContext) -> list[Path]:
     "One `clip_g` embedding file per trained token (one vector each): `out` itself for one token, else `out/NAME`."
-    names = _token_names(lora)
+    names = token_names(lora)
     if not names: raise ConfigError("--to embedding: the LoRA has no trained tokens (train_tokens)")
     rows = lora["tokens.embeddings"].float()
     paths = [out] if len(names) == 1 else [out / f"{_safe_name(n)}.safetensors" for n in names]
@@ -656,12 +714,14 @@ LAYOUTS = Registry("adapter_layout", {"cascade_nb": _export_cascade_nb, "officia
 
 # %% ../nbs/60b_adapter_files.ipynb #faa51ec2
 def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None, text_model: nn.Module | None = None,
-                   base: str | None = None, module_filters=None) -> tuple[list[Path], list[str]]:
+                   base: str | None = None, module_filters=None, options: dict | None = None
+                   ) -> tuple[list[Path], list[str]]:
     """Write `lora` (cascade_nb's layout, tokens included) as `layout` at `out`, with metadata; (paths, warnings).
-    `model`: the Stage C (official order); `text_model`: the text model with the run's `train_tokens` added."""
+    `model`: the Stage C (official order; with its weights, ComfyUI-exact DoRA/OFT in kohya files); `text_model`: the
+    text model with the run's `train_tokens` added; `options`: the adapter type's (`adapter_options`)."""
     from cascade_nb.cli import cli_choice
     writer = cli_choice(LAYOUTS, layout, "--to")
-    meta = adapter_metadata(_adapters_only(lora), layout, base, _token_names(lora), module_filters)
+    meta = adapter_metadata(_adapters_only(lora), layout, base, token_names(lora), module_filters, options)
     ctx = ExportContext(model, text_model, {**meta, "modelspec.title": Path(out).stem})
     return writer(lora, Path(out), ctx), ctx.warnings
 
@@ -700,7 +760,8 @@ def source_layout(src: AdapterSource) -> str:
     if src.peft_config is not None: return "peft"
     if is_embedding_file(src.sd): return "embedding"
     if is_reference_lora(src.sd): return "official"
-    if any(k.endswith(".lora_down") or k.startswith("tokens.") for k in src.sd): return "cascade_nb"
+    # ours: `<parameter path>.<tensor name>` (`....weight.lokr_w1`, `...in_proj_weight.lora_down`), or tokens
+    if any(k.rpartition(".")[0].endswith("weight") or k.startswith("tokens.") for k in src.sd): return "cascade_nb"
     return "kohya"
 
 def source_lora(src: AdapterSource, model: nn.Module | None, module_filters=None) -> dict:
@@ -746,17 +807,19 @@ def _text_model_with_tokens(cfg, lora):
     add_train_tokens(tokenizer, text_model, cfg.lora.train_tokens)
     return text_model
 
-def run_export(source, layout: str, out, config_path=None) -> tuple[list[Path], list[str]]:
-    "`export`: the adapter at `source` (run dir, file or folder) as `layout` at `out`."
+def run_export(source, layout: str, out, config_path=None, model_arg=None) -> tuple[list[Path], list[str]]:
+    """`export`: the adapter at `source` (run dir, file or folder) as `layout` at `out`; `model_arg`: a Stage C
+    checkpoint (or training YAML) whose weights a `.diff` or ComfyUI's DoRA/OFT forms need."""
     src = read_source(source)
     cfg = _run_cfg(src, config_path)
-    model = meta_stage_c(cfg) if cfg is not None else None
+    model = _check_params(model_arg)[1] if model_arg else meta_stage_c(cfg) if cfg is not None else None
     filters = cfg.lora.module_filters if cfg is not None else None
     lora = source_lora(src, model, filters)
     base = ((src.run_config or {}).get("generator_checkpoint_path")
             or src.metadata.get("cascade_nb.generator_checkpoint_path"))
     text_model = _text_model_with_tokens(cfg, lora) if layout == "official" else None
-    return export_adapter(lora, layout, out, model, text_model, base, filters)
+    options = json.loads(src.metadata.get("cascade_nb.adapter_options") or "{}")
+    return export_adapter(lora, layout, out, model, text_model, base, filters, options)
 
 # %% ../nbs/60b_adapter_files.ipynb #0ca5fbd3
 def _check_params(model_arg):
@@ -808,18 +871,19 @@ def merge_reading(model: nn.Module, rd: Reading) -> dict[str, torch.Tensor]:
         out[path] = W.float() - before
     return out
 
-def run_check(source, consumer: str = "comfyui", model_arg=None, config_path=None) -> tuple[Reading, str]:
-    "`check`: the reading of `consumer` for the adapter at `source`, and its table."
+def run_check(source, consumer: str | None = None, model_arg=None, config_path=None) -> tuple[Reading, str]:
+    "`check`: the reading of `consumer` (our layout: cascade_nb, else comfyui) of the adapter at `source`; its table."
     from cascade_nb.cli import cli_choice
-    reader = cli_choice(CONSUMERS, consumer, "--for")
     src = read_source(source)
+    consumer = consumer or ("cascade_nb" if source_layout(src) == "cascade_nb" else "comfyui")
+    reader = cli_choice(CONSUMERS, consumer, "--for")
     params, model = _check_params(model_arg)
     # the run's filters: --config, else a training YAML given as --model, else the run directory's
     is_yaml = model_arg is not None and str(model_arg).endswith((".yaml", ".yml"))
     cfg = _run_cfg(src, config_path or (model_arg if is_yaml else None))
     config = src.peft_config if consumer == "peft" else {"module_filters": cfg.lora.module_filters if cfg else None}
     rd = reader(src.sd, params, src.metadata, config)
-    if (layout := source_layout(src)) in ("cascade_nb", "peft") and consumer not in ("peft", "official"):
+    if (layout := source_layout(src)) in ("cascade_nb", "peft") and consumer not in ("peft", "official", "cascade_nb"):
         rd.warnings.append(f"a {layout}-layout file: for {consumer}, export it with --to kohya")
     return rd, reading_table(rd, merge_reading(model, rd) if model is not None else None)
 
@@ -834,9 +898,12 @@ def _parser(doc: str):
     e.add_argument("--to", required=True, help=f"layout: {', '.join(LAYOUTS)}")
     e.add_argument("--out", required=True, help="file (a folder for peft, or embedding with several tokens)")
     e.add_argument("--config", help="training YAML of the LoRA (model, module_filters, train_tokens)")
+    e.add_argument("--model", help="Stage C checkpoint or training YAML with the base weights (kohya: a .diff where "
+                                   "q/k/v do not split, ComfyUI's form of DoRA and rescaled OFT)")
     c = sub.add_parser("check", help="what a consumer loads, skips and scales in a LoRA file")
     c.add_argument("source", help="LoRA .safetensors file, embedding file, peft adapter folder or run directory")
-    c.add_argument("--for", dest="consumer", default="comfyui", help=f"consumer: {', '.join(CONSUMERS)}")
+    c.add_argument("--for", dest="consumer", help=f"consumer: {', '.join(CONSUMERS)} (default: cascade_nb for a file "
+                                                  "in cascade_nb's layout, else comfyui)")
     c.add_argument("--model", help="training YAML or Stage C checkpoint to merge the file into (per-layer |dW|)")
     c.add_argument("--config", help="training YAML with the run's module_filters (official layout)")
     return p
@@ -846,9 +913,9 @@ def main(argv=None) -> int:
     """Export a LoRA for another program, or check how one reads a LoRA file.
 
     python -m cascade_nb.lora export RUN_DIR_or_FILE --to cascade_nb|official|kohya|peft|embedding --out PATH
-        [--config TRAINING.yaml]
-    python -m cascade_nb.lora check FILE_or_DIR [--for comfyui|kohya|peft|official] [--model CONFIG_or_CHECKPOINT]
-        [--config TRAINING.yaml]
+        [--config TRAINING.yaml] [--model CONFIG_or_CHECKPOINT]
+    python -m cascade_nb.lora check FILE_or_DIR [--for cascade_nb|comfyui|kohya|peft|official]
+        [--model CONFIG_or_CHECKPOINT] [--config TRAINING.yaml]
     Exit status of check: 1 when the consumer skips a key, refuses the file or a scale looks wrong, 0 otherwise;
     2 for bad input.
     """
@@ -856,7 +923,7 @@ def main(argv=None) -> int:
     args = parse_cli(_parser(main.__doc__), argv)
     with cli_errors(OSError, ValueError, KeyError):
         if args.command == "export":
-            paths, warns = run_export(args.source, args.to, args.out, args.config)
+            paths, warns = run_export(args.source, args.to, args.out, args.config, args.model)
             for w in warns: print(f"warning: {w}", file=sys.stderr)
             print("\n".join(map(str, paths)))
             return 0

@@ -148,11 +148,15 @@ def check_lr(ctx: CheckContext) -> list[Finding]:
                     f"set lr between {r.lo:g} and {r.hi:g} (the official recipes train adamw at 1e-4)")]
 
 # %% ../nbs/71_check.ipynb #846e5d96
-ADAPTER_SCALES: dict[str, Callable] = {
-    "lora": lambda cfg: ((cfg.lora.lora_alpha or 1.0) / (cfg.lora.rank or 4), "lora_alpha/rank",
-                         f"{cfg.lora.lora_alpha or 1:g}/{cfg.lora.rank or 4}")}
+def _lora_scale(cfg):
+    "LoRA, DoRA, LoHa and factorized LoKr scale by alpha/rank; OFT's rotation and a full-matrix LoKr have no scale."
+    lc = cfg.lora
+    if lc.adapter == "oft" or (lc.adapter == "lokr" and lc.full_matrix): return None
+    return (lc.lora_alpha or 1.0) / (lc.rank or 4), "lora_alpha/rank", f"{lc.lora_alpha or 1:g}/{lc.rank or 4}"
+
+ADAPTER_SCALES: dict[str, Callable] = {"lora": _lora_scale}
 """Adapter mode -> `fn(cfg) -> (scale, its formula, the formula's values)`: the factor between the adapter's
-parameters and the weights they change."""
+parameters and the weights they change; None when the adapter type has no such factor (nothing to check)."""
 
 EFFECTIVE_STEP = (1e-6, 1e-2)
 "The effective adapter step sizes (lr × scale) of recipes that learn, widened (see the prose)."
@@ -166,7 +170,10 @@ def check_adapter_step(ctx: CheckContext) -> list[Finding]:
     cfg = ctx.cfg
     if cfg.train.mode not in ADAPTER_SCALES or not USUAL_LR.get(cfg.train.optimizer, LrRange(0, 0, False)).is_step:
         return []
-    (scale, formula, values), lr = ADAPTER_SCALES[cfg.train.mode](cfg), _lr(cfg)
+    if (scaled := ADAPTER_SCALES[cfg.train.mode](cfg)) is None: return []
+    # the adapters' own LR when `param_groups` gives them one
+    group_lr = cfg.train.param_groups.get("adapters", {}).get("lr")
+    (scale, formula, values), lr = scaled, _lr(cfg) * (1 if group_lr is None else group_lr / cfg.train.lr)
     step, (lo, hi) = lr * scale, EFFECTIVE_STEP
     if lo <= step <= hi: return []
     where = "below" if step < lo else "above"

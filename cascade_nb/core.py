@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['append_dims', 'atomic_path', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'save_safetensors_atomic',
-           'count_params', 'human_count', 'to_uint8', 'to_pil_grid', 'show_images', 'resolve_dtype', 'default_device',
-           'enable_tf32', 'checkpoint_file', 'safetensors_header', 'save_with_config', 'read_safetensors',
-           'load_safetensors_strict', 'load_with_config', 'frozen', 'seeded', 'seeded_randn', 'seeded_rand',
-           'seeded_multinomial', 'images_to_device']
+__all__ = ['append_dims', 'atomic_path', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'Weights',
+           'save_safetensors_atomic', 'count_params', 'human_count', 'to_uint8', 'to_pil_grid', 'show_images',
+           'resolve_dtype', 'default_device', 'enable_tf32', 'checkpoint_file', 'safetensors_header',
+           'save_with_config', 'read_safetensors', 'load_safetensors_strict', 'load_with_config', 'frozen', 'seeded',
+           'seeded_randn', 'seeded_rand', 'seeded_multinomial', 'images_to_device']
 
 # %% ../nbs/00_core.ipynb #9463aab6
 def append_dims(v: torch.Tensor, like: torch.Tensor | int) -> torch.Tensor:
@@ -82,9 +82,17 @@ def atomic_write_json(path, obj, **kwargs):
     atomic_write_text(path, json.dumps(obj, indent=2, **kwargs))
 
 # %% ../nbs/00_core.ipynb #f0041f9c
+class Weights(dict):
+    "A state dict with the safetensors header strings it is written with (a mode's released files carry theirs)."
+    def __init__(self, tensors=(), metadata: dict[str, str] | None = None):
+        super().__init__(tensors)
+        self.metadata = dict(metadata or {})
+
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None):
-    "Save a flat dict of tensors as safetensors at `path`, atomically, without a second copy of them in memory."
+    """Save a flat dict of tensors as safetensors at `path`, atomically, without a second copy of them in memory;
+    the header holds `metadata` over a `Weights`' own."""
     from safetensors.torch import save_file
+    metadata = {**getattr(tensors, "metadata", {}), **(metadata or {})} or None
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     with atomic_path(path) as tmp: save_file(tensors, tmp, metadata=metadata)
 

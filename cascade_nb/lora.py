@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device
+from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device, Weights
 from .hub import weights_file, parse_hub_spec
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -27,15 +27,15 @@ from .modes import released_file
 __all__ = ['LORA_INITS', 'ADAPTERS', 'TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTERS', 'LORA_PARAM_GROUPS', 'match_filters',
            'lora_targets', 'register_adapter', 'Adapter', 'LoRA', 'apply_lora', 'base_state_dict', 'is_adapter',
            'lora_layers', 'scaled_adapters', 'lora_state_dict', 'lora_entries', 'adapter_kind', 'adapter_entries',
-           'adapter_from_entry', 'lora_delta', 'load_lora', 'lora_metadata', 'save_lora', 'merge_lora', 'unmerge_lora',
-           'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff', 'TokenDeltas', 'add_train_tokens', 'token_state_dict',
-           'load_tokens', 'adapters_disabled', 'prior_retarget', 'has_prior_entries', 'prior_extras', 'prior_loss',
-           'split_text_encoder', 'text_encoder_state_dict', 'text_encoder_to_kohya', 'text_encoder_from_kohya',
-           'to_kohya', 'from_kohya', 'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets',
-           'is_reference_lora', 'to_reference', 'from_reference', 'load_lora_file', 'LoraConfig', 'check_adapter_keys',
-           'adapter_keys', 'text_encoder_lora', 'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet',
-           'lora_base_generator', 'merged_lora_run', 'text_encoder_shapes', 'lora_param_group', 'LoraTraining',
-           'PriorHook']
+           'adapter_from_entry', 'lora_delta', 'load_lora', 'adapter_options', 'layer_records', 'token_names',
+           'save_lora', 'adapter_metadata', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff',
+           'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget',
+           'has_prior_entries', 'prior_extras', 'prior_loss', 'split_text_encoder', 'text_encoder_state_dict',
+           'text_encoder_to_kohya', 'text_encoder_from_kohya', 'to_kohya', 'from_kohya', 'save_peft_adapter',
+           'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
+           'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'text_encoder_lora',
+           'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
+           'text_encoder_shapes', 'lora_param_group', 'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -336,16 +336,68 @@ def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
     return list(entries)
 
 # %% ../nbs/60_lora.ipynb #8d936d13
-def lora_metadata(model: nn.Module) -> dict[str, str]:
-    "The safetensors header strings of `model`'s adapters: `adapter` (their type(s)) and the types' options."
-    layers = lora_layers(model).values()
-    meta = {"adapter": ",".join(sorted({l.kind for l in layers}))}
-    for l in layers: meta.update({k: json.dumps(v) for k, v in l.options().items()})
-    return meta
+def adapter_options(model: nn.Module) -> dict:
+    "The config keys of `model`'s adapter types besides rank and alpha (`lokr_factor`, `oft_block_size`, ...)."
+    out = {}
+    for l in lora_layers(model).values(): out.update(l.options())
+    return out
+
+def layer_records(lora: dict) -> dict[str, dict]:
+    "{parameter path: {kind, rank (None where the type has none, e.g. OFT), alpha}} of each adapter of `lora`."
+    return {p: {"kind": e[0].kind, "rank": getattr(adapter_from_entry(e, ()), "rank", None), "alpha": e[2]}
+            for p, e in adapter_entries(lora).items()}
+
+def token_names(lora: dict) -> list[str]:
+    "The trained token strings of a LoRA state dict (`tokens.names`), [] without tokens."
+    return json.loads(bytes(lora["tokens.names"].tolist()).decode()) if "tokens.names" in lora else []
 
 def save_lora(lora: dict, path, metadata: dict | None = None):
-    "Write a LoRA state dict as safetensors (atomically), with optional string metadata (e.g. `lora_metadata`)."
+    "Write a LoRA state dict as safetensors (atomically), with optional string metadata (e.g. `adapter_metadata`)."
     save_safetensors_atomic(lora, path, metadata={"format": "cascade_nb.lora", **(metadata or {})})
+
+
+# %% ../nbs/60_lora.ipynb #dd4b649b
+_LYCORIS_ALGO = {"lora": ("lora", {}), "dora": ("lora", {"dora_wd": True}), "loha": ("loha", {}),
+                 "lokr": ("lokr", {}), "oft": ("diag-oft", {}), "full": ("full", {})}
+
+def _one_or_dynamic(values) -> str:
+    values = set(values)
+    return f"{values.pop():g}" if len(values) == 1 else "Dynamic"
+
+def _kohya_fields(layers: dict, options: dict) -> dict[str, str]:
+    "kohya's `ss_network_*` fields: the network module (LyCORIS for other types than LoRA), dim, alpha, args."
+    kinds = sorted({l["kind"] for l in layers.values()})
+    ranks = [l["rank"] for l in layers.values() if l["rank"] is not None]
+    out = {"ss_network_module": "networks.lora" if kinds == ["lora"] else "lycoris.kohya",
+           "ss_network_dim": _one_or_dynamic(ranks) if ranks else "",
+           "ss_network_alpha": _one_or_dynamic(l["alpha"] for l in layers.values())}
+    if kinds != ["lora"] and len(kinds) == 1 and kinds[0] in _LYCORIS_ALGO:
+        algo, extra = _LYCORIS_ALGO[kinds[0]]
+        out["ss_network_args"] = json.dumps({"algo": algo, **extra, **options})
+    return out
+
+def adapter_metadata(lora: dict, layout: str = "cascade_nb", base: str | None = None, tokens=(),
+                     module_filters=None, options: dict | None = None) -> dict[str, str]:
+    """Safetensors header strings of an adapter file in `layout` (released or exported): kohya's `ss_*`, SAI
+    model-spec and cascade_nb's fields; `options`: the type's config keys (`adapter_options`)."""
+    import cascade_nb
+    layers = layer_records(lora)
+    meta = {"format": "cascade_nb.lora" if layout == "cascade_nb" else "pt",
+            "ss_sd_model_name": Path(base).name if base else "", "modelspec.sai_model_spec": "1.0.0",
+            "modelspec.architecture": "stable-cascade-v1-prior/" + ("textual-inversion" if layout == "embedding"
+                                                                    else "lora"),
+            "cascade_nb.version": cascade_nb.__version__, "cascade_nb.layout": layout,
+            "cascade_nb.adapter_type": ",".join(sorted({l["kind"] for l in layers.values()})),
+            "cascade_nb.adapter_options": json.dumps(options or {}),
+            "cascade_nb.generator_checkpoint_path": base or "",
+            "cascade_nb.layers": json.dumps(layers),
+            "cascade_nb.trigger_tokens": json.dumps(list(tokens)),
+            "cascade_nb.module_filters": json.dumps(list(module_filters) if module_filters else None)}
+    # kohya's fields describe a kohya-style file (the official layout folds alpha into lora_up)
+    if layers and layout in ("cascade_nb", "kohya", "peft"): meta.update(_kohya_fields(layers, options or {}))
+    if tokens: meta["modelspec.trigger_phrase"] = ", ".join(tokens)
+    return meta
+
 
 # %% ../nbs/60_lora.ipynb #2371a444
 @torch.no_grad()
@@ -815,7 +867,9 @@ def to_kohya(lora: dict, model: nn.Module | None = None) -> dict[str, torch.Tens
         for mod, cls, t, a in _kohya_parts(path, entry, model):
             key = "lora_unet_" + mod.replace('.', '_')
             out.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
-            if cls is not FullDiff: out[f"{key}.alpha"] = torch.tensor(float(a))
+            # no alpha where the type ignores it: a `.diff`, a LoKr with full w1 and w2 (scale 1)
+            if cls is not FullDiff and (cls.kind != "lokr" or {"lokr_w1_b", "lokr_w2_b"} & t.keys()):
+                out[f"{key}.alpha"] = torch.tensor(float(a))
     return out
 
 # %% ../nbs/60_lora.ipynb #eca4e256
@@ -1264,7 +1318,9 @@ def _lora_released(mode, accelerator, net):
     sd = lora_state_dict(net.generator)
     if net.text_model is not None:
         sd.update({**text_encoder_state_dict(net.text_model), **token_state_dict(mode.tokenizer, net.text_model)})
-    return {"lora": sd}
+    meta = adapter_metadata(sd, base=mode.cfg.model.generator_checkpoint_path, tokens=token_names(sd),
+                            module_filters=mode.cfg.lora.module_filters, options=adapter_options(net))
+    return {"lora": Weights(sd, meta)}
 
 # %% ../nbs/60_lora.ipynb #3717c5b9
 def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model, ema=True):

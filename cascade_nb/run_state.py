@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from .core import (human_count, atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic,
-    safetensors_header,
+    safetensors_header, Weights,
     seeded_rand, _header_dtypes, _SAFETENSORS_DTYPES)
 from .registry import registry, ConfigError
 from .hub import parse_hub_spec, hub_settings
@@ -583,7 +583,8 @@ def released_ema(ema: EMA, acc, mode, net: nn.Module, names: list[str]) -> dict:
     if not ema.trained_only: return {f"{names[0]}_ema": ema.saved or gather_ema(ema)}
     with ema_weights(ema, acc.unwrap_model(net)):
         # copies: a state dict may alias the weights, which get their own values back on leaving
-        return {f"{n}_ema": {k: v.clone() for k, v in sd.items()} for n, sd in mode.released(acc, net).items()}
+        return {f"{n}_ema": Weights({k: v.clone() for k, v in sd.items()}, getattr(sd, "metadata", None))
+                for n, sd in mode.released(acc, net).items()}
 
 # %% ../nbs/40_run_state.ipynb #98275f6e
 @contextlib.contextmanager

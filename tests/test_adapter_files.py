@@ -222,3 +222,82 @@ def test_a_onetrainer_style_file_exports_to_peft(tmp_path, params):
     paths, _ = export_adapter(lora, "peft", tmp_path / "peft")
     rd = read_peft(load_file(str(paths[1])), params, None, json.loads(paths[0].read_text()))
     assert torch.allclose(rd.deltas[PATH], want, atol=1e-6)
+
+TYPES = {"lora": ("lora", {}), "dora": ("dora", {}), "loha": ("loha", {}), "lokr": ("lokr", {}),
+         "lokr_full_matrix": ("lokr", {"full_matrix": True}), "lokr_factor_4": ("lokr", {"lokr_factor": 4}),
+         "oft": ("oft", {"oft_block_size": 8}), "oft_rescale": ("oft", {"oft_block_size": 8, "oft_rescale": True}),
+         "oft_constraint": ("oft", {"oft_block_size": 8, "oft_constraint": 0.05})}
+
+@pytest.fixture(scope="module")
+def typed_loras():
+    "{case: (plain tiny Stage C, its LoRA state dict, merge_lora's ΔW)}: every type on the fused attention and kv_mapper."
+    import copy
+    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict, merge_lora, adapter_entries
+    torch.manual_seed(0)
+    base, out = StageC.from_preset("tiny"), {}
+    for case, (kind, opts) in TYPES.items():
+        model = copy.deepcopy(base)
+        apply_lora(model, [".attn", "kv_mapper"], rank=4, alpha=2.0, adapter=kind, options=opts)
+        with torch.no_grad():
+            for l in lora_layers(model).values():
+                for t in l.tensors().values(): t.add_(rnd(*t.shape) * 0.1)
+        lora = lora_state_dict(model)
+        merged = merge_lora(copy.deepcopy(base), lora)
+        out[case] = base, lora, {p: merged.get_parameter(p).detach() - base.get_parameter(p).detach()
+                                 for p in adapter_entries(lora)}
+    return out
+
+@pytest.mark.parametrize("case", list(TYPES))
+def test_every_type_exported_for_comfyui_and_peft_reads_as_merge_lora(case, typed_loras, tmp_path):
+    "kohya export → ComfyUI's reader, our own layout → cascade_nb's reader, peft where it supports the type."
+    import json
+    from safetensors.torch import load_file
+    from cascade_nb.core import safetensors_header
+    from cascade_nb.config import ConfigError
+    from cascade_nb.adapter_files import export_adapter, delta_error, read_cascade_nb
+    base, lora, want = typed_loras[case]
+    params = consumer_params(base)
+    assert delta_error(read_cascade_nb(lora, params), want) < 1e-6
+    assert max(float(d.abs().max()) for d in want.values()) > 1e-3            # a real update
+    paths, warns = export_adapter(lora, "kohya", tmp_path / "k.safetensors", base)
+    sd, meta = load_file(str(paths[0])), safetensors_header(paths[0])[0]
+    rd = read_comfyui(sd, params, meta)
+    assert delta_error(rd, want) < 1e-5 and not rd.skipped and not warns, (delta_error(rd, want), warns)
+    assert meta["cascade_nb.adapter_type"] == TYPES[case][0]
+    # the one note left: ComfyUI's bound on Q is alpha, LyCORIS' module's alpha·out_dim (ours is ComfyUI's)
+    assert all("LyCORIS' constraint" in w for w in rd.warnings) and (not rd.warnings or case == "oft_constraint")
+    if case == "oft_rescale": assert {l.kind for l in rd.layers.values()} == {"diff"}
+    # no exact q/k/v split: the OFT's bound binds on the whole Q, the LoKr's 4-row w1 does not divide into thirds
+    if case in ("oft_constraint", "lokr_factor_4"): assert any(k.endswith("attn_to_q.diff") for k in sd)
+    if TYPES[case][0] in ("lora", "dora"):
+        paths, _ = export_adapter(lora, "peft", tmp_path / "peft")
+        cfg = json.loads(paths[0].read_text())
+        rd = read_peft(load_file(str(paths[1])), params, None, cfg)
+        assert cfg["use_dora"] == (case == "dora") and delta_error(rd, want) < 1e-5 and not rd.skipped
+    else:
+        with pytest.raises(ConfigError, match="--to peft: writes one type"): export_adapter(lora, "peft", tmp_path / "p")
+    if case != "lora":
+        with pytest.raises(ValueError, match="to_reference: writes adapter type 'lora' only"):
+            export_adapter(lora, "official", tmp_path / "o.safetensors", base, module_filters=[".attn"])
+
+def test_peft_itself_merges_our_dora_as_merge_lora(typed_loras, tmp_path):
+    "Real peft (use_dora) on diffusers' twin of the tiny Stage C: its merged weights minus the base are our ΔW."
+    pytest.importorskip("diffusers")
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from cascade_nb.interop_c import stage_c_to_diffusers
+    from cascade_nb.adapter_files import export_adapter
+    base, lora, want = typed_loras["dora"]
+    export_adapter(lora, "peft", tmp_path / "a")
+    unet = stage_c_to_diffusers(base)
+    inject_adapter_in_model(LoraConfig.from_pretrained(str(tmp_path / "a")), unet)
+    file = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    res = set_peft_model_state_dict(unet, {k.removeprefix("base_model.model."): v for k, v in file.items()})
+    assert not res.unexpected_keys
+    for mod, path, rows in (("down_blocks.0.2.kv_mapper.1", PATH, slice(None)),
+                            ("down_blocks.0.2.attention.to_k", "down_blocks.0.2.attention.attn.in_proj_weight",
+                             slice(64, 128))):
+        layer = unet.get_submodule(mod)
+        before = layer.base_layer.weight.detach().clone()
+        layer.merge()
+        assert torch.allclose(layer.base_layer.weight.detach() - before, want[path][rows], atol=1e-5), mod

@@ -156,3 +156,22 @@ def test_lcm_target_network_follows_schedule_free_x(tmp_path, teacher):
     assert x.keys() == target.keys() == y.keys()
     assert all(torch.equal(target[k], x[k]) for k in x)
     assert not all(torch.equal(y[k], x[k]) for k in x)
+
+def test_lcm_lora_trains_any_adapter_type(tmp_path, teacher):
+    """LCM-LoRA with a LyCORIS type (LoHa): the student's adapters train, and the released file merges into the teacher
+    the way the sample CLI loads it."""
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.sample import run_generator
+    from cascade_nb.models.stage_c import load_stage_c
+    from cascade_nb.lora import merge_lora
+    train(load_config(DEMO, overrides(tmp_path, "lcm_loha", teacher, "lcm", "updates=1", "save_every=1",
+                                      "module_filters=[attention]", "adapter=loha", "rank=2")))
+    run = tmp_path / "ck" / "lcm_loha"
+    lora = load_file(str(run / "lora.safetensors"))
+    assert any(k.endswith(".hada_w1_a") for k in lora) and not any(k.endswith(".lora_down") for k in lora)
+    cfg, generator, weights = run_generator(run)
+    expected = merge_lora(load_stage_c(teacher).float(), lora)
+    for k, v in expected.state_dict().items(): assert torch.equal(generator.state_dict()[k], v), k
+    base = load_stage_c(teacher).float()
+    assert any(not torch.equal(generator.state_dict()[k], v) for k, v in base.state_dict().items())

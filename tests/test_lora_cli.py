@@ -81,3 +81,40 @@ def test_check_errors_are_one_line(run_dir, tmp_path, capsys):
         with pytest.raises(SystemExit) as e: main(list(map(str, args)))
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and msg in err, err
+
+def test_lokr_and_oft_runs_release_headers_and_check_clean(tmp_path, capsys):
+    """A tiny LoKr and a rescaled-OFT run (in this process, with EMA and validation): lora.safetensors, lora_ema and
+    lora_best carry the adapter type, its options, rank/alpha per layer and the base; `check` reads the run's file and
+    its kohya export (with the base weights: LoKr's 4-row w1 and OFT's rescale go out as `.diff`) with exit 0."""
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.core import safetensors_header
+    from cascade_nb.adapter_files import main
+    from test_lora_types import demo_args
+    ema = ["updates=2", "save_every=2", "ema_start_iters=1", "ema_iters=1", "ema_beta=0.9"]
+    for kind, options in (("lokr", {"lokr_factor": 4}), ("oft", {"oft_block_size": 16, "oft_rescale": True})):
+        args = demo_args(tmp_path, kind, *ema)
+        train(load_config(args[0], [str(a) for a in args[1:]]))
+        capsys.readouterr()
+        run, base = tmp_path / "ckpt" / kind, tmp_path / "pretrained.safetensors"
+        for name in ("lora", "lora_ema", "lora_best"):
+            meta = safetensors_header(run / f"{name}.safetensors")[0]
+            assert meta["cascade_nb.adapter_type"] == kind and meta["cascade_nb.generator_checkpoint_path"] == str(base)
+            assert json.loads(meta["cascade_nb.adapter_options"]).items() >= options.items(), meta
+            layers = json.loads(meta["cascade_nb.layers"])
+            assert len(layers) == 12 and {lay["kind"] for lay in layers.values()} == {kind}
+            assert json.loads(meta["cascade_nb.module_filters"]) == [".attn"]
+        assert main(["check", run / "lora.safetensors", "--model", base]) == 0
+        table = capsys.readouterr().out
+        assert table.startswith("cascade_nb: loads") and "warning" not in table and f" {kind} " in table
+        if kind == "lokr":                                 # without the base: no .diff, a one-line error
+            with pytest.raises(SystemExit, match="2"): main(["export", run, "--to", "kohya", "--out", tmp_path / "x"])
+            assert "no exact q/k/v split" in capsys.readouterr().err
+        assert main(["export", run, "--to", "kohya", "--out", tmp_path / f"{kind}.safetensors", "--model", base]) == 0
+        capsys.readouterr()
+        assert json.loads(safetensors_header(tmp_path / f"{kind}.safetensors")[0]["cascade_nb.adapter_options"])
+    res = lora_cli("check", tmp_path / "oft.safetensors", "--model", tmp_path / "pretrained.safetensors")
+    assert res.returncode == 0 and res.stdout.startswith("comfyui: loads"), res.stdout + res.stderr
+    assert " diff " in res.stdout and "warning" not in res.stdout
+    res = lora_cli("check", tmp_path / "lokr.safetensors", "--model", tmp_path / "pretrained.safetensors")
+    assert res.returncode == 0 and " lokr " in res.stdout and " diff " in res.stdout, res.stdout + res.stderr
