@@ -24,16 +24,18 @@ from .run_state import first_match
 from .modes import released_file
 
 # %% auto #0
-__all__ = ['LORA_INITS', 'ADAPTERS', 'LORA_PARAM_GROUPS', 'match_filters', 'lora_targets', 'register_adapter', 'Adapter', 'LoRA',
-           'apply_lora', 'base_state_dict', 'is_adapter', 'lora_layers', 'scaled_adapters', 'lora_state_dict',
-           'lora_entries', 'adapter_kind', 'adapter_entries', 'adapter_from_entry', 'lora_delta', 'load_lora',
-           'adapter_options', 'layer_records', 'token_names', 'save_lora', 'adapter_metadata', 'merge_lora',
-           'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff', 'TokenDeltas', 'add_train_tokens',
-           'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget', 'has_prior_entries',
-           'prior_extras', 'prior_loss', 'to_kohya', 'from_kohya', 'save_peft_adapter', 'load_peft_adapter',
-           'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference', 'load_lora_file',
-           'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
-           'lora_param_group', 'LoraTraining', 'PriorHook']
+__all__ = ['LORA_INITS', 'ADAPTERS', 'TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTERS', 'LORA_PARAM_GROUPS', 'match_filters',
+           'lora_targets', 'register_adapter', 'Adapter', 'LoRA', 'apply_lora', 'base_state_dict', 'is_adapter',
+           'lora_layers', 'scaled_adapters', 'lora_state_dict', 'lora_entries', 'adapter_kind', 'adapter_entries',
+           'adapter_from_entry', 'lora_delta', 'load_lora', 'adapter_options', 'layer_records', 'token_names',
+           'save_lora', 'adapter_metadata', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff',
+           'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget',
+           'has_prior_entries', 'prior_extras', 'prior_loss', 'split_text_encoder', 'text_encoder_state_dict',
+           'text_encoder_to_kohya', 'text_encoder_from_kohya', 'to_kohya', 'from_kohya', 'save_peft_adapter',
+           'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
+           'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'text_encoder_lora',
+           'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
+           'text_encoder_shapes', 'lora_param_group', 'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -731,6 +733,27 @@ def prior_loss(mode, net, gdf, x0, conds: dict, rng=None, **kw):
     if (prior := kw.pop("prior", None)) is not None: kw["retarget"] = prior_retarget(net, conds, prior)
     return TrainingMode.loss(mode, net, gdf, x0, conds, rng=rng, **kw)
 
+# %% ../nbs/60_lora.ipynb #d6cf9c3e
+TEXT_ENCODER_PREFIX = "text_model."
+"Where a LoRA file keeps the text encoder's adapters: `text_model.<HF parameter path>.<tensor>` (`LoraNet`'s names)."
+TEXT_ENCODER_FILTERS = ("self_attn", "mlp")
+"`text_encoder_module_filters` by default: every CLIP layer's q/k/v/out projections and its fc1/fc2."
+
+def split_text_encoder(lora: dict) -> tuple[dict, dict]:
+    "(the generator's entries and the tokens, the text encoder's adapters without `TEXT_ENCODER_PREFIX`) of a LoRA."
+    te = {k[len(TEXT_ENCODER_PREFIX):]: v for k, v in lora.items() if k.startswith(TEXT_ENCODER_PREFIX)}
+    return {k: v for k, v in lora.items() if not k.startswith(TEXT_ENCODER_PREFIX)}, te
+
+def text_encoder_state_dict(text_model: nn.Module) -> dict[str, torch.Tensor]:
+    "The adapters of `text_model` in cascade_nb's layout, under `TEXT_ENCODER_PREFIX`."
+    return {TEXT_ENCODER_PREFIX + k: v for k, v in lora_state_dict(text_model).items()}
+
+def _no_text_encoder(lora: dict, what: str, instead: str):
+    "ValueError in one line for a layout that has no place for text-encoder adapters."
+    n = len(adapter_entries(split_text_encoder(lora)[1]))
+    if n: raise ValueError(f"{what}: the layout holds the generator's adapters only; this LoRA also adapts {n} "
+                           f"text-encoder weights ({TEXT_ENCODER_PREFIX}*): {instead}")
+
 # %% ../nbs/60_lora.ipynb #edabb6b7
 _FUSED = 'attention.attn.in_proj_weight'
 
@@ -780,6 +803,43 @@ def _fuse_parts(parts: list[tuple], where: str) -> tuple:
                          "fused form; load them onto separate q/k/v projections")
     return cls, *fused
 
+# %% ../nbs/60_lora.ipynb #a373dd0f
+_KOHYA_TE = ("lora_te_", "lora_prior_te_")   # kohya's and ComfyUI's stems, OneTrainer's (ComfyUI reads both)
+_CLIP_LINEAR = re.compile(r"^text_model_encoder_layers_(\d+)_(self_attn_(?:[qkv]|out)_proj|mlp_fc[12])$")
+
+def _kohya_te_module(stem: str) -> str:
+    "The HF module name of a `lora_te_` stem: a CLIP layer's projection or fc1/fc2, or `text_projection`."
+    if stem == "text_projection": return stem
+    if not (m := _CLIP_LINEAR.match(stem)):
+        raise KeyError(f"from_kohya: lora_te_{stem} names no Linear layer of a CLIP text model")
+    return f"text_model.encoder.layers.{m[1]}." + m[2].replace("self_attn_", "self_attn.").replace("mlp_", "mlp.")
+
+def text_encoder_to_kohya(te: dict) -> dict[str, torch.Tensor]:
+    "Text-encoder adapters (`split_text_encoder`'s second part) under kohya's/ComfyUI's `lora_te_<module>` keys."
+    out = {}
+    for path, (cls, t, alpha) in adapter_entries(te).items():
+        stem = path.removesuffix(".weight").replace(".", "_")
+        # ComfyUI maps the text projection of Stable Cascade's CLIP-G under the OneTrainer stem only
+        key = (_KOHYA_TE[1] if stem == "text_projection" else _KOHYA_TE[0]) + stem
+        out.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
+        out[f"{key}.alpha"] = torch.tensor(float(alpha))
+    return out
+
+def text_encoder_from_kohya(sd: dict) -> dict[str, torch.Tensor]:
+    "The `lora_te_` / `lora_prior_te_` entries of a kohya/ComfyUI file in cascade_nb's layout (`TEXT_ENCODER_PREFIX`)."
+    groups = {}
+    for k, v in sd.items():
+        if not k.startswith(_KOHYA_TE): continue
+        stem, _, name = k.removeprefix(_KOHYA_TE[0]).removeprefix(_KOHYA_TE[1]).partition(".")
+        groups.setdefault(stem, {})[name.removesuffix(".weight")] = v
+    out = {}
+    for stem, t in groups.items():
+        alpha, path = t.pop("alpha", None), f"{TEXT_ENCODER_PREFIX}{_kohya_te_module(stem)}.weight"
+        cls = adapter_kind(t)
+        out.update({f"{path}.{n}": v for n, v in t.items()})
+        out[f"{path}.alpha"] = torch.tensor(cls.default_alpha(t) if alpha is None else float(alpha))
+    return out
+
 # %% ../nbs/60_lora.ipynb #af40ada9
 def _kohya_name(name: str) -> str: return f"{name}.weight" if name in ("lora_down", "lora_up") else name
 
@@ -799,8 +859,10 @@ def _kohya_parts(path: str, entry: tuple, model) -> list[tuple]:
 
 def to_kohya(lora: dict, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """A LoRA state dict (any adapter types) in the kohya/LyCORIS/ComfyUI Stable Cascade layout
-    (`lora_unet_<module>.<tensor>`, `.alpha`); `model` only for a fused projection whose type has no exact split."""
-    out = {}
+    (`lora_unet_<module>.<tensor>`, `.alpha`; text-encoder adapters as `lora_te_<module>`); `model` only for a fused
+    projection whose type has no exact split."""
+    lora, te = split_text_encoder(lora)
+    out = text_encoder_to_kohya(te)
     for path, entry in adapter_entries(lora).items():
         for mod, cls, t, a in _kohya_parts(path, entry, model):
             key = "lora_unet_" + mod.replace('.', '_')
@@ -812,7 +874,8 @@ def to_kohya(lora: dict, model: nn.Module | None = None) -> dict[str, torch.Tens
 
 # %% ../nbs/60_lora.ipynb #eca4e256
 def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
-    "A kohya/LyCORIS/ComfyUI Stable Cascade file (any adapter types) → cascade_nb's layout for `model` (q/k/v fused)."
+    """A kohya/LyCORIS/ComfyUI Stable Cascade file (any adapter types) → cascade_nb's layout for `model` (q/k/v
+    fused); its `lora_te_` entries as text-encoder adapters."""
     by_key = {n.replace('.', '_'): n for n, _ in model.named_modules() if n}
     by_key.update({n.replace('.', '_') + '_' + p: f"{n}.{p}" for n, m in model.named_modules()
                    if isinstance(m, nn.MultiheadAttention) for p in ('to_q', 'to_k', 'to_v')})
@@ -834,7 +897,7 @@ def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
         if len(parts) != 3:
             raise KeyError(f"from_kohya: {mod} has LoRA for {sorted(parts)} only; need to_q, to_k and to_v")
         entries[f"{mod}.in_proj_weight"] = _fuse_parts([parts[p] for p in ('to_q', 'to_k', 'to_v')], mod)
-    out = {}
+    out = text_encoder_from_kohya(sd)
     for p, (cls, t, a) in entries.items():
         out.update({f"{p}.{n}": v for n, v in t.items()})
         out[f"{p}.alpha"] = torch.tensor(float(a))
@@ -849,6 +912,7 @@ def save_peft_adapter(lora: dict, out_dir) -> Path:
     "Write a peft LoRA adapter for diffusers' StableCascadeUNet (adapter_config.json + adapter_model.safetensors)."
     from peft import LoraConfig
     _lora_only(lora, "save_peft_adapter")
+    _no_text_encoder(lora, "save_peft_adapter", "export it as kohya (lora_te_ keys) or cascade_nb")
     entries, sd = lora_entries(lora), {}
     ranks = {d.shape[0] for d, _, _ in entries.values()}
     alphas = {a for _, _, a in entries.values()}
@@ -922,6 +986,8 @@ def to_reference(lora: dict, model: nn.Module, text_model=None) -> dict[str, tor
     """cascade_nb's layout → the reference's `lora.safetensors` for `model` (token deltas relative to `text_model`'s
     rows)."""
     _lora_only(lora, "to_reference")
+    # the reference trainer has no text-encoder adapters, so its layout has no names for them
+    _no_text_encoder(lora, "to_reference", "export it as kohya (lora_te_ keys) or cascade_nb")
     entries, mods, out = lora_entries(lora), dict(model.named_modules()), {}
     order = [p for p in reference_lora_targets(model, [p.rpartition('.')[0] for p in entries]) if p in entries]
     if set(order) != set(entries):
@@ -987,8 +1053,8 @@ def _reference_tokens(sd: dict, tokenizer, text_model, train_tokens) -> dict[str
 def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, scale: float = 1.0,
                    module_filters=None, train_tokens=None) -> dict:
     """Merge a LoRA (cascade_nb, reference, kohya/ComfyUI file or peft adapter folder; a file also by hub id) into
-    `generator` and add its tokens; returns it in our layout. A reference file needs the `module_filters` (and
-    `train_tokens`) it was trained with."""
+    `generator` and add its tokens (and its text-encoder adapters) to `text_model`; returns it in our layout. A
+    reference file needs the `module_filters` (and `train_tokens`) it was trained with."""
     from safetensors.torch import load_file
     # a hub id names a .safetensors file (fetched into the hub cache); a local path may also be a peft folder
     path = weights_file(path)
@@ -999,14 +1065,17 @@ def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, 
         elif is_reference_lora(lora):
             lora = {**from_reference(lora, generator, module_filters or ()),
                     **_reference_tokens(lora, tokenizer, text_model, train_tokens)}
-    merge_lora(generator, {k: v for k, v in lora.items() if not k.startswith("tokens.")}, scale)
+    adapters, te = split_text_encoder({k: v for k, v in lora.items() if not k.startswith("tokens.")})
+    merge_lora(generator, adapters, scale)
     if tokenizer is not None and text_model is not None: load_tokens(tokenizer, text_model, lora)
+    if text_model is not None: merge_lora(text_model, te, scale)
     return lora
 
 # %% ../nbs/60_lora.ipynb #dbea53f5
 @config_section("lora", ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,
                                     prior_loss_weight=AT_LEAST_0, lokr_factor=Range(-1), oft_block_size=AT_LEAST_1,
-                                    oft_constraint=AT_LEAST_0))
+                                    oft_constraint=AT_LEAST_0, text_encoder_rank=AT_LEAST_1,
+                                    text_encoder_alpha=POSITIVE))
 @dataclass
 class LoraConfig:
     "LoRA and token training (official train_c_lora keys), and the adapter type (`ADAPTERS`) with its options."
@@ -1026,20 +1095,25 @@ class LoraConfig:
     oft_block_size: Optional[int] = None  # oft: rows per rotation block, dividing every adapted out dim (default 32)
     oft_constraint: Optional[float] = None  # oft: bound on the norm of Q (COFT), stored as alpha; 0 (default): none
     oft_rescale: Optional[bool] = None    # oft: a trained scale per output row (default false)
+    # adapters on the CLIP text model too: their type (null: none); its other options are the generator's above
+    text_encoder_adapter: Optional[Choice["adapter"]] = None
+    text_encoder_module_filters: Optional[list[str]] = None  # default ['self_attn', 'mlp']: q/k/v/out, fc1/fc2
+    text_encoder_rank: Optional[int] = None      # default: rank
+    text_encoder_alpha: Optional[float] = None   # default: lora_alpha
 
 # %% ../nbs/60_lora.ipynb #9e31be6e
 _TYPE_KEYS = ("rank", "lora_alpha", "lora_dropout", "lokr_factor", "decompose_both", "full_matrix", "oft_block_size",
               "oft_constraint", "oft_rescale")
 
 def check_adapter_keys(lc: LoraConfig):
-    "ConfigError, naming the key, for an adapter option that the chosen `adapter` does not read."
-    cls = ADAPTERS.choose(lc.adapter)
+    "ConfigError, naming the key, for an adapter option that neither `adapter` nor `text_encoder_adapter` reads."
+    kinds = [lc.adapter, *([lc.text_encoder_adapter] if lc.text_encoder_adapter else [])]
     for k in _TYPE_KEYS:
         v = getattr(lc, k)
-        if v is None or (k == "lora_dropout" and v == 0) or k in cls.keys: continue
+        if v is None or (k == "lora_dropout" and v == 0) or any(k in ADAPTERS.choose(n).keys for n in kinds): continue
         readers = ", ".join(n for n, c in ADAPTERS.items() if k in c.keys)
-        raise ConfigError(f"key '{k}': {v!r} is an option of adapter {readers}, not of adapter '{lc.adapter}'; "
-                          "remove it")
+        raise ConfigError(f"key '{k}': {v!r} is an option of adapter {readers}, not of adapter "
+                          f"{' or '.join(repr(n) for n in kinds)}; remove it")
     if lc.lokr_factor == 0:
         raise ConfigError("key 'lokr_factor': 0; expected -1 (as balanced as possible) or a factor >= 1")
 
@@ -1050,10 +1124,46 @@ def adapter_keys(lc: LoraConfig) -> tuple[type, dict]:
                  lora_dropout=lc.lora_dropout, lora_init=lc.lora_init, **{k: getattr(lc, k) for k in _TYPE_KEYS[3:]})
     return cls, {k: v for k, v in given.items() if k in cls.keys and v is not None}
 
+# %% ../nbs/60_lora.ipynb #a31ae1dd
+_TEXT_ENCODER_KEYS = {"text_encoder_module_filters": None, "text_encoder_rank": "rank",
+                      "text_encoder_alpha": "lora_alpha"}   # key → the type option it replaces
+
+def text_encoder_lora(lc: LoraConfig) -> LoraConfig:
+    "The `lora` section as the text encoder's adapters read it: their type, filters, rank and alpha; the rest shared."
+    from dataclasses import replace
+    return replace(lc, adapter=lc.text_encoder_adapter,
+                   module_filters=list(lc.text_encoder_module_filters or TEXT_ENCODER_FILTERS),
+                   rank=lc.text_encoder_rank or lc.rank,
+                   lora_alpha=lc.lora_alpha if lc.text_encoder_alpha is None else lc.text_encoder_alpha)
+
+def check_text_encoder_keys(lc: LoraConfig):
+    "ConfigError for a `text_encoder_*` key without `text_encoder_adapter`, or that its type does not read."
+    for k, option in _TEXT_ENCODER_KEYS.items():
+        if (v := getattr(lc, k)) is None: continue
+        if lc.text_encoder_adapter is None:
+            raise ConfigError(f"key '{k}': {v!r} configures the text encoder's adapters, but text_encoder_adapter "
+                              "is null; set it (e.g. lora) or remove the key")
+        if option and option not in ADAPTERS.choose(lc.text_encoder_adapter).keys:
+            raise ConfigError(f"key '{k}': {v!r} sets the {option} of the text encoder's adapters, which type "
+                              f"'{lc.text_encoder_adapter}' does not read; remove it")
+
+def add_text_encoder_adapters(text_model: nn.Module, lc: LoraConfig) -> list[str]:
+    "fp32 adapters of `text_encoder_lora(lc)` on the frozen `text_model`; ConfigError when its filters match nothing."
+    te = text_encoder_lora(lc)
+    targets = lora_targets(text_model, te.module_filters)
+    if not targets:
+        raise ConfigError(f"key 'text_encoder_module_filters': {te.module_filters!r} match no Linear layer of the "
+                          f"text model ({type(text_model).__name__}); e.g. {list(TEXT_ENCODER_FILTERS)}")
+    cls, keys = adapter_keys(te)
+    # the text model comes frozen; freeze=False keeps its token rows (train_tokens) trainable
+    apply_lora(text_model, targets=targets, adapter=cls.kind, options=keys, freeze=False)
+    for l in lora_layers(text_model).values(): l.float()            # fp32 adapters even on bf16 weights
+    return targets
+
 # %% ../nbs/60_lora.ipynb #8d9c9858
 class LoraNet(nn.Module):
-    """Generator with adapters (+ the text encoder when tokens train): `net(x, r, input_ids=..., ...)` or
-    `net(x, r, clip_text=...)`."""
+    """Generator with adapters (+ the text encoder when its tokens or adapters train): `net(x, r, input_ids=...,
+    ...)` or `net(x, r, clip_text=...)`."""
     def __init__(self, generator: nn.Module, text_model: nn.Module | None = None):
         super().__init__()
         self.generator, self.text_model = generator, text_model
@@ -1089,9 +1199,28 @@ def merged_lora_run(cfg, run, base: nn.Module, ema: bool = True) -> tuple[nn.Mod
     load_lora_file(path, base)
     return base, path
 
+# %% ../nbs/60_lora.ipynb #934cdda4
+def _text_encoder_size(cfg) -> tuple[int, int, int]:
+    "(width, projection width, layers) of the text encoder of `cfg`: the 'tiny' test encoder's or CLIP ViT-bigG's."
+    if cfg.model.clip_text_model_name != "tiny": return 1280, 1280, 32
+    width = cfg.model.model_overrides.get("c_clip_text", 64)
+    return width, cfg.model.model_overrides.get("c_clip_text_pooled", width), 2
+
+def text_encoder_shapes(cfg) -> list[tuple]:
+    "Weight shapes of the text encoder's Linear layers that `text_encoder_module_filters` select (memory planner)."
+    width, proj, layers = _text_encoder_size(cfg)
+    per_layer = {"self_attn.q_proj": (width, width), "self_attn.k_proj": (width, width),
+                 "self_attn.v_proj": (width, width), "self_attn.out_proj": (width, width),
+                 "mlp.fc1": (4 * width, width), "mlp.fc2": (width, 4 * width)}
+    names = {f"text_model.encoder.layers.{b}.{m}": s for b in range(layers) for m, s in per_layer.items()}
+    names["text_projection"] = (proj, width)
+    filters = text_encoder_lora(cfg.lora).module_filters
+    return [s for n, s in names.items() if match_filters(n, filters)]
+
 # %% ../nbs/60_lora.ipynb #0f6970b8
 def _lora_memory_terms(cls, cfg, generator, batch, side, prec):
-    "`LoraTraining.memory_terms`: trainable adapters and tokens, merged weights, the text encoder's activations."
+    """`LoraTraining.memory_terms`: trainable adapters (the text encoder's too) and tokens, merged weights, the text
+    encoder's activations."""
     from cascade_nb.models.blocks import AttnBlock
     lc, rows = cfg.lora, {}
     targets = lora_targets(generator, lc.module_filters) if lc.module_filters else []
@@ -1099,16 +1228,20 @@ def _lora_memory_terms(cls, cfg, generator, batch, side, prec):
     kind, keys = adapter_keys(lc)
     n_train = sum(kind.n_params(s, **keys) for s in shapes) + 1280 * len(lc.train_tokens or ())
     adapted = sum(math.prod(s) for s in shapes)
+    te_shapes = text_encoder_shapes(cfg) if lc.text_encoder_adapter else []
+    te_kind, te_keys = adapter_keys(text_encoder_lora(lc)) if te_shapes else (None, {})
+    n_train += sum(te_kind.n_params(s, **te_keys) for s in te_shapes)
+    if te_shapes: rows["merged text-encoder adapter weights"] = sum(math.prod(s) for s in te_shapes) * prec.compute
     if adapted:
         n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
         rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing
                                        else adapted) * prec.compute
-        if lc.train_tokens:
-            # the text encoder runs with gradients for the new tokens: about 16 saved values per token, unit of width
-            # and layer (CLIP ViT-bigG: 1280 wide, 32 layers; the tiny test encoder: its width, 2 layers)
-            tiny = cfg.model.clip_text_model_name == "tiny"
-            width, layers = (cfg.model.model_overrides.get("c_clip_text", 64), 2) if tiny else (1280, 32)
-            rows["text encoder activations (train_tokens)"] = batch * 77 * width * 16 * layers * prec.compute
+    if lc.train_tokens and adapted or te_shapes:
+        # the text encoder runs with gradients for the new tokens or its adapters: about 16 saved values per token,
+        # unit of width and layer (CLIP ViT-bigG: 1280 wide, 32 layers; the tiny test encoder: its width, 2 layers)
+        width, _, layers = _text_encoder_size(cfg)
+        why = "text_encoder_adapter" if te_shapes else "train_tokens"
+        rows[f"text encoder activations ({why})"] = batch * 77 * width * 16 * layers * prec.compute
     return MemoryTerms(n_train, 4, "attn" if all(".attention.attn." in t for t in targets) else "all", rows)
 
 # %% ../nbs/60_lora.ipynb #e7d8a9d7
@@ -1124,9 +1257,13 @@ def _lora_build(mode, cfg, generator, tokenizer, text_model, image_model, space,
                               adapter=lc.adapter, options=adapter_keys(lc)[1]) if lc.module_filters else []
     for l in lora_layers(generator).values(): l.float()            # fp32 adapters even on bf16 weights
     mode.tokens = add_train_tokens(tokenizer, text_model, lc.train_tokens) if lc.train_tokens else {}
+    # after the tokens, which freeze the text model and then train its rows: its adapters keep them trainable
+    mode.te_targets = add_text_encoder_adapters(text_model, lc) if lc.text_encoder_adapter else []
     if lc.lora_checkpoint_path: mode._load(lc.lora_checkpoint_path, generator)
     mode.prior_run = has_prior_entries(cfg)
-    mode.net = LoraNet(generator, text_model if mode.tokens else None)
+    # the text encoder runs inside the step (with gradients) when its tokens or adapters train
+    mode.encodes_text = bool(mode.tokens or mode.te_targets)
+    mode.net = LoraNet(generator, text_model if mode.encodes_text else None)
 
 # %% ../nbs/60_lora.ipynb #bdb8ea17
 def _lora_load(mode, path, generator):
@@ -1134,6 +1271,10 @@ def _lora_load(mode, path, generator):
     from safetensors.torch import load_file
     sd = load_file(str(path))
     ref = is_reference_lora(sd)
+    sd, te = split_text_encoder(sd)
+    if te and not mode.te_targets:
+        raise ValueError(f"{path} has text-encoder adapters: set the text_encoder_adapter it was trained with")
+    if te: load_lora(mode.text_model, te, freeze=False)
     load_lora(generator, from_reference(sd, generator, mode.cfg.lora.module_filters or ()) if ref
               else {k: v for k, v in sd.items() if not k.startswith("tokens.")})
     ids, rows = ((sd.get("embeddings.indices"), sd.get("embeddings.embeddings")) if ref
@@ -1149,10 +1290,11 @@ def _lora_load(mode, path, generator):
 
 # %% ../nbs/60_lora.ipynb #5c1ee0f4
 def _lora_token_encode(mode, batch, device, training, rng):
-    "`LoraTraining.encode` with trained tokens: x0 and the captions as token ids (+ attention mask, image embedding)."
+    """`LoraTraining.encode` with trained tokens or text-encoder adapters: x0 and the captions as token ids (+ attention
+    mask, image embedding)."""
     if "text" in batch or "captions" not in batch:
-        raise ValueError("train_tokens needs the captions of each batch (not cached text embeddings): "
-                         "the text encoder runs inside the training step")
+        raise ValueError("train_tokens and text_encoder_adapter need the captions of each batch (not cached text "
+                         "embeddings): the text encoder runs inside the training step")
     from cascade_nb.models.clip import drop_captions, encode_image
     d = mode.cfg.data
     with torch.no_grad():
@@ -1170,28 +1312,44 @@ def _lora_token_encode(mode, batch, device, training, rng):
 
 # %% ../nbs/60_lora.ipynb #ed489831
 def _lora_released(mode, accelerator, net):
-    "`LoraTraining.released`: the adapters of the unwrapped generator and the trained tokens, as `lora.safetensors`."
+    "`LoraTraining.released`: the adapters of the unwrapped generator (and text encoder) and the trained tokens."
     net = accelerator.unwrap_model(net)
     net = getattr(net, "_orig_mod", net)
     sd = lora_state_dict(net.generator)
-    if net.text_model is not None: sd.update(token_state_dict(mode.tokenizer, net.text_model))
+    if net.text_model is not None:
+        sd.update({**text_encoder_state_dict(net.text_model), **token_state_dict(mode.tokenizer, net.text_model)})
     meta = adapter_metadata(sd, base=mode.cfg.model.generator_checkpoint_path, tokens=token_names(sd),
-                            module_filters=mode.cfg.lora.module_filters, options=adapter_options(net.generator))
+                            module_filters=mode.cfg.lora.module_filters, options=adapter_options(net))
     return {"lora": Weights(sd, meta)}
 
 # %% ../nbs/60_lora.ipynb #3717c5b9
 def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model, ema=True):
-    "`LoraTraining.add_released_tokens`: the trained tokens of the file `merged_lora_run` merges into a text encoder."
+    """`LoraTraining.add_released_tokens`: the trained tokens and the text-encoder adapters (merged) of the file
+    `merged_lora_run` merges, into a text encoder."""
     from safetensors.torch import load_file
-    return load_tokens(tokenizer, text_model, load_file(str(released_file(run, "lora", ema))))
+    sd = load_file(str(released_file(run, "lora", ema)))
+    names = load_tokens(tokenizer, text_model, sd)
+    merge_lora(text_model, split_text_encoder(sd)[1])
+    return names
 
 # %% ../nbs/60_lora.ipynb #ddf0513c
+def _lora_selected(cfg) -> bool:
+    "`LoraTraining.selected_by`: the official LoRA keys (`module_filters`, `train_tokens`) or text-encoder adapters."
+    return bool(cfg.lora.module_filters or cfg.lora.train_tokens or cfg.lora.text_encoder_adapter)
+
 def _lora_check_config(cfg):
-    """`LoraTraining.check_config`: adapters or tokens to train; only the chosen adapter type's options;
-    `prior_loss_weight` only with `prior: true` entries."""
-    if not (cfg.lora.module_filters or cfg.lora.train_tokens):
-        raise ConfigError("a LoRA run needs 'module_filters' (and 'rank') or 'train_tokens'")
-    check_adapter_keys(cfg.lora)
+    """`LoraTraining.check_config`: adapters or tokens to train; only the chosen adapter types' options; a text encoder
+    that trains needs captions; `prior_loss_weight` only with `prior: true` entries."""
+    lc = cfg.lora
+    if not (lc.module_filters or lc.train_tokens or lc.text_encoder_adapter):
+        raise ConfigError("a LoRA run needs 'module_filters' (and 'rank'), 'train_tokens' or 'text_encoder_adapter'")
+    check_adapter_keys(lc)
+    check_text_encoder_keys(lc)
+    trains_text = "text_encoder_adapter" if lc.text_encoder_adapter else "train_tokens" if lc.train_tokens else None
+    if trains_text and cfg.model.latent_space == "cached":
+        raise ConfigError(f"key '{trains_text}': the text encoder then runs inside each training step on the captions, "
+                          "but latent_space: cached trains on text embeddings cached once; train from the images "
+                          "(latent_space: effnet)")
     if cfg.lora.rank is None and "rank" in ADAPTERS.choose(cfg.lora.adapter).keys: cfg.lora.rank = 4
     if cfg.lora.prior_loss_weight != 1 and not has_prior_entries(cfg):
         raise ConfigError(f"key 'prior_loss_weight': {cfg.lora.prior_loss_weight:g} weights the samples of "
@@ -1216,7 +1374,7 @@ class LoraTraining(TrainingMode):
     predicts_prior = True  # `prior: true` samples: the target is the base's prediction (adapters off)
     param_group_names, param_group = LORA_PARAM_GROUPS, staticmethod(lora_param_group)   # (nbs/40_run_state)
     @classmethod
-    def selected_by(cls, cfg): return bool(cfg.lora.module_filters or cfg.lora.train_tokens)   # official LoRA keys
+    def selected_by(cls, cfg): return _lora_selected(cfg)
     @classmethod
     def check_config(cls, cfg): return _lora_check_config(cfg)
     @classmethod
@@ -1237,17 +1395,17 @@ class LoraTraining(TrainingMode):
         return {"input_ids": t.input_ids.to(device), "attention_mask": t.attention_mask.to(device)}
 
     def encode(self, batch, device, training=True, rng=None):
-        "Batch → (x0, conds); with trained tokens the conds hold token ids that `net` encodes with gradients."
+        "Batch → (x0, conds); when the text encoder trains the conds hold token ids that `net` encodes with gradients."
         if training: self._count_micro_step()
-        if not self.tokens: return self.full.encode(batch, device, training, rng)
+        if not self.encodes_text: return self.full.encode(batch, device, training, rng)
         return _lora_token_encode(self, batch=batch, device=device, training=training, rng=rng)
 
     extras, loss = prior_extras, prior_loss   # the regularisation samples' mask and target (prior preservation)
 
     def trainable_modules(self, net) -> list:
-        "The adapters (their dropout) and token deltas; the frozen generator and text encoder stay in eval mode."
+        "The adapters in `net` (the text encoder's too; their dropout), token deltas; the frozen rest stays in eval."
         emb = self.text_model.get_input_embeddings() if self.tokens else None
-        return [*lora_layers(self.net.generator).values(), *([emb] if isinstance(emb, TokenDeltas) else [])]
+        return [*lora_layers(self.net).values(), *([emb] if isinstance(emb, TokenDeltas) else [])]
 
     micro_steps = 0   # training micro-steps encoded so far under `frozen_dropout: reference`
     def frozen_train_modules(self, net) -> list:
@@ -1262,7 +1420,7 @@ class LoraTraining(TrainingMode):
 
     def uncond(self, conds: dict) -> dict:
         "Unconditional inputs for CFG: the empty caption (as ids when tokens train), zero image embedding."
-        if not self.tokens: return self.full.uncond(conds)
+        if not self.encodes_text: return self.full.uncond(conds)
         n, device = len(conds["input_ids"]), conds["input_ids"].device
         return {**self._token_conds([""] * n, device), "clip_img": torch.zeros_like(conds["clip_img"])}
     def adapter_scaled(self, net, scale: float):
@@ -1280,7 +1438,7 @@ class LoraTraining(TrainingMode):
 
     @classmethod
     def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool = True) -> list[str]:
-        "The run's trained tokens (`lora.safetensors`) added to `tokenizer`, written into `text_model` (`load_tokens`)."
+        "The run's trained tokens added to `tokenizer`, written into `text_model`, its text-encoder adapters merged."
         return _lora_add_released_tokens(cls, cfg=cfg, run=run, tokenizer=tokenizer, text_model=text_model, ema=ema)
 
     @classmethod
