@@ -16,7 +16,8 @@ from .config import ConfigError
 from .core import save_safetensors_atomic, safetensors_header
 from .lora import (base_state_dict, to_kohya, to_reference, is_reference_lora, from_kohya, from_reference,
                              load_peft_adapter, _to_diffusers_module, _kohya_parts, adapter_entries, adapter_from_entry,
-                             adapter_metadata, layer_records, token_names, LoRA, FullDiff)
+                             adapter_metadata, layer_records, token_names, LoRA, FullDiff,
+                             _no_text_encoder)
 
 # %% auto #0
 __all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'COMFY_FORMS', 'LAYOUTS', 'consumer_params', 'clip_g_params', 'Target',
@@ -605,6 +606,7 @@ def _peft_kind(lora: dict) -> str:
 def peft_files(lora: dict) -> tuple[dict, dict]:
     """(adapter_config fields, adapter_model state dict) of a LoRA or DoRA (`use_dora`, magnitude per output row) for
     diffusers' StableCascadeUNet, ranks per module."""
+    _no_text_encoder(lora, "export --to peft", "export --to kohya (lora_te_ keys)")
     sd, pairs, dora = {}, {}, _peft_kind(lora) == "dora"
     for path, entry in adapter_entries(lora).items():
         # the fused projection as q/k/v rows: exact for LoRA (a shared down) and DoRA (per-row magnitudes)
@@ -770,10 +772,12 @@ def source_lora(src: AdapterSource, model: nn.Module | None, module_filters=None
     if layout == "cascade_nb": return src.sd
     if model is None: raise ConfigError(f"{src.path} is in the {layout} layout: pass --config (the model it adapts)")
     if layout == "kohya":
-        # OneTrainer writes lora_prior_unet_ for the same modules; text-encoder keys have no place in our layout
-        unet = {"lora_unet_" + k.removeprefix("lora_prior_unet_"): v for k, v in src.sd.items()
-                if k.startswith(("lora_unet_", "lora_prior_unet_"))}
-        return from_kohya(unet, model)
+        # OneTrainer writes lora_prior_unet_ for the same modules; text-encoder keys (lora_te_, ComfyUI's
+        # lora_prior_te_ text projection) become our text-encoder adapters (`from_kohya`)
+        kept = {"lora_unet_" + k.removeprefix("lora_prior_unet_").removeprefix("lora_unet_"): v
+                for k, v in src.sd.items() if k.startswith(("lora_unet_", "lora_prior_unet_"))}
+        kept.update({k: v for k, v in src.sd.items() if k.startswith(("lora_te_", "lora_prior_te_"))})
+        return from_kohya(kept, model)
     if layout == "official": return from_reference(src.sd, model, module_filters or ())
     if layout == "peft": return load_peft_adapter(src.path, model)
     raise ConfigError(f"{src.path} is an embedding file, not a LoRA")

@@ -344,6 +344,9 @@ class LCMTraining(TeacherMode):
         super().check_config(cfg)
         if cfg.lora.train_tokens:
             raise ConfigError("mode 'lcm' trains LoRA adapters (module_filters, rank), not train_tokens")
+        if cfg.lora.text_encoder_adapter:
+            raise ConfigError("key 'text_encoder_adapter': mode 'lcm' distils the generator's sampling, its text "
+                              "encoder stays the teacher's; remove it")
         dc = cfg.distill
         if dc.solver_steps % dc.phases:
             raise ConfigError(f"key 'solver_steps': {dc.solver_steps} is not a multiple of phases={dc.phases}; "

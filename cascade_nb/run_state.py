@@ -759,7 +759,9 @@ class RunDirError(RuntimeError):
 # %% ../nbs/40_run_state.ipynb #acf5b8b2
 RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "clip_text_model_name",
                "clip_image_model_name", "mode", "module_filters", "rank", "train_tokens", "controlnet_blocks",
-               "controlnet_filter", "controlnet_bottleneck_mode", "optimizer")
+               "controlnet_filter", "controlnet_bottleneck_mode", "optimizer", "adapter", "lokr_factor",
+               "decompose_both", "full_matrix", "oft_block_size", "oft_rescale", "text_encoder_adapter",
+               "text_encoder_module_filters", "text_encoder_rank")
 "Config keys a run cannot change on resume: they decide the shapes (or kind) of the checkpointed state."
 
 def file_checksums(folder) -> dict:
@@ -923,8 +925,9 @@ class RunDir(RunDirLock):
         "Refuse (before anything is overwritten) to resume with other values of `keys` than the committed run's."
         info = self.info()
         if info is None or "config" not in info: return
+        # a key the saved config lacks is newer than the run, which had that key's default: not compared
         diff = [f"{k} {info['config'].get(k)!r} -> {config.get(k)!r}" for k in keys
-                if info["config"].get(k) != config.get(k)]
+                if k in info["config"] and info["config"][k] != config.get(k)]
         if diff:
             raise RunDirError(f"{self.path} holds a run with another model config ({'; '.join(diff)}): it cannot "
                               f"resume with these. Use a new experiment_id, or set them back (see {saved_config}); "

@@ -1,7 +1,7 @@
 """The distillation modes (cascade_nb.distill) through the real trainer: each mode trains from a tiny teacher, a run
 stopped and resumed releases exactly what an uninterrupted run releases, each runs on 2 DDP processes (gloo), and a
 student samples through the sample CLI with its own sampler, steps and CFG."""
-import json, os, signal
+import json, os, re, signal
 from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
@@ -175,3 +175,13 @@ def test_lcm_lora_trains_any_adapter_type(tmp_path, teacher):
     for k, v in expected.state_dict().items(): assert torch.equal(generator.state_dict()[k], v), k
     base = load_stage_c(teacher).float()
     assert any(not torch.equal(generator.state_dict()[k], v) for k, v in base.state_dict().items())
+
+def test_lcm_refuses_tokens_and_text_encoder_adapters(tmp_path, teacher):
+    "LCM distils the generator's sampling: new tokens and text-encoder adapters are refused in one line each."
+    from cascade_nb.config import load_config, ConfigError
+    from cascade_nb.train import train
+    lora = ["module_filters=[attention]", "rank=2", "updates=1"]
+    for extra, message in ((["train_tokens=[['[x]', null]]"], "not train_tokens"),
+                           (["text_encoder_adapter=lora"], "key 'text_encoder_adapter': mode 'lcm'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            train(load_config(DEMO, overrides(tmp_path, "bad", teacher, "lcm", *lora, *extra)))

@@ -93,6 +93,12 @@ def test_text_encoder_adapters_train_resume_export_and_sample(tmp_path):
     expected = {**cascade_nb_deltas(gen_part, base_state_dict(gen)),
                 **{f"text_encoder.{k}": v for k, v in te_deltas.items()}}
     assert not rd.skipped and delta_error(rd, expected) < 1e-6, (rd.skipped[:4], delta_error(rd, expected))
+    # the kohya file read back as a source (export/check CLI) keeps its text-encoder adapters; peft has no place for them
+    from cascade_nb.adapter_files import read_source, source_lora
+    back = source_lora(read_source(out[0]), gen)
+    assert {k for k in back if k.startswith("text_model.")} == {k for k in lora if k.startswith("text_model.")}
+    with pytest.raises(ValueError, match="text-encoder weights"):
+        export_adapter(lora, "peft", tmp_path / "te_peft")
     # sampling: the CLI runs, and the text encoder it uses has the adapters merged
     res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "a [fernando] face", "--n", "1",
                   "--steps", "2", "--out", tmp_path / "samples")
