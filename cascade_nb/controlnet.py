@@ -24,7 +24,7 @@ from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 __all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet', 'controlnet_config',
            'load_controlnet', 'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter',
            'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'make_filter', 'ControlNetConfig', 'meta_controlnet',
-           'control_points', 'ControlNetNet', 'controlnet_param_group', 'ControlNetTraining']
+           'control_points', 'ControlNetNet', 'merge_base_lora', 'controlnet_param_group', 'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -350,6 +350,19 @@ class ControlNetNet(nn.Module):
         cnet = self.controlnet(cnet_input.to(x.dtype)) if cnet_input is not None else None
         return self.generator(x, r, cnet=cnet, **conds)
 
+# %% ../nbs/61_controlnet.ipynb #617a1c8f
+def merge_base_lora(cfg, generator, tokenizer=None, text_model=None):
+    """A ControlNet run on a fine-tuned base: the LoRA file `lora_checkpoint_path` names (any adapter type; cascade_nb,
+    kohya/ComfyUI or peft layout; a hub id) merged into the frozen `generator`, its tokens and text-encoder adapters
+    into `text_model` when given."""
+    from cascade_nb.lora import load_lora_file
+    if cfg.lora.lora_checkpoint_path: load_lora_file(cfg.lora.lora_checkpoint_path, generator, tokenizer, text_model)
+
+def _controlnet_base_tokens(cfg, tokenizer, text_model) -> list[str]:
+    "`ControlNetTraining.add_released_tokens`: the tokens and text-encoder adapters of its base's LoRA, if any."
+    from cascade_nb.lora import add_file_tokens
+    return add_file_tokens(p, tokenizer, text_model) if (p := cfg.lora.lora_checkpoint_path) else []
+
 # %% ../nbs/61_controlnet.ipynb #3e8bc1fa
 def _controlnet_released_generator(cls, cfg, run, ema):
     """`ControlNetTraining.released_generator`: the base generator of `run` with its `controlnet_ema.safetensors` (with
@@ -358,6 +371,7 @@ def _controlnet_released_generator(cls, cfg, run, ema):
     from cascade_nb.modes import released_file
     path = released_file(run, "controlnet", ema)
     base = lora_base_generator(cfg, run, what="ControlNet")
+    merge_base_lora(cfg, base)
     return ControlNetNet(base, load_controlnet(path, cfg.controlnet.controlnet_blocks)), path
 
 # %% ../nbs/61_controlnet.ipynb #cc7183a9
@@ -370,6 +384,7 @@ def _controlnet_build(training, cfg, generator, tokenizer, text_model, image_mod
     training.cfg, training.space, training.compute_dtype = cfg, space, compute_dtype
     training.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
     generator.requires_grad_(False)
+    if released is None: merge_base_lora(cfg, generator, tokenizer, text_model)   # a released base has it merged
     effnet = getattr(space, "effnet", None)
     training.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
     widths = set(generator.config["c_hidden"])
@@ -433,6 +448,10 @@ class ControlNetTraining(TrainingMode):
             rows["ControlNet backbone activations"] = batch * px * EFFNET_SAVED_PER_PIXEL * prec.compute
         return MemoryTerms(sum(p.numel() for p in meta_controlnet(cfg, generator).parameters()), 4, "none", rows)
 
+    @classmethod
+    def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool = True) -> list[str]:
+        "The tokens and text-encoder adapters of the LoRA its base was trained with (`lora_checkpoint_path`), if any."
+        return _controlnet_base_tokens(cfg, tokenizer, text_model)
     @classmethod
     def released_generator(cls, cfg, run, ema: bool = True):
         "(the run's base generator with its `controlnet.safetensors` attached, that file): how a finished run samples."

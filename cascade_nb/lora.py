@@ -35,7 +35,7 @@ __all__ = ['LORA_INITS', 'ADAPTERS', 'TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTER
            'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
            'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'text_encoder_lora',
            'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
-           'text_encoder_shapes', 'lora_param_group', 'LoraTraining', 'PriorHook']
+           'text_encoder_shapes', 'add_file_tokens', 'lora_param_group', 'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -1323,14 +1323,20 @@ def _lora_released(mode, accelerator, net):
     return {"lora": Weights(sd, meta)}
 
 # %% ../nbs/60_lora.ipynb #3717c5b9
+def add_file_tokens(path, tokenizer, text_model) -> list[str]:
+    """The tokens and text-encoder adapters (merged) of a LoRA file in cascade_nb's layout or kohya's (`lora_te_`
+    keys; it holds no tokens) into a text encoder; the tokens' names."""
+    from safetensors.torch import load_file
+    sd = load_file(str(weights_file(path)))
+    if any(k.startswith(_KOHYA_TE) for k in sd): names, te = [], split_text_encoder(text_encoder_from_kohya(sd))[1]
+    else: names, te = load_tokens(tokenizer, text_model, sd), split_text_encoder(sd)[1]
+    merge_lora(text_model, te)
+    return names
+
 def _lora_add_released_tokens(cls, cfg, run, tokenizer, text_model, ema=True):
     """`LoraTraining.add_released_tokens`: the trained tokens and the text-encoder adapters (merged) of the file
     `merged_lora_run` merges, into a text encoder."""
-    from safetensors.torch import load_file
-    sd = load_file(str(released_file(run, "lora", ema)))
-    names = load_tokens(tokenizer, text_model, sd)
-    merge_lora(text_model, split_text_encoder(sd)[1])
-    return names
+    return add_file_tokens(released_file(run, "lora", ema), tokenizer, text_model)
 
 # %% ../nbs/60_lora.ipynb #ddf0513c
 def _lora_selected(cfg) -> bool:

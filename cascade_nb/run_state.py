@@ -761,7 +761,7 @@ RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "cli
                "clip_image_model_name", "mode", "module_filters", "rank", "train_tokens", "controlnet_blocks",
                "controlnet_filter", "controlnet_bottleneck_mode", "optimizer", "adapter", "lokr_factor",
                "decompose_both", "full_matrix", "oft_block_size", "oft_rescale", "text_encoder_adapter",
-               "text_encoder_module_filters", "text_encoder_rank")
+               "text_encoder_module_filters", "text_encoder_rank", "lora_checkpoint_path")
 "Config keys a run cannot change on resume: they decide the shapes (or kind) of the checkpointed state."
 
 def file_checksums(folder) -> dict:

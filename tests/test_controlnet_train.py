@@ -130,3 +130,31 @@ def test_block_repeat_counts_every_call_as_an_injection_point():
     _, mode, warned = _repeat_mode([0, 9, 10])
     assert len(warned) == 1 and "takes 10 hints" in warned[0] and "indices ≥ 10" in warned[0]
     assert [p[2].weight.requires_grad for p in mode.net.controlnet.projections] == [True, True, False]
+
+def test_controlnet_on_a_lora_base(tmp_path):
+    """`lora_checkpoint_path` in a ControlNet run: a LoKr (cascade_nb's layout) is merged into the frozen base for
+    training and again when the run samples; the state and the release hold only the ControlNet."""
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.sample import run_generator
+    from cascade_nb.models.stage_c import load_stage_c
+    from cascade_nb.lora import apply_lora, lora_state_dict, save_lora, merge_lora
+    args = cnet_args(tmp_path, "cl", "controlnet_c_3b_canny.yaml", "updates=1", "save_every=1", *SIMPLE)
+    base_path = next(a for a in map(str, args) if a.startswith("generator_checkpoint_path=")).split("=", 1)[1]
+    adapted = load_stage_c(base_path).float()
+    apply_lora(adapted, [".attn"], rank=2, adapter="lokr")
+    with torch.no_grad():
+        for p in adapted.parameters():
+            if p.requires_grad: p.normal_(0, 0.05)                     # a LoKr that changes the weights
+    lora = {k: v.clone() for k, v in lora_state_dict(adapted).items()}
+    save_lora(lora, tmp_path / "lokr.safetensors")
+    res = train(load_config(args[0], [*map(str, args[1:]), f"lora_checkpoint_path={tmp_path / 'lokr.safetensors'}"]))
+    expected = merge_lora(load_stage_c(base_path).float(), lora).state_dict()
+    trained = res["net"].generator.state_dict()
+    assert all(torch.equal(trained[k], v) for k, v in expected.items())
+    cfg, net, weights = run_generator(tmp_path / "ckpt" / "cl")
+    assert weights.name == "controlnet.safetensors"
+    sampled = net.generator.state_dict()
+    assert all(torch.equal(sampled[k].float(), v) for k, v in expected.items())
+    base = load_stage_c(base_path).float().state_dict()
+    assert any(not torch.equal(sampled[k].float(), v) for k, v in base.items())   # the LoKr is in
