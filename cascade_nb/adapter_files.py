@@ -17,7 +17,7 @@ from .core import save_safetensors_atomic, safetensors_header
 from .lora import (base_state_dict, to_kohya, to_reference, is_reference_lora, from_kohya, from_reference,
                              load_peft_adapter, _to_diffusers_module, _kohya_parts, adapter_entries, adapter_from_entry,
                              adapter_metadata, layer_records, token_names, LoRA, FullDiff,
-                             _no_text_encoder)
+                             _no_text_encoder, clip_text_linears)
 
 # %% auto #0
 __all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'COMFY_FORMS', 'LAYOUTS', 'consumer_params', 'clip_g_params', 'Target',
@@ -39,13 +39,8 @@ def consumer_params(model: nn.Module, text_model: nn.Module | None = None) -> di
 
 def clip_g_params(width: int = 1280, layers: int = 32, mlp: int = 5120) -> dict[str, torch.Tensor]:
     "Names and shapes (meta tensors) of the CLIP-G text encoder's projections that a LoRA file can patch."
-    shapes = {"self_attn.q_proj": (width, width), "self_attn.k_proj": (width, width),
-              "self_attn.v_proj": (width, width), "self_attn.out_proj": (width, width),
-              "mlp.fc1": (mlp, width), "mlp.fc2": (width, mlp)}
-    out = {f"text_encoder.text_model.encoder.layers.{b}.{m}.weight": torch.empty(s, device="meta")
-           for b in range(layers) for m, s in shapes.items()}
-    out["text_encoder.text_projection.weight"] = torch.empty(width, width, device="meta")
-    return out
+    return {f"text_encoder.{m}.weight": torch.empty(s, device="meta")
+            for m, s in clip_text_linears(width, layers, mlp).items()}
 
 # %% ../nbs/60b_adapter_files.ipynb #2e65bc66
 @dataclass(frozen=True)

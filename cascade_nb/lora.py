@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/lora.html.md"""
 
 # %% ../nbs/60_lora.ipynb #b1ecc563
 from __future__ import annotations
-import contextlib, json, math, re, warnings
+import contextlib, functools, json, math, re, warnings
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -31,11 +31,12 @@ __all__ = ['LORA_INITS', 'ADAPTERS', 'TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTER
            'save_lora', 'adapter_metadata', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff',
            'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget',
            'has_prior_entries', 'prior_extras', 'prior_loss', 'split_text_encoder', 'text_encoder_state_dict',
-           'text_encoder_to_kohya', 'text_encoder_from_kohya', 'to_kohya', 'from_kohya', 'save_peft_adapter',
-           'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
-           'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'text_encoder_lora',
+           'text_encoder_to_kohya', 'kohya_groups', 'text_encoder_from_kohya', 'to_kohya', 'from_kohya',
+           'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
+           'from_reference', 'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'text_encoder_lora',
            'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
-           'text_encoder_shapes', 'add_file_tokens', 'lora_param_group', 'LoraTraining', 'PriorHook']
+           'clip_text_linears', 'text_encoder_shapes', 'add_file_tokens', 'lora_param_group', 'LoraTraining',
+           'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -425,8 +426,10 @@ def unmerge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
     return model
 
 # %% ../nbs/60_lora.ipynb #834eb7b2
+@functools.cache
 def _lycoris(module: str):
-    "`lycoris.functional.<module>`, imported on first use: it costs about 6 s, and bitsandbytes logs CPU warnings."
+    """`lycoris.functional.<module>`, imported on first use (it costs about 6 s, and bitsandbytes logs CPU warnings
+    while it imports); every later call, e.g. each adapted weight's forward, gets the cached module."""
     import importlib, logging
     logging.disable(logging.WARNING)
     try: return importlib.import_module(f"lycoris.functional.{module}")
@@ -825,15 +828,19 @@ def text_encoder_to_kohya(te: dict) -> dict[str, torch.Tensor]:
         out[f"{key}.alpha"] = torch.tensor(float(alpha))
     return out
 
-def text_encoder_from_kohya(sd: dict) -> dict[str, torch.Tensor]:
-    "The `lora_te_` / `lora_prior_te_` entries of a kohya/ComfyUI file in cascade_nb's layout (`TEXT_ENCODER_PREFIX`)."
+def kohya_groups(sd: dict, prefixes) -> dict[str, dict]:
+    "{module stem: {tensor name (no `.weight`): tensor}} of the keys of a kohya file that start with one of `prefixes`."
     groups = {}
     for k, v in sd.items():
-        if not k.startswith(_KOHYA_TE): continue
-        stem, _, name = k.removeprefix(_KOHYA_TE[0]).removeprefix(_KOHYA_TE[1]).partition(".")
+        if not (pre := next((p for p in prefixes if k.startswith(p)), None)): continue
+        stem, _, name = k[len(pre):].partition(".")
         groups.setdefault(stem, {})[name.removesuffix(".weight")] = v
+    return groups
+
+def text_encoder_from_kohya(sd: dict) -> dict[str, torch.Tensor]:
+    "The `lora_te_` / `lora_prior_te_` entries of a kohya/ComfyUI file in cascade_nb's layout (`TEXT_ENCODER_PREFIX`)."
     out = {}
-    for stem, t in groups.items():
+    for stem, t in kohya_groups(sd, _KOHYA_TE).items():
         alpha, path = t.pop("alpha", None), f"{TEXT_ENCODER_PREFIX}{_kohya_te_module(stem)}.weight"
         cls = adapter_kind(t)
         out.update({f"{path}.{n}": v for n, v in t.items()})
@@ -879,13 +886,8 @@ def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
     by_key = {n.replace('.', '_'): n for n, _ in model.named_modules() if n}
     by_key.update({n.replace('.', '_') + '_' + p: f"{n}.{p}" for n, m in model.named_modules()
                    if isinstance(m, nn.MultiheadAttention) for p in ('to_q', 'to_k', 'to_v')})
-    groups = {}
-    for k, v in sd.items():
-        if not k.startswith("lora_unet_"): continue
-        key, _, name = k.removeprefix("lora_unet_").partition(".")
-        groups.setdefault(key, {})[name.removesuffix(".weight")] = v
     entries, fused = {}, {}
-    for key, t in groups.items():
+    for key, t in kohya_groups(sd, ("lora_unet_",)).items():
         if key not in by_key: raise KeyError(f"from_kohya: lora_unet_{key} names no module of {type(model).__name__}")
         alpha = t.pop("alpha", None)
         cls = adapter_kind(t)
@@ -1206,14 +1208,21 @@ def _text_encoder_size(cfg) -> tuple[int, int, int]:
     width = cfg.model.model_overrides.get("c_clip_text", 64)
     return width, cfg.model.model_overrides.get("c_clip_text_pooled", width), 2
 
+def clip_text_linears(width: int = 1280, layers: int = 32, mlp: int | None = None,
+                      proj: int | None = None) -> dict[str, tuple]:
+    """{module name: weight shape} of every Linear of a CLIP text tower (`CLIPTextModelWithProjection`; defaults:
+    CLIP ViT-bigG, Stable Cascade's): attention q/k/v/out and MLP per layer, and the text projection."""
+    mlp, proj = mlp or 4 * width, proj or width
+    per_layer = {"self_attn.q_proj": (width, width), "self_attn.k_proj": (width, width),
+                 "self_attn.v_proj": (width, width), "self_attn.out_proj": (width, width),
+                 "mlp.fc1": (mlp, width), "mlp.fc2": (width, mlp)}
+    names = {f"text_model.encoder.layers.{b}.{m}": s for b in range(layers) for m, s in per_layer.items()}
+    return {**names, "text_projection": (proj, width)}
+
 def text_encoder_shapes(cfg) -> list[tuple]:
     "Weight shapes of the text encoder's Linear layers that `text_encoder_module_filters` select (memory planner)."
     width, proj, layers = _text_encoder_size(cfg)
-    per_layer = {"self_attn.q_proj": (width, width), "self_attn.k_proj": (width, width),
-                 "self_attn.v_proj": (width, width), "self_attn.out_proj": (width, width),
-                 "mlp.fc1": (4 * width, width), "mlp.fc2": (width, 4 * width)}
-    names = {f"text_model.encoder.layers.{b}.{m}": s for b in range(layers) for m, s in per_layer.items()}
-    names["text_projection"] = (proj, width)
+    names = clip_text_linears(width, layers, proj=proj)
     filters = text_encoder_lora(cfg.lora).module_filters
     return [s for n, s in names.items() if match_filters(n, filters)]
 
