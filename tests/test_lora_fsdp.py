@@ -2,10 +2,8 @@
 (gloo): a training step (LoRA's with a prior-prediction target) matches a single-process step, and the released
 weights are gathered from the shards.
 accelerate's FSDP plugin is GPU-only, so this drives torch FSDP2 directly, as a launch config would on GPUs."""
-import json, textwrap
+import textwrap
 from conftest import ROOT, run_cli
-from test_lora_train import lora_args, assert_state_without_the_base
-from test_train import resumes_to_the_killed_state, _launch_2proc
 
 SCRIPT = textwrap.dedent('''
     import gc, os, sys, torch, torch.distributed as dist
@@ -87,12 +85,3 @@ def test_lora_and_controlnet_under_fsdp2(tmp_path):
     for kind in ("lora", "controlnet"):
         assert res.stdout.count(f"{kind} FSDP2 step matches single process") == 2, res.stdout[-3000:] + res.stderr[-3000:]
 
-def test_lora_fsdp2_state_holds_only_the_adapters(tmp_path):
-    """Through the trainer under FSDP2 (2 CPU processes): the sharded state holds the adapters only, and a run killed
-    in its commit resumes, from that state and the rebuilt base, to the same state file for file."""
-    fsdp = lambda *a, check=True: _launch_2proc("--fsdp-cpu", *a, check=check)
-    run_dir = tmp_path / "ckpt" / "f"
-    resumes_to_the_killed_state(run_dir, lora_args(tmp_path, "f", "updates=4", "save_every=2", "batch_size=8"),
-                                launch=fsdp)
-    assert_state_without_the_base(run_dir, tmp_path / "pretrained.safetensors")
-    assert (run_dir / json.loads((run_dir / "info.json").read_text())["state_dir"] / "pytorch_model_fsdp_0").is_dir()

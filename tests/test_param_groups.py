@@ -1,18 +1,14 @@
-"""Parameter groups through the real trainer (nbs/40_run_state, parameter groups): a LoRA run whose adapters and token
-rows train at their own lr and weight decay, logged per group and exact across a kill and resume; a resume with other
-groups refused in one line; a full fine-tune with per-block lr multipliers; `fused_backward` stepping each tensor at
-its group's lr."""
+"""Parameter groups through the real trainer (nbs/40_run_state, parameter groups): a full fine-tune with per-block lr
+multipliers; `fused_backward` stepping each tensor at its group's lr. A LoRA run's groups (adapters, tokens, the text
+encoder's adapters at their own lr and weight decay, logged per group, exact across a kill and resume, a resume with
+other groups refused in one line) are tested on the shared run of tests/test_lora_runs.py."""
 import json
 from pathlib import Path
 import torch
 from torch import nn
 from conftest import run_cli
-from test_lora_train import lora_args, info, DRIVER
-from test_train import demo_args, resumes_to_the_killed_state
+from test_train import demo_args
 
-X, Y, Z = 2e-3, 1e-2, 0.0   # the adapters' lr; the tokens' lr and weight decay
-GROUPS = [f"param_groups={{adapters: {{lr: {X}}}, tokens: {{lr: {Y}, weight_decay: {Z}}}}}",
-          "lr_schedule=constant", "warmup_updates=2"]
 
 def metrics(out_dir) -> dict:
     "update -> the last training row logged for it (a resumed run logs the updates after its state again)."
@@ -23,36 +19,6 @@ def optimizer_groups_saved(run_dir) -> list[dict]:
     "The param groups of the optimizer in a run's committed state (accelerate's optimizer.bin), without the tensors."
     state = Path(run_dir) / json.loads((Path(run_dir) / "info.json").read_text())["state_dir"]
     return torch.load(state / "optimizer.bin", weights_only=True)["param_groups"]
-
-def test_lora_groups_log_per_group_and_resume_exactly(tmp_path):
-    run_dir = tmp_path / "ckpt" / "g"
-    argv = lora_args(tmp_path, "g", "updates=6", "save_every=2", *GROUPS)
-    # killed committing update 4, resumed from update 2: the state it commits for update 4 is the killed one's
-    resumed = resumes_to_the_killed_state(run_dir, argv)
-    assert info(tmp_path, "g")["update"] == 6
-    assert "parameter groups: adapters" in resumed.stdout and f"tokens 64 parameters at lr {Y:g}" in resumed.stdout
-    # after the warm-up (2 updates, linear) the constant schedule: each group at its own lr
-    m = metrics(tmp_path / "out" / "g")
-    assert [m[u]["lr/adapters"] for u in (1, 2, 6)] == [X / 2, X, X]
-    assert [m[u]["lr/tokens"] for u in (1, 2, 6)] == [Y / 2, Y, Y]
-    assert m[6]["lr"] == m[6]["lr/adapters"]                  # `lr` stays the first group's
-    saved = optimizer_groups_saved(run_dir)
-    assert [(g["group"], g["lr"], g["weight_decay"], len(g["params"])) for g in saved] == [
-        ("adapters", X, 0.01, 24), ("tokens", Y, Z, 1)]
-    assert info(tmp_path, "g")["optimizer_groups"] == [["adapters", 1.0, 24], ["tokens", 1.0, 1]]
-    # a relaunch that builds other groups is refused in one line before it loads anything
-    res = run_cli(DRIVER, *lora_args(tmp_path, "g", "updates=8", "save_every=2", *GROUPS,
-                                     "lr_multipliers={down_blocks: 0.5}"), check=False)
-    err = res.stderr.strip().splitlines()[-1]
-    assert res.returncode != 0 and "its optimizer holds the groups adapters x1 (24 tensors), tokens x1 (1 tensors), " \
-        "and this run builds adapters x0.5" in err, res.stderr[-2000:]
-    assert info(tmp_path, "g")["update"] == 6
-    # the same groups at other settings: it resumes, and each group trains at its new lr and weight decay from there
-    now = [f"param_groups={{adapters: {{lr: {X}}}, tokens: {{lr: 2e-2, weight_decay: 0.05}}}}", *GROUPS[1:]]
-    res = run_cli(DRIVER, *lora_args(tmp_path, "g", "updates=8", "save_every=2", *now))
-    assert "resumed with other settings than the checkpoint's: param_groups" in res.stdout
-    assert metrics(tmp_path / "out" / "g")[8]["lr/tokens"] == 2e-2
-    assert [(g["lr"], g["weight_decay"]) for g in optimizer_groups_saved(run_dir)] == [(X, 0.01), (2e-2, 0.05)]
 
 def test_full_training_with_block_multipliers(tmp_path):
     """Per-block lr multipliers in a full fine-tune: the first matching pattern decides, 0 freezes; a pattern that
