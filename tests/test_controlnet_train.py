@@ -1,5 +1,5 @@
 """ControlNet training through the real trainer CLI: the official ControlNet YAMLs at tiny size, exact resume after a
-kill, 2-process DDP, and a frozen generator."""
+kill, 2-process DDP with the EMA of the trained tensors, and a frozen generator."""
 import warnings
 from pathlib import Path
 import pytest, torch
@@ -51,15 +51,30 @@ def test_controlnet_resume_after_kill_is_bit_identical(tmp_path):
     resumes_to_the_killed_state(tmp_path / "ckpt" / "r", cnet_args(tmp_path, "r", "controlnet_c_3b_inpainting.yaml", *RUN))
     assert info(tmp_path, "r")["update"] == 6
 
-def test_controlnet_two_process_ddp(tmp_path):
+def test_controlnet_two_process_ddp_and_its_ema(tmp_path):
+    """2 processes under DDP: the weights stay identical on both, and the EMA of the trained tensors (each process
+    averages whole tensors; no frozen generator in it) is released as `controlnet_ema.safetensors` with the keys of
+    `controlnet.safetensors` and the EMA by hand of the trained ones (tests/train_driver.py --ema-probe), and is what
+    the run samples with."""
+    from test_lora_ema import EMA_KEYS, state_ema_keys
+    from cascade_nb.sample import run_generator
+    run_dir, reference = tmp_path / "ckpt" / "ddp", tmp_path / "reference.safetensors"
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
-                  "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync",
-                  *cnet_args(tmp_path, "ddp", "controlnet_c_3b_canny.yaml", "updates=2", "save_every=2", "batch_size=8", *SIMPLE,
-                            "controlnet_filter_params={resize: 32}"),
+                  "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync", "--ema-probe", reference,
+                  *cnet_args(tmp_path, "ddp", "controlnet_c_3b_canny.yaml", *EMA_KEYS, "save_every=4", "batch_size=8",
+                             *SIMPLE, "controlnet_filter_params={resize: 32}"),
                   env={"OMP_NUM_THREADS": "1"})
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
-    assert i["num_processes"] == 2 and i["update"] == 2
+    assert i["num_processes"] == 2 and i["update"] == 4
+    ema, live = (load_file(str(run_dir / f"controlnet{s}.safetensors")) for s in ("_ema", ""))
+    averaged = state_ema_keys(run_dir)
+    assert averaged and all(k.startswith("controlnet.") for k in averaged)      # no frozen generator
+    want = {k.removeprefix("controlnet."): v for k, v in load_file(str(reference)).items() if k in averaged}
+    assert ema.keys() == live.keys() and len(want) == len(averaged)
+    assert all(torch.equal(ema[k], want[k]) for k in want)
+    assert not all(torch.equal(ema[k], live[k]) for k in want)
+    assert run_generator(run_dir)[2].name == "controlnet_ema.safetensors"
 
 def test_controlnet_step_leaves_the_generator_frozen():
     from cascade_nb.config import config_from_dict

@@ -3,12 +3,12 @@ equals an EMA computed by hand from the weights of every update (tests/train_dri
 `lora_ema.safetensors` in the layout of `lora.safetensors` and is what `load_run` (the sample and eval CLIs) picks,
 sampling with it during training leaves the live adapters as they were bit for bit, and a run killed in its commit
 resumes to the same state, file for file (one process, and two processes under FSDP2 on gloo). The trainer runs are the
-shared runs of tests/test_lora_runs.py (checked with the helpers here); ControlNet's EMA is tested here."""
+shared runs of tests/test_lora_runs.py, checked with the helpers here; ControlNet's EMA is checked on the 2-process
+run of tests/test_controlnet_train.py."""
 import json, re
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
-from test_train import _launch_2proc
 
 EMA_KEYS = ["updates=4", "save_every=2", "ema_start_iters=1", "ema_iters=1", "ema_beta=0.9"]   # a copy, then 3 steps
 
@@ -102,21 +102,3 @@ def test_sampling_with_the_lora_ema_restores_the_live_adapters():
     want = sample_rows(averaged, None, gdf, latents, x0, conds, mode.uncond(conds), cfg, n=2)["sampled"]
     assert torch.equal(rows["sampled (EMA)"], want) and not torch.equal(rows["sampled (EMA)"], rows["sampled"])
 
-def test_controlnet_ema(tmp_path):
-    """ControlNet on 2 processes under DDP (its trained tensors, through the same code; resume is LoRA's above): each
-    process averages whole tensors, the released `controlnet_ema.safetensors` has the keys of `controlnet.safetensors`
-    and the EMA by hand of the trained ones, and is what the run samples with."""
-    from test_controlnet_train import cnet_args, SIMPLE
-    from cascade_nb.sample import run_generator
-    run_dir, reference = tmp_path / "ckpt" / "c", tmp_path / "reference.safetensors"
-    args = cnet_args(tmp_path, "c", "controlnet_c_3b_canny.yaml", *EMA_KEYS, *SIMPLE, "save_every=4", "batch_size=8")
-    res = _launch_2proc("--ema-probe", reference, "--check-ddp-sync", *args)
-    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
-    ema, live = (load_file(str(run_dir / f"controlnet{s}.safetensors")) for s in ("_ema", ""))
-    averaged = state_ema_keys(run_dir)
-    assert averaged and all(k.startswith("controlnet.") for k in averaged)      # no frozen generator
-    want = {k.removeprefix("controlnet."): v for k, v in load_file(str(reference)).items() if k in averaged}
-    assert ema.keys() == live.keys() and len(want) == len(averaged)
-    assert all(torch.equal(ema[k], want[k]) for k in want)
-    assert not all(torch.equal(ema[k], live[k]) for k in want)
-    assert run_generator(run_dir)[2].name == "controlnet_ema.safetensors"

@@ -1,6 +1,6 @@
-"""LoRA and ControlNet nets under FSDP2 (`fully_shard` per block, frozen generator sharded too) on 2 CPU processes
-(gloo): a training step (LoRA's with a prior-prediction target) matches a single-process step, and the released
-weights are gathered from the shards.
+"""LoRA, the LyCORIS adapter types and ControlNet nets under FSDP2 (`fully_shard` per block, frozen generator sharded
+too) on 2 CPU processes (gloo), in one launch: a training step (LoRA's with a prior-prediction target) matches a
+single-process step on both ranks' batches, and the released weights are gathered from the shards.
 accelerate's FSDP plugin is GPU-only, so this drives torch FSDP2 directly, as a launch config would on GPUs."""
 import textwrap
 from conftest import ROOT, run_cli
@@ -15,10 +15,18 @@ SCRIPT = textwrap.dedent('''
     from cascade_nb.lora import apply_lora, lora_state_dict, lora_layers, LoraNet, prior_retarget
     from cascade_nb.controlnet import ControlNet, ControlNetNet
 
+    TYPES = {"dora": {}, "oft": {"oft_block_size": 16, "oft_rescale": True}, "loha": {}, "lokr": {}}
+
     def build(kind):
         torch.manual_seed(0)
         gen = StageC.from_preset("tiny")
         with torch.no_grad(): gen.clf[1].weight.normal_(std=0.1)
+        if kind in TYPES:   # the LyCORIS types: every tensor moved off its zero-effect start
+            apply_lora(gen, [".attn"], rank=4, adapter=kind, options=TYPES[kind])
+            with torch.no_grad():
+                for l in lora_layers(gen).values():
+                    for t in l.tensors().values(): t.add_(torch.randn_like(t) * 0.02)
+            return LoraNet(gen)
         if kind == "lora":
             apply_lora(gen, [".attn"], rank=4, init="peft")   # U = 0, set below
             with torch.no_grad():
@@ -41,7 +49,7 @@ SCRIPT = textwrap.dedent('''
         loss = 0
         for x, r, c in inputs:
             target = torch.zeros_like(x)
-            if kind == "lora":
+            if kind != "controlnet":
                 c = {k: v for k, v in c.items() if k != "cnet_input"}
                 # prior preservation: sample 0 targets the frozen base's own prediction (a no-grad pass with the
                 # adapters off through the sharded net, on every process)
@@ -51,13 +59,13 @@ SCRIPT = textwrap.dedent('''
         loss.backward(); opt.step()
 
     def released(net, kind):
-        if kind == "lora": return lora_state_dict(net.generator)
+        if kind != "controlnet": return lora_state_dict(net.generator)
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in net.controlnet.state_dict().items()}
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    for kind in ("lora", "controlnet"):
+    for kind in ("lora", *TYPES, "controlnet"):
         ref = build(kind)                                   # single process, both ranks' batches
         step(ref, [batch(i) for i in range(world)], kind)
         want = released(ref, kind)
@@ -77,11 +85,11 @@ SCRIPT = textwrap.dedent('''
     dist.destroy_process_group()
 ''')
 
-def test_lora_and_controlnet_under_fsdp2(tmp_path):
+def test_adapters_and_controlnet_under_fsdp2(tmp_path):
     script = tmp_path / "fsdp2.py"
     script.write_text(SCRIPT)
     res = run_cli("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
                   env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    for kind in ("lora", "controlnet"):
+    for kind in ("lora", "dora", "oft", "loha", "lokr", "controlnet"):
         assert res.stdout.count(f"{kind} FSDP2 step matches single process") == 2, res.stdout[-3000:] + res.stderr[-3000:]
 

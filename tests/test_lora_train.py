@@ -110,15 +110,20 @@ def assert_state_without_the_base(run_dir, base, adapted=12):
     fp = json.loads((state / "base.json").read_text())["generator_checkpoint_path"]
     assert fp["path"] == str(base) and fp["bytes"] == base.stat().st_size
 
-def test_lora_two_process_ddp(tmp_path):
+def test_dora_two_process_ddp(tmp_path):
+    """The official LoRA config on 2 DDP processes with a token, prior samples and the report card, as DoRA (the type
+    whose update depends on W and carries a magnitude vector; the default LoRA under DDP is the shipped lora_demo.yaml's
+    run in tests/test_shipped_configs.py): the weights stay identical on both processes."""
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
                   "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync",
-                  *lora_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8", *PRIOR, *REPORT),
+                  *lora_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8", "adapter=dora", *PRIOR,
+                             *REPORT),
                   env={"OMP_NUM_THREADS": "1"})
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
-    assert i["num_processes"] == 2 and i["update"] == 2
-    assert "tokens.embeddings" in released(tmp_path, "ddp")
+    assert i["num_processes"] == 2 and i["update"] == 2 and i["config"]["adapter"] == "dora"
+    sd = released(tmp_path, "ddp")
+    assert "tokens.embeddings" in sd and sum(k.endswith(".dora_scale") for k in sd) == 12
     # the report card on 2 processes: one decision (broadcast), the rule's first update kept
     assert json.loads((tmp_path / "ckpt" / "ddp" / "best.json").read_text())["update"] == 2
 
