@@ -1,11 +1,22 @@
-"""`python -m cascade_nb.lora export|check` as a user runs it (subprocesses, ~5 s of imports each): a run directory
-exported to the kohya/ComfyUI, official and embedding layouts, each checked the consumer's way; one-line errors."""
+"""`python -m cascade_nb.lora export|check`: a run directory exported to the kohya/ComfyUI, official and embedding
+layouts, each checked the consumer's way; one-line errors. Two calls run as a user runs them (subprocesses, ~5 s of
+imports each: an export, and a bad option's exit status and one-line error); the others call the command's `main`
+in this process (`python -m cascade_nb.lora` is `adapter_files.main`)."""
 import json, subprocess, sys, pytest, torch, yaml
 from conftest import ROOT
 
 def lora_cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "cascade_nb.lora", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
+
+def in_process(capsys, *args) -> subprocess.CompletedProcess:
+    "The command's `main` in this process, read back like `lora_cli`: exit status, stdout, stderr."
+    from cascade_nb.adapter_files import main
+    capsys.readouterr()
+    try: code = main(list(map(str, args)))
+    except SystemExit as e: code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
@@ -30,7 +41,7 @@ def run_dir(tmp_path_factory):
     model_yaml.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "generator_checkpoint_path"}))
     return run, model_yaml
 
-def test_export_kohya_then_check_it_for_comfyui_and_kohya(run_dir, tmp_path):
+def test_export_kohya_then_check_it_for_comfyui_and_kohya(run_dir, tmp_path, capsys):
     run, model_yaml = run_dir
     res = lora_cli("export", run, "--to", "kohya", "--out", tmp_path / "k.safetensors")
     assert res.returncode == 0, res.stderr
@@ -40,7 +51,7 @@ def test_export_kohya_then_check_it_for_comfyui_and_kohya(run_dir, tmp_path):
     assert meta["ss_network_dim"] == "4" and meta["ss_sd_model_name"] == "generator.safetensors"
     assert json.loads(meta["cascade_nb.trigger_tokens"]) == ["[emoji]"]
     assert "lora_unet_down_blocks_0_2_attention_attn_to_q.alpha" in shapes
-    res = lora_cli("check", tmp_path / "k.safetensors", "--for", "comfyui", "--model", model_yaml)
+    res = in_process(capsys, "check", tmp_path / "k.safetensors", "--for", "comfyui", "--model", model_yaml)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "comfyui: loads 72 of 72 keys" and "warning" not in res.stdout
@@ -50,12 +61,12 @@ def test_export_kohya_then_check_it_for_comfyui_and_kohya(run_dir, tmp_path):
 
 def test_export_official_and_check_it_for_official_and_comfyui(run_dir, tmp_path, capsys):
     run, model_yaml = run_dir
-    res = lora_cli("export", run, "--to", "official", "--out", tmp_path / "o.safetensors")
+    res = in_process(capsys, "export", run, "--to", "official", "--out", tmp_path / "o.safetensors")
     assert res.returncode == 0, res.stderr
-    res = lora_cli("check", tmp_path / "o.safetensors", "--for", "official", "--model", model_yaml)
+    res = in_process(capsys, "check", tmp_path / "o.safetensors", "--for", "official", "--model", model_yaml)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "official: loads 26 of 26 keys" in res.stdout and "token rows changed: [49408]" in res.stdout
-    from cascade_nb.adapter_files import main                             # in-process from here (no import cost)
+    from cascade_nb.adapter_files import main
     assert main(["check", str(tmp_path / "o.safetensors")]) == 1          # ComfyUI maps none of its keys
     assert capsys.readouterr().out.startswith("comfyui: loads 0 of 26 keys; skips 26: embeddings.indices")
 
@@ -113,8 +124,8 @@ def test_lokr_and_oft_runs_release_headers_and_check_clean(tmp_path, capsys):
         assert main(["export", run, "--to", "kohya", "--out", tmp_path / f"{kind}.safetensors", "--model", base]) == 0
         capsys.readouterr()
         assert json.loads(safetensors_header(tmp_path / f"{kind}.safetensors")[0]["cascade_nb.adapter_options"])
-    res = lora_cli("check", tmp_path / "oft.safetensors", "--model", tmp_path / "pretrained.safetensors")
+    res = in_process(capsys, "check", tmp_path / "oft.safetensors", "--model", tmp_path / "pretrained.safetensors")
     assert res.returncode == 0 and res.stdout.startswith("comfyui: loads"), res.stdout + res.stderr
     assert " diff " in res.stdout and "warning" not in res.stdout
-    res = lora_cli("check", tmp_path / "lokr.safetensors", "--model", tmp_path / "pretrained.safetensors")
+    res = in_process(capsys, "check", tmp_path / "lokr.safetensors", "--model", tmp_path / "pretrained.safetensors")
     assert res.returncode == 0 and " lokr " in res.stdout and " diff " in res.stdout, res.stdout + res.stderr

@@ -62,16 +62,19 @@ def test_adapter_type_trains_and_samples(tmp_path, kind, capsys):
     check_released(tmp_path, kind, NAMES[kind])
     samples_merged(tmp_path, kind, capsys)
 
-def test_oft_resumes_exactly_and_samples_from_the_cli(tmp_path):
+def test_oft_resumes_exactly_and_samples(tmp_path, capsys):
     """OFT (its update depends on W; it carries a rescale vector): a run killed committing update 4 and resumed from 2
-    commits the killed process's own state of update 4, and the sample CLI merges its adapters into the base."""
+    commits the killed process's own state of update 4, and the sample command (its `main`, in this process) merges its
+    adapters into the base."""
+    from cascade_nb.sample import main
     run = tmp_path / "ckpt" / "oft"
     resumes_to_the_killed_state(run, demo_args(tmp_path, "oft", "updates=4", "save_every=2"),
                                 launch=lambda *a, check=True: run_cli(DRIVER, *a, check=check,
                                                                       env={"OMP_NUM_THREADS": "1"}))
     assert json.loads((run / "info.json").read_text())["update"] == 4
     assert {k.rsplit(".", 1)[1] for k in released(tmp_path, "oft")} == NAMES["oft"] | {"alpha"}
-    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "an emoji", "--n", "1", "--steps", "2",
-                  "--out", tmp_path / "samples")
-    assert "wrote 1 images" in res.stdout and list((tmp_path / "samples").glob("*.png")), res.stdout[-2000:]
+    assert main(["--checkpoint", str(run), "--prompt", "an emoji", "--n", "1", "--steps", "2",
+                 "--out", str(tmp_path / "samples")]) is not None
+    out = capsys.readouterr().out
+    assert "wrote 1 images" in out and list((tmp_path / "samples").glob("*.png")), out[-2000:]
 
