@@ -24,19 +24,19 @@ from .run_state import first_match
 from .modes import released_file
 
 # %% auto #0
-__all__ = ['LORA_INITS', 'ADAPTERS', 'TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTERS', 'LORA_PARAM_GROUPS', 'match_filters',
-           'lora_targets', 'register_adapter', 'Adapter', 'LoRA', 'apply_lora', 'base_state_dict', 'is_adapter',
-           'lora_layers', 'scaled_adapters', 'lora_state_dict', 'lora_entries', 'adapter_kind', 'adapter_entries',
-           'adapter_from_entry', 'lora_delta', 'load_lora', 'adapter_options', 'layer_records', 'token_names',
-           'save_lora', 'adapter_metadata', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff',
-           'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled', 'prior_retarget',
-           'has_prior_entries', 'prior_extras', 'prior_loss', 'split_text_encoder', 'text_encoder_state_dict',
-           'text_encoder_to_kohya', 'kohya_groups', 'text_encoder_from_kohya', 'to_kohya', 'from_kohya',
-           'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference',
-           'from_reference', 'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys', 'text_encoder_lora',
-           'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet', 'lora_base_generator', 'merged_lora_run',
-           'clip_text_linears', 'text_encoder_shapes', 'add_file_tokens', 'lora_param_group', 'LoraTraining',
-           'PriorHook']
+__all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTERS', 'LORA_PARAM_GROUPS',
+           'match_filters', 'lora_targets', 'register_adapter', 'Adapter', 'LoRA', 'apply_lora', 'base_state_dict',
+           'is_adapter', 'lora_layers', 'scaled_adapters', 'lora_state_dict', 'lora_entries', 'adapter_kind',
+           'adapter_entries', 'adapter_from_entry', 'lora_delta', 'load_lora', 'adapter_options', 'layer_records',
+           'token_names', 'save_lora', 'adapter_metadata', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT',
+           'FullDiff', 'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled',
+           'prior_retarget', 'has_prior_entries', 'prior_extras', 'prior_loss', 'split_text_encoder',
+           'text_encoder_state_dict', 'text_encoder_to_kohya', 'kohya_groups', 'text_encoder_from_kohya', 'to_kohya',
+           'from_kohya', 'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora',
+           'to_reference', 'from_reference', 'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys',
+           'text_encoder_lora', 'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet',
+           'lora_base_generator', 'merged_lora_run', 'clip_text_linears', 'text_encoder_shapes', 'add_file_tokens',
+           'lora_param_group', 'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -426,14 +426,35 @@ def unmerge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
     return model
 
 # %% ../nbs/60_lora.ipynb #834eb7b2
+LYCORIS_FUNCTIONAL = ("general", "lokr", "loha", "diag_oft")   # the lycoris.functional modules the types below use
+
 @functools.cache
+def _lycoris_functional() -> dict:
+    """`lycoris.functional`'s modules, loaded once, on first use, without running `lycoris/__init__.py`: that file
+    imports the whole package (its module wrappers, peft, bitsandbytes: about 5 s, and bitsandbytes logs CPU warnings),
+    while the maths needs only torch, einops and `lycoris.kernels` (about 0.5 s). A bare package stands in for `lycoris`
+    while they load and is taken out of `sys.modules` after, with them, so that a later `import lycoris` (yours or a
+    library's) gets the whole package as usual; the modules loaded here stay referenced by this cache. When the whole
+    package is already imported, its own modules are used."""
+    import importlib, importlib.util, sys, types
+    load = lambda: {m: importlib.import_module(f"lycoris.functional.{m}") for m in LYCORIS_FUNCTIONAL}
+    if "lycoris" in sys.modules: return load()
+    spec = importlib.util.find_spec("lycoris")
+    if spec is None:
+        raise ModuleNotFoundError("the LyCORIS adapter types (lokr, loha, dora, oft) need the lycoris-lora package: "
+                                  "pip install 'lycoris-lora>=3.0'")
+    before = set(sys.modules)
+    bare = types.ModuleType("lycoris")
+    bare.__path__, bare.__spec__, bare.__package__ = list(spec.submodule_search_locations), spec, "lycoris"
+    sys.modules["lycoris"] = bare
+    try: return load()
+    finally:
+        for name in set(sys.modules) - before:
+            if name == "lycoris" or name.startswith("lycoris."): del sys.modules[name]
+
 def _lycoris(module: str):
-    """`lycoris.functional.<module>`, imported on first use (it costs about 6 s, and bitsandbytes logs CPU warnings
-    while it imports); every later call, e.g. each adapted weight's forward, gets the cached module."""
-    import importlib, logging
-    logging.disable(logging.WARNING)
-    try: return importlib.import_module(f"lycoris.functional.{module}")
-    finally: logging.disable(logging.NOTSET)
+    "`lycoris.functional.<module>` (see `_lycoris_functional`); each adapted weight's forward gets the cached module."
+    return _lycoris_functional()[module]
 
 # %% ../nbs/60_lora.ipynb #52b02eb2
 @register_adapter("lokr")

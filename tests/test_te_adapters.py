@@ -51,6 +51,7 @@ def loss_on(cfg, base, batch, lora_file=None) -> float:
     return float(loss)
 
 def test_text_encoder_adapters_refuse_cached_text_embeddings():
+    import cascade_nb.modes  # noqa: F401  (the modes' own config sections, as the trainer CLI has them)
     from cascade_nb.config import ConfigError, load_config
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs" / "lora_demo.yaml", ["text_encoder_adapter=lora", "latent_space=cached",
