@@ -40,7 +40,7 @@ def by_hand(reference: dict, tokens: dict) -> dict:
     out["tokens.embeddings"] = reference[TOKENS + "base.weight"][ids].float() + reference[TOKENS + "delta"].float()
     return out
 
-def assert_released_ema_is_the_ema(run_dir: Path, reference: Path, adapted: int = 12):
+def assert_released_ema_is_the_ema(run_dir: Path, reference: Path, adapted: int):
     ema, live = load_file(str(run_dir / "lora_ema.safetensors")), load_file(str(run_dir / "lora.safetensors"))
     assert ema.keys() == live.keys()                                            # the same layout, tokens included
     want = by_hand(load_file(str(reference)), ema)
@@ -57,7 +57,7 @@ def state_ema_keys(run_dir: Path) -> list[str]:
     from torch.distributed.checkpoint import FileSystemReader
     return sorted(FileSystemReader(str(state / "ema")).read_metadata().state_dict_metadata)
 
-def assert_ema_of_trained_tensors_only(run_dir: Path, adapted: int = 12):
+def assert_ema_of_trained_tensors_only(run_dir: Path, adapted: int):
     keys = state_ema_keys(run_dir)
     assert all(".lora_" in k or k == TOKENS + "delta" for k in keys), keys[:5]
     assert sum(".lora_" in k for k in keys) == 2 * adapted and TOKENS + "delta" in keys   # adapters (down, up), rows

@@ -1,7 +1,7 @@
 """The LyCORIS adapter types (`adapter: lokr | loha | dora | oft`, nbs/60_lora) through the trainer CLI at tiny size,
 on configs/lora_demo.yaml: the validation loss (fixed noise levels, so comparable across updates) goes down, a run
 killed inside its checkpoint commit resumes to the very state it had written, and the run samples with its adapters
-merged into the base (the sample CLI). The types train in this process (each process pays lycoris' ~6 s import);
+merged into the base (the sample CLI). The types train in this process (one model and data set-up for all);
 the kill and resume, which need processes, run for OFT, the type whose update depends on W and has most tensors.
 DoRA on 2 DDP processes is tests/test_lora_train.py's DDP run; every type under FSDP2 is tests/test_lora_fsdp.py's."""
 import json
