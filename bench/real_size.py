@@ -389,14 +389,24 @@ def step_full_1b(ctx):
 
 def step_fsdp(ctx):
     """The 1B full fine-tune on two FSDP2 processes (gloo, CPU): 1 update and a sharded save, then a relaunch that
-    resumes from the shards and makes 1 more; per-process peak RSS against the planner's FSDP plan."""
+    resumes from the shards and makes 1 more; per-process peak RSS against the planner's FSDP plan. Once per C
+    allocator of ALLOCATORS."""
     config = official_config(ctx, "finetune_c_1b.yaml")
     make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256)
+    for i, (allocator, env) in enumerate(ALLOCATORS.items()):
+        label, run_id = ("run" if i == 0 else f"run, {allocator}"), f"fsdp_1b_{i}"
+        shutil.rmtree(ctx.work/"runs"/run_id, ignore_errors=True)
+        shutil.rmtree(ctx.work/"outputs"/run_id, ignore_errors=True)
+        fsdp_run(ctx, config, run_id, label, env)
+
+
+def fsdp_run(ctx, config: Path, run_id: str, label: str, env: dict):
+    "One `step_fsdp` run (two launches) in `env`, recorded as `label`."
     # 8-bit AdamW cannot step FSDP2's DTensor shards (the planner refuses it): AdamW, sharded; bf16 weights, because
     # both processes share this machine's 24 GB (with fp32 weights, 11.4 GB planned each, rank 0 was killed for memory
     # at 11.8 GB), and no DataLoader workers (with two per process, the resume was killed for memory at 9.3 GB in rank
     # 1); 384 px keeps the two single-core processes at a few minutes per update
-    base = run_overrides(ctx, "stage_c_lite_bf16.safetensors", "fsdp_1b") + [
+    base = run_overrides(ctx, "stage_c_lite_bf16.safetensors", run_id) + [
         "log_every=1", "batch_size=2", "grad_accum_steps=1", "sample_steps=2", "gradient_checkpointing=true",
         "frozen_dtype=bfloat16", "dtype=bfloat16", "num_workers=0"] + (
             ["image_size=384"] if ctx.scale == "official" else [])
@@ -405,21 +415,92 @@ def step_fsdp(ctx):
     recs = []
     for updates in (1, 2):
         cmd = [sys.executable, "-m", "cascade_nb.launch", *launch, *script, str(config), *base, f"updates={updates}"]
-        recs.append(measured(cmd, ctx.env, ctx.log("fsdp")))
+        recs.append(measured(cmd, {**ctx.env, **env}, ctx.log("fsdp")))
         assert recs[-1]["rc"] == 0, f"fsdp failed: see {ctx.log('fsdp')}"
-    run_id = "fsdp_1b"
     ms = [m for m in metrics_of(ctx, run_id) if "loss" in m]
     state = max((ctx.work/"runs"/run_id).glob("state-*"))
     planned = planned_gb(ctx, config, base + ["updates=2", "mixed_precision=no"], "--world-size", "2", "--fsdp")
     saves = [line for line in ctx.log("fsdp").read_text().splitlines() if ": saved in " in line]
+    rank0 = [m["peak_memory_gb"] for m in ms]
     rec = dict(runs=recs, updates=[m["update"] for m in ms], step_time_s=[m["step_time_s"] for m in ms],
-               trainer_peak_rss_gb=max(m["peak_memory_gb"] for m in ms), planned_gb=planned,
-               state_gb=file_bytes(state) / GB, shards=sorted(p.name for p in state.rglob("*.distcp")), saves=saves)
-    record(ctx.results, "fsdp", "run", rec,
+               trainer_peak_rss_gb=max(rank0), rank0_peak_rss_gb=rank0, planned_gb=planned,
+               state_gb=file_bytes(state) / GB, shards=sorted(p.name for p in state.rglob("*.distcp")),
+               saves=saves[-2:], env=env)
+    anon = " / ".join(f"{r['peak_anon_gb']:.1f}" for r in recs)
+    record(ctx.results, "fsdp", label, rec,
            f"updates {rec['updates']} (the second after a resume from the shards), {min(rec['step_time_s']):.0f}-"
-           f"{max(rec['step_time_s']):.0f} s per update, rank-0 peak RSS {rec['trainer_peak_rss_gb']:.1f} GB vs "
-           f"planner {planned:.1f} GB per process; sharded state {rec['state_gb']:.2f} GB in "
-           f"{len(rec['shards'])} shard files")
+           f"{max(rec['step_time_s']):.0f} s per update, rank-0 peak RSS "
+           f"{' / '.join(f'{x:.1f}' for x in rank0)} GB (new / resumed launch) vs planner {planned:.1f} GB per "
+           f"process ({' / '.join(f'{x / planned - 1:+.0%}' for x in rank0)}); largest process's anonymous peak "
+           f"{anon} GB; sharded state "
+           f"{rec['state_gb']:.2f} GB in {len(rec['shards'])} shard files")
+
+
+# the C allocators compared: glibc's defaults; glibc with its mmap threshold fixed at 1 MiB (every block of 1 MiB or
+# more is its own mapping, returned to the system when torch frees it; the default threshold grows to 32 MiB and the
+# freed blocks below it stay in the process); jemalloc, preloaded, where Debian's libjemalloc2 is installed
+JEMALLOC = next((p for p in Path("/usr/lib").glob("*-linux-gnu/libjemalloc.so.2")), None)
+ALLOCATORS = {"glibc": {}, "glibc, MALLOC_MMAP_THRESHOLD_=1048576": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
+              **({"jemalloc (LD_PRELOAD)": {"LD_PRELOAD": str(JEMALLOC)}} if JEMALLOC else {})}
+
+
+def step_attribute(ctx):
+    """Where the memory of the full 1B and the 3.6B LoRA runs goes, beside the planner's rows for the same config:
+    each config of `full_1b` and `lora` in one process under `bench/memory_attribution.py`. Profiled (torch's
+    allocations by phase and op): a new run to update 2, where it saves, then the same command with updates=3, which
+    resumes from that state. Not profiled (the profiler's event buffers add to the resident peak): a new run to
+    update 2 under each C allocator of ALLOCATORS, for the resident peak and the time per update."""
+    runs = {"full_1b": ("finetune_c_1b.yaml", "stage_c_lite_bf16.safetensors",
+                        ["batch_size=1", "grad_accum_steps=1", *LEVERS_1B]),
+            "lora": ("finetune_c_3b_lora.yaml", "stage_c_bf16.safetensors",
+                     ["batch_size=1", "grad_accum_steps=1", "dtype=bfloat16"])}
+    for name, (yaml, generator, levers) in runs.items():
+        if ctx.only and name not in ctx.only: continue
+        config = official_config(ctx, yaml)
+        make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256,
+                    prefix="[fernando] " if name == "lora" else "")
+        run_id = f"attribute_{name}"
+        overrides = run_overrides(ctx, generator, run_id) + ["log_every=1", "num_workers=0",
+                                                             "mixed_precision=no", *levers]
+        planned = planned_gb(ctx, config, overrides)
+        rows = [line for line in (ctx.work/"logs"/f"plan_{config.stem}.txt").read_text().splitlines()
+                if line[:1].isalpha()]
+        launches = [("profiled, new", 2, {}), ("profiled, resumed", 3, {})] + [
+            (f"new, {allocator}", 2, env) for allocator, env in ALLOCATORS.items()]
+        for i, (launch, updates, env) in enumerate(launches):
+            if launch != "profiled, resumed": shutil.rmtree(ctx.work/"runs"/run_id, ignore_errors=True)
+            out = ctx.work/"attribution"/f"{name}_{i}.json"
+            args = [str(config), *overrides, f"updates={updates}"]
+            flags = [] if launch.startswith("profiled") else ["--no-profile"]
+            cmd = [sys.executable, str(ROOT/"bench"/"memory_attribution.py"), "--out", str(out), *flags, *args]
+            rec = measured(cmd, {**ctx.env, **env}, ctx.log("attribute"))
+            assert rec["rc"] == 0, f"attribution of {name} ({launch}) failed: see {ctx.log('attribute')}"
+            a = json.loads(out.read_text())
+            state = max((ctx.work/"runs"/run_id).glob("state-*"))
+            keep = dict(wall_s=rec["wall_s"], peak_rss_gb=a["rss_peak"] / GB, planned_gb=planned, plan_rows=rows,
+                        state=state.name, state_gb=file_bytes(state) / GB, env=env, runtime_gb=a["imported_rss"] / GB,
+                        update_s=a["update_s"],
+                        save_s=[r["seconds"] for r in a["phases"] if r["phase"] == "save"], phases=a["phases"],
+                        command=" ".join([*(f"{k}={v}" for k, v in env.items()), "python bench/memory_attribution.py "
+                                          "--out FILE", *flags, yaml, *args[1:]]))
+            line = (f"resident peak {keep['peak_rss_gb']:.2f} GB vs planner {planned:.2f} GB "
+                    f"({keep['peak_rss_gb'] / planned - 1:+.0%}), of which runtime {keep['runtime_gb']:.2f} GB; "
+                    f"updates of {', '.join(f'{x:.0f}' for x in a['update_s'])} s; {state.name} "
+                    f"{keep['state_gb']:.3f} GB saved in "
+                    f"{', '.join(f'{x:.0f} s' for x in keep['save_s'])}")
+            if launch.startswith("profiled"):
+                keep.update({k: a[k] for k in ("peak_allocated", "peak_phase", "peak_op", "live_at_peak_by_phase",
+                                               "live_at_peak_by_op", "phase_peak_allocated", "unseen")})
+                # the tensors the profiler did not see: the CLIP encoders (loaded in transformers' threads), and
+                # weights that stay memory-mapped from their file (bf16 in a bf16 file, fp32 in an fp32 file)
+                other = sum(v for k, v in a["unseen"].items() if k.startswith("allocated")) / GB
+                mapped = sum(v for k, v in a["unseen"].items() if k.startswith("memory-mapped")) / GB
+                held = a["peak_allocated"] / GB + other
+                keep.update(torch_peak_gb=held, mapped_gb=mapped)
+                line = (f"torch holds {held:.2f} GB at its peak ({a['peak_phase']}; {other:.2f} GB of it loaded in "
+                        f"other threads) + {mapped:.2f} GB of mapped weight files = {held + mapped:.2f} GB vs planner "
+                        f"{planned:.2f} GB ({(held + mapped) / planned - 1:+.0%}); {line}")
+            record(ctx.results, "attribute", f"{name} {launch}", keep, line)
 
 
 def step_generate(ctx):
@@ -444,13 +525,13 @@ def step_generate(ctx):
 # --- main -----------------------------------------------------------------------------------------------------------
 
 STEPS = {"write": step_write, "load": step_load, "lora": step_lora, "full_1b": step_full_1b,
-         "fsdp": step_fsdp, "generate": step_generate}
+         "fsdp": step_fsdp, "generate": step_generate, "attribute": step_attribute}
 
 
 class Context:
     "The work folder, the environment every child runs in (offline, the cache), the results so far."
-    def __init__(self, work: Path, scale: str, rewrite: bool = False):
-        self.work, self.scale, self.rewrite = work, scale, rewrite
+    def __init__(self, work: Path, scale: str, rewrite: bool = False, only: tuple = ()):
+        self.work, self.scale, self.rewrite, self.only = work, scale, rewrite, only
         self.cache = work/"hub"
         self.env = {**os.environ, "HF_HUB_CACHE": str(self.cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
                     "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -467,11 +548,12 @@ def main(argv=None):
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {list(STEPS)}")
     p.add_argument("--scale", choices=("official", "tiny"), default="official")
     p.add_argument("--rewrite", action="store_true", help="write the weights again even where they exist")
+    p.add_argument("--only", default="", help="attribute: the runs to attribute (full_1b, lora); default both")
     args = p.parse_args(argv)
     global RESULTS
     if args.scale == "tiny": RESULTS = args.work/"real_size_tiny.json"
     args.work.mkdir(parents=True, exist_ok=True)
-    ctx = Context(args.work, args.scale, args.rewrite)
+    ctx = Context(args.work, args.scale, args.rewrite, tuple(filter(None, args.only.split(','))))
     for step in args.steps.split(","):
         t = time.time()
         STEPS[step](ctx)
