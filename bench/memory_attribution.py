@@ -23,7 +23,7 @@ CPU and is not part of a training update's memory. Used by `bench/real_size.py -
 quotes it.
 """
 from __future__ import annotations
-import argparse, contextlib, functools, json, sys, time
+import argparse, contextlib, functools, json, os, runpy, sys, time
 from collections import defaultdict
 from pathlib import Path
 
@@ -45,7 +45,7 @@ def reset_peak():
 
 class Phases:
     "Labels the loop's phases for the profiler and records each phase's resident peak."
-    def __init__(self): self.records, self.storages = [], {}
+    def __init__(self): self.records, self.storages, self.alive = [], {}, set()
 
     def wrap(self, name: str, fn):
         import torch
@@ -76,6 +76,11 @@ def label_phases(phases: Phases):
         mode.loss = phases.wrap("forward", mode.loss)
         return mode, net, gdf, ema
     T.build_models = phases.wrap("build", build_labelled)
+    finish_run = T.finish_run
+    def finish_labelled(run, *args, **kwargs):   # the built storages still alive when training ends
+        phases.alive = {ptr for ptr, (*_, ref) in phases.storages.items() if ref() is not None}
+        return finish_run(run, *args, **kwargs)
+    T.finish_run = finish_labelled
     T.resume_run = phases.wrap("resume", T.resume_run)
     T.gradient_norm = phases.wrap("grad_norm", T.gradient_norm)
     T.save = phases.wrap("save", T.save)
@@ -84,18 +89,22 @@ def label_phases(phases: Phases):
     NonFiniteGuard.step = phases.wrap("optimizer_step", NonFiniteGuard.step)
 
 
-def model_storages(net, mode) -> dict[int, tuple[int, str]]:
+def model_storages(net, mode) -> dict[int, tuple]:
     """The storages of every tensor the run built (the trained net, and the mode's frozen models: text and image
-    encoders, the latent space's encoder and previewer): data pointer -> (bytes, the module it belongs to)."""
+    encoders, the latent space's encoder and previewer), as built: data pointer -> (bytes, the module it belongs to,
+    whether it lies in a memory-mapped file, a weak reference to a tensor on it: FSDP replaces the built weights by
+    shards, and only the storages still alive at the end count)."""
+    import weakref
     from torch import nn
     modules = {"net": net, **{k: v for k, v in vars(mode).items() if isinstance(v, nn.Module) and k != "net"},
                **{f"space.{k}": v for k, v in vars(getattr(mode, "space", None) or object()).items()
                   if isinstance(v, nn.Module)}}
-    out = {}
+    maps, out = file_mappings(), {}
     for name, m in modules.items():
         for t in [*m.parameters(), *m.buffers()]:
-            s = t.untyped_storage()
-            out.setdefault(s.data_ptr(), (s.nbytes(), name))
+            ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            mapped = any(a <= ptr < b for a, b, _ in maps)
+            out.setdefault(ptr, (nbytes, name, mapped, weakref.ref(t)))
     return out
 
 
@@ -111,14 +120,14 @@ def file_mappings() -> list[tuple[int, int, str]]:
     return out
 
 
-def unseen_storages(storages: dict, seen: set, maps) -> dict:
-    """The model storages no allocation event of the profile made, by where they live: a memory-mapped weight file
-    (page cache: resident once read, shared), or memory allocated outside the profiled thread (transformers loads
-    the CLIP encoders in a thread pool, which the profiler does not see); bytes per (kind, module)."""
+def unseen_storages(storages: dict, alive: set, seen: set) -> dict:
+    """The model storages alive when training ended that no allocation event of the profile made, by where they live: a
+    memory-mapped weight file (page cache: resident once read, shared), or memory allocated outside the profiled
+    thread (transformers loads the CLIP encoders in a thread pool, which the profiler does not see); bytes per
+    (kind, module)."""
     out = defaultdict(int)
-    for ptr, (nbytes, module) in storages.items():
-        if ptr in seen or nbytes == 0: continue
-        mapped = next((path for a, b, path in maps if a <= ptr < b), None)
+    for ptr, (nbytes, module, mapped, ref) in storages.items():
+        if ptr in seen or nbytes == 0 or ptr not in alive: continue
         out[f"{'memory-mapped file' if mapped else 'allocated in another thread'}: {module}"] += nbytes
     return dict(out)
 
@@ -182,9 +191,15 @@ def main(argv=None):
     p.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     p.add_argument("--no-profile", action="store_true",
                    help="only the resident memory per phase: the profiler's event buffers add to the resident peak")
+    p.add_argument("--driver", type=Path, help="a script that ends by calling cascade_nb.train.main (e.g. "
+                   "tests/train_driver.py --fsdp-cpu): run it with the other options in place of train(cfg); under "
+                   "a multi-process launch each process writes OUT with _rankN before its suffix")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
+    args, driver_options = p.parse_known_args(argv)
+    if driver_options and args.driver is None: p.error(f"unrecognized arguments: {' '.join(driver_options)}")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        args.out = args.out.with_name(f"{args.out.stem}_rank{os.environ['RANK']}{args.out.suffix}")
     import torch
     from torch.profiler import profile, ProfilerActivity
     runtime = status_bytes("VmRSS")           # the interpreter with torch imported
@@ -198,7 +213,10 @@ def main(argv=None):
     t0 = time.time()
     with contextlib.nullcontext() if args.no_profile else profile(activities=[ProfilerActivity.CPU],
                                                                   profile_memory=True) as prof:
-        out = T.train(cfg)
+        if args.driver is None: out = T.train(cfg)
+        else:   # the driver's own patches (e.g. FSDP2 on CPU processes) around the same train()
+            sys.argv, out = [str(args.driver), *driver_options, args.config, *args.overrides], None
+            runpy.run_path(str(args.driver), run_name="__main__")
     wall = time.time() - t0
     rss_peak = max(r["rss_peak"] for r in phases.records)
     del out
@@ -207,7 +225,7 @@ def main(argv=None):
                   phases=phases.records)
     if not args.no_profile:
         found = attribute(allocations(prof))
-        result["unseen"] = unseen_storages(phases.storages, found.pop("live_ptrs"), file_mappings())
+        result["unseen"] = unseen_storages(phases.storages, phases.alive, found.pop("live_ptrs"))
         result.update(found)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

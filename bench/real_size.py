@@ -23,7 +23,7 @@ bench/RESULTS.md quotes them. `--scale tiny` runs the same steps on tiny presets
 not a measurement.
 """
 from __future__ import annotations
-import argparse, json, os, resource, shutil, signal, subprocess, sys, time
+import argparse, json, os, shutil, signal, subprocess, sys, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -395,13 +395,20 @@ def step_fsdp(ctx):
     make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256)
     for i, (allocator, env) in enumerate(ALLOCATORS.items()):
         label, run_id = ("run" if i == 0 else f"run, {allocator}"), f"fsdp_1b_{i}"
+        if ctx.only and allocator not in ctx.only: continue
         shutil.rmtree(ctx.work/"runs"/run_id, ignore_errors=True)
         shutil.rmtree(ctx.work/"outputs"/run_id, ignore_errors=True)
         fsdp_run(ctx, config, run_id, label, env)
+    # the same two launches with glibc's defaults, each process under bench/memory_attribution.py (the profiler)
+    if ctx.only and "profiled" not in ctx.only: return
+    shutil.rmtree(ctx.work/"runs"/"fsdp_1b_profiled", ignore_errors=True)
+    shutil.rmtree(ctx.work/"outputs"/"fsdp_1b_profiled", ignore_errors=True)
+    fsdp_run(ctx, config, "fsdp_1b_profiled", "profiled", {}, profiled=True)
 
 
-def fsdp_run(ctx, config: Path, run_id: str, label: str, env: dict):
-    "One `step_fsdp` run (two launches) in `env`, recorded as `label`."
+def fsdp_run(ctx, config: Path, run_id: str, label: str, env: dict, profiled: bool = False):
+    """One `step_fsdp` run (two launches) in `env`, recorded as `label`; `profiled`: each process under
+    `bench/memory_attribution.py`, and what torch holds per process recorded too."""
     # 8-bit AdamW cannot step FSDP2's DTensor shards (the planner refuses it): AdamW, sharded; bf16 weights, because
     # both processes share this machine's 24 GB (with fp32 weights, 11.4 GB planned each, rank 0 was killed for memory
     # at 11.8 GB), and no DataLoader workers (with two per process, the resume was killed for memory at 9.3 GB in rank
@@ -412,11 +419,15 @@ def fsdp_run(ctx, config: Path, run_id: str, label: str, env: dict):
             ["image_size=384"] if ctx.scale == "official" else [])
     launch = ["--config_file", str(ROOT/"configs"/"accelerate"/"cpu_2proc.yaml"), "--main_process_port", "29533"]
     script = [str(ROOT/"tests"/"train_driver.py"), "--fsdp-cpu"]
-    recs = []
+    recs, ranks = [], []
     for updates in (1, 2):
-        cmd = [sys.executable, "-m", "cascade_nb.launch", *launch, *script, str(config), *base, f"updates={updates}"]
+        out = ctx.work/"attribution"/f"{run_id}_{updates}.json"
+        wrap = [str(ROOT/"bench"/"memory_attribution.py"), "--out", str(out), "--driver"] if profiled else []
+        cmd = [sys.executable, "-m", "cascade_nb.launch", *launch, *wrap, *script, str(config), *base,
+               f"updates={updates}"]
         recs.append(measured(cmd, {**ctx.env, **env}, ctx.log("fsdp")))
         assert recs[-1]["rc"] == 0, f"fsdp failed: see {ctx.log('fsdp')}"
+        if profiled: ranks.append([json.loads(out.with_name(f"{out.stem}_rank{r}.json").read_text()) for r in (0, 1)])
     ms = [m for m in metrics_of(ctx, run_id) if "loss" in m]
     state = max((ctx.work/"runs"/run_id).glob("state-*"))
     planned = planned_gb(ctx, config, base + ["updates=2", "mixed_precision=no"], "--world-size", "2", "--fsdp")
@@ -427,6 +438,21 @@ def fsdp_run(ctx, config: Path, run_id: str, label: str, env: dict):
                state_gb=file_bytes(state) / GB, shards=sorted(p.name for p in state.rglob("*.distcp")),
                saves=saves[-2:], env=env)
     anon = " / ".join(f"{r['peak_anon_gb']:.1f}" for r in recs)
+    if profiled:   # per launch and rank: what torch holds at its peak (+ the encoders' other threads), mapped, resident
+        held = [[(a["peak_allocated"] + sum(v for k, v in a["unseen"].items() if k.startswith("allocated"))) / GB
+                 for a in launch_ranks] for launch_ranks in ranks]
+        mapped = [[sum(v for k, v in a["unseen"].items() if k.startswith("memory-mapped")) / GB
+                   for a in launch_ranks] for launch_ranks in ranks]
+        resident = [[a["rss_peak"] / GB for a in launch_ranks] for launch_ranks in ranks]
+        rec.update(torch_peak_gb=held, mapped_gb=mapped, rank_peak_rss_gb=resident,
+                   **{k: [[a[k] for a in launch_ranks] for launch_ranks in ranks]
+                      for k in ("peak_phase", "live_at_peak_by_phase", "live_at_peak_by_op", "unseen", "phases")})
+        per = lambda xs: " / ".join(f"{x:.2f}" for x in xs)
+        record(ctx.results, "fsdp", label, rec,
+               "torch holds + mapped weights, ranks 0 / 1: new launch " + per(h + m for h, m in zip(held[0], mapped[0]))
+               + " GB, resumed " + per(h + m for h, m in zip(held[1], mapped[1])) + f" GB vs planner {planned:.2f} GB "
+               f"per process; resident peaks {per(resident[0])} / {per(resident[1])} GB (profiled)")
+        return
     record(ctx.results, "fsdp", label, rec,
            f"updates {rec['updates']} (the second after a resume from the shards), {min(rec['step_time_s']):.0f}-"
            f"{max(rec['step_time_s']):.0f} s per update, rank-0 peak RSS "
@@ -548,7 +574,8 @@ def main(argv=None):
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {list(STEPS)}")
     p.add_argument("--scale", choices=("official", "tiny"), default="official")
     p.add_argument("--rewrite", action="store_true", help="write the weights again even where they exist")
-    p.add_argument("--only", default="", help="attribute: the runs to attribute (full_1b, lora); default both")
+    p.add_argument("--only", default="", help="comma-separated: attribute's runs (full_1b, lora), fsdp's "
+                   "allocators (ALLOCATORS' names) or profiled; default all")
     args = p.parse_args(argv)
     global RESULTS
     if args.scale == "tiny": RESULTS = args.work/"real_size_tiny.json"
