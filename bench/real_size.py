@@ -1,6 +1,7 @@
 """Real size without a GPU: a rehearsal of the official Stable Cascade runs on this CPU machine (issue 30).
 
-    python bench/real_size.py [--work DIR] [--steps write,load,lora,full_1b,fsdp,generate] [--scale official|tiny]
+    python bench/real_size.py [--work DIR] [--steps write,load,lora,full_1b,fsdp,generate,attribute]
+                              [--scale official|tiny] [--only NAMES]
 
 Every other test and benchmark runs tiny models. This one writes random weights with the official shapes, key names
 and file names (Stage C 3.6B and 1B, Stage B, Stage A, EfficientNet, Previewer, the CLIP text and image encoders,
@@ -14,8 +15,12 @@ same commands (`hf://stabilityai/stable-cascade/...` ids, `python -m cascade_nb.
    export, a sample through the sample CLI; time per update, checkpoint size and save time, peak memory against
    `python -m cascade_nb.memory` for the same config.
 3. `full_1b`: the official `finetune_c_1b.yaml` as a full fine-tune with the levers that make it fit 24 GB.
-4. `fsdp`: the same 1B fine-tune on two FSDP2 processes (gloo): 1 update, a sharded save, a resume.
+4. `fsdp`: the same 1B fine-tune on two FSDP2 processes (gloo): 1 update, a sharded save, a resume; under each C
+   allocator of ALLOCATORS, then profiled.
 5. `generate`: `python -m cascade_nb.generate` at 1024x1024 through Stage C, B and A, one step per stage.
+6. `attribute`: the runs of 2 and 3 under `bench/memory_attribution.py`: what torch holds at its peak, by phase and
+   op, against the planner's rows; the resident peak under each C allocator (glibc as it comes, glibc with
+   `MALLOC_MMAP_THRESHOLD_=1048576`, jemalloc); a resume from the saved state.
 
 Each step runs its command in a child process and measures that child's wall time and peak RSS (the largest
 descendant's `ru_maxrss`), prints one line, and records it in bench/results/real_size.json (with the command);
@@ -452,14 +457,14 @@ def fsdp_run(ctx, config: Path, run_id: str, label: str, env: dict, profiled: bo
                "torch holds + mapped weights, ranks 0 / 1: new launch " + per(h + m for h, m in zip(held[0], mapped[0]))
                + " GB, resumed " + per(h + m for h, m in zip(held[1], mapped[1])) + f" GB vs planner {planned:.2f} GB "
                f"per process; resident peaks {per(resident[0])} / {per(resident[1])} GB (profiled)")
-        return
-    record(ctx.results, "fsdp", label, rec,
-           f"updates {rec['updates']} (the second after a resume from the shards), {min(rec['step_time_s']):.0f}-"
-           f"{max(rec['step_time_s']):.0f} s per update, rank-0 peak RSS "
-           f"{' / '.join(f'{x:.1f}' for x in rank0)} GB (new / resumed launch) vs planner {planned:.1f} GB per "
-           f"process ({' / '.join(f'{x / planned - 1:+.0%}' for x in rank0)}); largest process's anonymous peak "
-           f"{anon} GB; sharded state "
-           f"{rec['state_gb']:.2f} GB in {len(rec['shards'])} shard files")
+    else:
+        record(ctx.results, "fsdp", label, rec,
+               f"updates {rec['updates']} (the second after a resume from the shards), {min(rec['step_time_s']):.0f}-"
+               f"{max(rec['step_time_s']):.0f} s per update, rank-0 peak RSS "
+               f"{' / '.join(f'{x:.1f}' for x in rank0)} GB (new / resumed launch) vs planner {planned:.1f} GB per "
+               f"process ({' / '.join(f'{x / planned - 1:+.0%}' for x in rank0)}); largest process's anonymous peak "
+               f"{anon} GB; sharded state {rec['state_gb']:.2f} GB in {len(rec['shards'])} shard files")
+    shutil.rmtree(ctx.work/"runs"/run_id)   # 14 GB of states: the next run needs the disk
 
 
 # the C allocators compared: glibc's defaults; glibc with its mmap threshold fixed at 1 MiB (every block of 1 MiB or
@@ -527,6 +532,7 @@ def step_attribute(ctx):
                         f"other threads) + {mapped:.2f} GB of mapped weight files = {held + mapped:.2f} GB vs planner "
                         f"{planned:.2f} GB ({(held + mapped) / planned - 1:+.0%}); {line}")
             record(ctx.results, "attribute", f"{name} {launch}", keep, line)
+        shutil.rmtree(ctx.work/"runs"/run_id)   # the full 1B's states take 10 GB each
 
 
 def step_generate(ctx):
