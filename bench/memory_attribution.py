@@ -1,11 +1,14 @@
 """Where a training run's memory goes: torch's own allocations by phase and op, beside the process's resident memory.
 
-    python bench/memory_attribution.py --out FILE.json CONFIG [key=value ...]
+    python bench/memory_attribution.py --out FILE.json [--no-profile] CONFIG [key=value ...]
+    accelerate launch ... bench/memory_attribution.py --out F.json --driver tests/train_driver.py --fsdp-cpu CONFIG ...
 
 Runs `cascade_nb.train.train(cfg)` in this process (one process, the run's config and overrides as
 `python -m cascade_nb.train` takes them) under `torch.profiler` with `profile_memory=True`, from the first line of
-`train` on, so that every CPU allocation of the run is seen: weights, frozen encoders, optimizer state, gradients,
-activations and temporaries. The training loop's phases are labelled from here (`record_function` around the mode's
+`train` on, so that every CPU allocation the run's thread makes is seen: weights, frozen encoders, optimizer state,
+gradients, activations and temporaries. The model storages it cannot see are found by their addresses when the run
+ends: those over memory-mapped weight files, and those allocated in other threads (transformers loads the CLIP
+encoders in a thread pool). The training loop's phases are labelled from here (`record_function` around the mode's
 `encode` and `loss`, the backward, the gradient norm, the optimizer step, the save; the library is unchanged), and
 at the start and end of each phase this process's resident memory is read from /proc/self/status: `VmHWM` after a
 reset of the high-water mark (`/proc/self/clear_refs`), so each phase has its own resident peak.
@@ -15,12 +18,15 @@ What it writes (one JSON file) and prints (one line per phase and a summary):
   `torch.cuda.max_memory_allocated`), the resident peak and resident memory at its end;
 - at the run's allocation peak: the bytes live by the phase and the op that allocated them (what the memory planner
   must count), largest first;
-- the resident memory that is not a live tensor: the Python/torch runtime, memory-mapped weight files, and pages the
-  C allocator (glibc malloc) keeps after torch freed them.
+- the model storages the profiler did not see (`unseen`), by kind and module;
+- the runtime's resident memory (the interpreter with the trainer's modules imported): with what torch holds and the
+  mapped files, what is left of the resident peak is pages the C allocator keeps after torch freed them.
 
 The in-training sample grid (`log_samples` after a save) is skipped: at the official size it takes ~25 minutes on a
-CPU and is not part of a training update's memory. Used by `bench/real_size.py --steps attribute`; bench/RESULTS.md
-quotes it.
+CPU and is not part of a training update's memory. `--no-profile` records only the resident memory per phase (the
+profiler's event buffers add to it); `--driver` runs a script that ends in `cascade_nb.train.main` (the FSDP2-on-CPU
+driver of the tests) in place of `train(cfg)`, one JSON per process. Used by `bench/real_size.py --steps
+attribute,fsdp`; bench/RESULTS.md quotes it.
 """
 from __future__ import annotations
 import argparse, contextlib, functools, json, os, runpy, sys, time
