@@ -138,6 +138,14 @@ def unseen_storages(storages: dict, alive: set, seen: set) -> dict:
     return dict(out)
 
 
+def torch_held(result: dict) -> tuple[int, int, int]:
+    """From a profiled result: (bytes torch holds at its allocation peak, counting the model storages allocated in
+    other threads; those bytes alone; bytes of model storages over memory-mapped weight files)."""
+    other = sum(v for k, v in result["unseen"].items() if k.startswith("allocated"))
+    mapped = sum(v for k, v in result["unseen"].items() if k.startswith("memory-mapped"))
+    return result["peak_allocated"] + other, other, mapped
+
+
 def allocations(prof):
     """Every allocation event of the profile in time order: (time_ns, ptr, bytes (negative: a free), torch's total
     after it, phase, op), the op being the innermost torch op or label around it."""

@@ -30,6 +30,7 @@ not a measurement.
 from __future__ import annotations
 import argparse, json, os, shutil, signal, subprocess, sys, time
 from pathlib import Path
+from memory_attribution import torch_held
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -400,12 +401,12 @@ def step_fsdp(ctx):
     make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256)
     for i, (allocator, env) in enumerate(ALLOCATORS.items()):
         label, run_id = ("run" if i == 0 else f"run, {allocator}"), f"fsdp_1b_{i}"
-        if ctx.only and allocator not in ctx.only: continue
+        if not ctx.selected(allocator): continue
         shutil.rmtree(ctx.work/"runs"/run_id, ignore_errors=True)
         shutil.rmtree(ctx.work/"outputs"/run_id, ignore_errors=True)
         fsdp_run(ctx, config, run_id, label, env)
     # the same two launches with glibc's defaults, each process under bench/memory_attribution.py (the profiler)
-    if ctx.only and "profiled" not in ctx.only: return
+    if not ctx.selected("profiled"): return
     shutil.rmtree(ctx.work/"runs"/"fsdp_1b_profiled", ignore_errors=True)
     shutil.rmtree(ctx.work/"outputs"/"fsdp_1b_profiled", ignore_errors=True)
     fsdp_run(ctx, config, "fsdp_1b_profiled", "profiled", {}, profiled=True)
@@ -444,10 +445,8 @@ def fsdp_run(ctx, config: Path, run_id: str, label: str, env: dict, profiled: bo
                saves=saves[-2:], env=env)
     anon = " / ".join(f"{r['peak_anon_gb']:.1f}" for r in recs)
     if profiled:   # per launch and rank: what torch holds at its peak (+ the encoders' other threads), mapped, resident
-        held = [[(a["peak_allocated"] + sum(v for k, v in a["unseen"].items() if k.startswith("allocated"))) / GB
-                 for a in launch_ranks] for launch_ranks in ranks]
-        mapped = [[sum(v for k, v in a["unseen"].items() if k.startswith("memory-mapped")) / GB
-                   for a in launch_ranks] for launch_ranks in ranks]
+        held = [[torch_held(a)[0] / GB for a in launch_ranks] for launch_ranks in ranks]
+        mapped = [[torch_held(a)[2] / GB for a in launch_ranks] for launch_ranks in ranks]
         resident = [[a["rss_peak"] / GB for a in launch_ranks] for launch_ranks in ranks]
         rec.update(torch_peak_gb=held, mapped_gb=mapped, rank_peak_rss_gb=resident,
                    **{k: [[a[k] for a in launch_ranks] for launch_ranks in ranks]
@@ -486,7 +485,7 @@ def step_attribute(ctx):
             "lora": ("finetune_c_3b_lora.yaml", "stage_c_bf16.safetensors",
                      ["batch_size=1", "grad_accum_steps=1", "dtype=bfloat16"])}
     for name, (yaml, generator, levers) in runs.items():
-        if ctx.only and name not in ctx.only: continue
+        if not ctx.selected(name): continue
         config = official_config(ctx, yaml)
         make_images(ctx.work/"images", 768 if ctx.scale == "official" else 256,
                     prefix="[fernando] " if name == "lora" else "")
@@ -524,9 +523,7 @@ def step_attribute(ctx):
                                                "live_at_peak_by_op", "phase_peak_allocated", "unseen")})
                 # the tensors the profiler did not see: the CLIP encoders (loaded in transformers' threads), and
                 # weights that stay memory-mapped from their file (bf16 in a bf16 file, fp32 in an fp32 file)
-                other = sum(v for k, v in a["unseen"].items() if k.startswith("allocated")) / GB
-                mapped = sum(v for k, v in a["unseen"].items() if k.startswith("memory-mapped")) / GB
-                held = a["peak_allocated"] / GB + other
+                held, other, mapped = (b / GB for b in torch_held(a))
                 keep.update(torch_peak_gb=held, mapped_gb=mapped)
                 line = (f"torch holds {held:.2f} GB at its peak ({a['peak_phase']}; {other:.2f} GB of it loaded in "
                         f"other threads) + {mapped:.2f} GB of mapped weight files = {held + mapped:.2f} GB vs planner "
@@ -569,6 +566,10 @@ class Context:
                     "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         self.results = json.loads(RESULTS.read_text()) if RESULTS.exists() and scale == "official" else {}
 
+    def selected(self, name: str) -> bool:
+        "Whether `--only` (parts of names: full_1b, lora, MALLOC, jemalloc, profiled, ...) selects run `name`."
+        return not self.only or any(part in name for part in self.only)
+
     def log(self, step: str) -> Path:
         (self.work/"logs").mkdir(parents=True, exist_ok=True)
         return self.work/"logs"/f"{step}.log"
@@ -580,8 +581,8 @@ def main(argv=None):
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {list(STEPS)}")
     p.add_argument("--scale", choices=("official", "tiny"), default="official")
     p.add_argument("--rewrite", action="store_true", help="write the weights again even where they exist")
-    p.add_argument("--only", default="", help="comma-separated: attribute's runs (full_1b, lora), fsdp's "
-                   "allocators (ALLOCATORS' names) or profiled; default all")
+    p.add_argument("--only", default="", help="comma-separated parts of names: attribute's runs (full_1b, lora), "
+                   "fsdp's allocators (glibc, MALLOC, jemalloc: ALLOCATORS) or profiled; default all")
     args = p.parse_args(argv)
     global RESULTS
     if args.scale == "tiny": RESULTS = args.work/"real_size_tiny.json"
