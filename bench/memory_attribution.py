@@ -219,10 +219,11 @@ def main(argv=None):
     runtime = status_bytes("VmRSS")           # the interpreter with torch imported
     import cascade_nb.train as T
     from cascade_nb.config import load_config
+    from cascade_nb.cli import cli_errors
     imported = status_bytes("VmRSS")          # ... and the trainer's modules
     phases = Phases()
     label_phases(phases)
-    cfg = load_config(args.config, args.overrides)
+    with cli_errors(): cfg = load_config(args.config, args.overrides)   # a bad config or key: one line, exit 2
     reset_peak()
     t0 = time.time()
     with contextlib.nullcontext() if args.no_profile else profile(activities=[ProfilerActivity.CPU],
