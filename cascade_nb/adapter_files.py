@@ -6,14 +6,15 @@ Docs: https://cascade-nb.github.io/cascade_nb/adapter_files.html.md"""
 
 # %% ../nbs/60b_adapter_files.ipynb #fa3d2780
 from __future__ import annotations
-import importlib, json, math, re, sys
+import contextlib, importlib, json, math, re, sys
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
 from .registry import Registry
 from .config import ConfigError
-from .core import save_safetensors_atomic, safetensors_header
+from .typed_yaml import read_json_file
+from .core import save_safetensors_atomic, safetensors_header, atomic_dir
 from .lora import (base_state_dict, to_kohya, to_reference, is_reference_lora, from_kohya, from_reference,
                              load_peft_adapter, _to_diffusers_module, _kohya_parts, adapter_entries, adapter_from_entry,
                              adapter_metadata, layer_records, token_names, LoRA, FullDiff,
@@ -686,9 +687,10 @@ def _export_official(lora, out: Path, ctx: ExportContext) -> list[Path]:
 def _export_peft(lora, out: Path, ctx: ExportContext) -> list[Path]:
     from peft import LoraConfig
     cfg, sd = peft_files(_adapters_only(lora))
-    out.mkdir(parents=True, exist_ok=True)
-    LoraConfig(**cfg).save_pretrained(str(out))
-    save_safetensors_atomic(sd, out / "adapter_model.safetensors", metadata=ctx.metadata)
+    # the config and the weights land together: a folder written whole (two exports to one folder cannot mix them)
+    with atomic_dir(out) as tmp:
+        LoraConfig(**cfg).save_pretrained(str(tmp))
+        save_safetensors_atomic(sd, tmp / "adapter_model.safetensors", metadata=ctx.metadata)
     return [out / "adapter_config.json", out / "adapter_model.safetensors"]
 
 # %% ../nbs/60b_adapter_files.ipynb #590c377d
@@ -697,12 +699,12 @@ def _export_embedding(lora, out: Path, ctx: ExportContext) -> list[Path]:
     names = token_names(lora)
     if not names: raise ConfigError("--to embedding: the LoRA has no trained tokens (train_tokens)")
     rows = lora["tokens.embeddings"].float()
-    paths = [out] if len(names) == 1 else [out / f"{_safe_name(n)}.safetensors" for n in names]
-    if len(names) > 1: out.mkdir(parents=True, exist_ok=True)
-    for name, row, path in zip(names, rows, paths):
-        meta = {**ctx.metadata, "cascade_nb.trigger_tokens": json.dumps([name]), "modelspec.trigger_phrase": name}
-        save_safetensors_atomic({"clip_g": row[None].contiguous()}, path, metadata=meta)
-    return paths
+    with contextlib.nullcontext(out) if len(names) == 1 else atomic_dir(out) as folder:
+        paths = [folder] if len(names) == 1 else [folder / f"{_safe_name(n)}.safetensors" for n in names]
+        for name, row, path in zip(names, rows, paths):
+            meta = {**ctx.metadata, "cascade_nb.trigger_tokens": json.dumps([name]), "modelspec.trigger_phrase": name}
+            save_safetensors_atomic({"clip_g": row[None].contiguous()}, path, metadata=meta)
+    return [out] if len(names) == 1 else [out / p.name for p in paths]
 
 LAYOUTS = Registry("adapter_layout", {"cascade_nb": _export_cascade_nb, "official": _export_official,
                                       "kohya": _export_kohya, "peft": _export_peft, "embedding": _export_embedding},
@@ -711,13 +713,15 @@ LAYOUTS = Registry("adapter_layout", {"cascade_nb": _export_cascade_nb, "officia
 
 # %% ../nbs/60b_adapter_files.ipynb #faa51ec2
 def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None, text_model: nn.Module | None = None,
-                   base: str | None = None, module_filters=None, options: dict | None = None
-                   ) -> tuple[list[Path], list[str]]:
+                   base: str | None = None, module_filters=None, options: dict | None = None,
+                   overwrite: bool = False) -> tuple[list[Path], list[str]]:
     """Write `lora` (cascade_nb's layout, tokens included) as `layout` at `out`, with metadata; (paths, warnings).
     `model`: the Stage C (official order; with its weights, ComfyUI-exact DoRA/OFT in kohya files); `text_model`: the
-    text model with the run's `train_tokens` added; `options`: the adapter type's (`adapter_options`)."""
-    from cascade_nb.cli import cli_choice
+    text model with the run's `train_tokens` added; `options`: the adapter type's (`adapter_options`). `out` must not
+    exist unless `overwrite`, and never lies in a run directory (`output_target`)."""
+    from cascade_nb.cli import cli_choice, output_target
     writer = cli_choice(LAYOUTS, layout, "--to")
+    output_target(out, overwrite)
     meta = adapter_metadata(_adapters_only(lora), layout, base, token_names(lora), module_filters, options)
     ctx = ExportContext(model, text_model, {**meta, "modelspec.title": Path(out).stem})
     return writer(lora, Path(out), ctx), ctx.warnings
@@ -731,14 +735,16 @@ class AdapterSource:
     metadata: dict
     peft_config: dict | None = None
     run_config: dict | None = None
+    info_path: Path | None = None   # the run directory's info.json, which `run_config` came from
 
 def read_source(path) -> AdapterSource:
     "The adapter at `path`: a run directory, a peft adapter folder or a safetensors file (one-line errors otherwise)."
     from safetensors.torch import load_file
     path = Path(path)
-    run_config = None
+    run_config = info = None
     if path.is_dir() and (path / "info.json").exists():
-        run_config = json.loads((path / "info.json").read_text()).get("config")
+        record = read_json_file(info := path / "info.json", "run record")
+        run_config = record.get("config") if isinstance(record, dict) else None
         path = path / "lora.safetensors"
         if not path.exists(): raise FileNotFoundError(2, "the run has no lora.safetensors yet", str(path))
     if path.is_dir():
@@ -749,7 +755,8 @@ def read_source(path) -> AdapterSource:
         return AdapterSource(path, load_file(str(weights)), safetensors_header(weights)[0],
                              json.loads((path / "adapter_config.json").read_text()))
     if not path.is_file(): raise FileNotFoundError(2, "no such file", str(path))
-    return AdapterSource(path, load_file(str(path)), safetensors_header(path)[0], run_config=run_config)
+    return AdapterSource(path, load_file(str(path)), safetensors_header(path)[0], run_config=run_config,
+                         info_path=info)
 
 # %% ../nbs/60b_adapter_files.ipynb #d50edb6f
 def source_layout(src: AdapterSource) -> str:
@@ -792,9 +799,9 @@ def meta_stage_c(cfg=None) -> nn.Module:
 def _run_cfg(src: AdapterSource, config_path):
     "The training config of a source: --config, else the run directory's info.json."
     if config_path: return _config(config_path)
-    if src.run_config is None: return None
-    from cascade_nb.config import config_from_dict
-    return config_from_dict(src.run_config, ["generator_checkpoint_path=null"], training=False)
+    if src.info_path is None: return None
+    from cascade_nb.config import config_from_run
+    return config_from_run(src.info_path, ["generator_checkpoint_path=null"], training=False)
 
 # %% ../nbs/60b_adapter_files.ipynb #011b841a
 def _text_model_with_tokens(cfg, lora):
@@ -806,9 +813,13 @@ def _text_model_with_tokens(cfg, lora):
     add_train_tokens(tokenizer, text_model, cfg.lora.train_tokens)
     return text_model
 
-def run_export(source, layout: str, out, config_path=None, model_arg=None) -> tuple[list[Path], list[str]]:
-    """`export`: the adapter at `source` (run dir, file or folder) as `layout` at `out`; `model_arg`: a Stage C
-    checkpoint (or training YAML) whose weights a `.diff` or ComfyUI's DoRA/OFT forms need."""
+def run_export(source, layout: str, out, config_path=None, model_arg=None, overwrite: bool = False
+               ) -> tuple[list[Path], list[str]]:
+    """`export`: the adapter at `source` (run dir, file or folder) as `layout` at `out` (an existing one replaced
+    only with `overwrite`); `model_arg`: a Stage C checkpoint (or training YAML) whose weights a `.diff` or ComfyUI's
+    DoRA/OFT forms need."""
+    from cascade_nb.cli import output_target
+    output_target(out, overwrite)   # before the slow reading
     src = read_source(source)
     cfg = _run_cfg(src, config_path)
     model = _check_params(model_arg)[1] if model_arg else meta_stage_c(cfg) if cfg is not None else None
@@ -818,7 +829,7 @@ def run_export(source, layout: str, out, config_path=None, model_arg=None) -> tu
             or src.metadata.get("cascade_nb.generator_checkpoint_path"))
     text_model = _text_model_with_tokens(cfg, lora) if layout == "official" else None
     options = json.loads(src.metadata.get("cascade_nb.adapter_options") or "{}")
-    return export_adapter(lora, layout, out, model, text_model, base, filters, options)
+    return export_adapter(lora, layout, out, model, text_model, base, filters, options, overwrite)
 
 # %% ../nbs/60b_adapter_files.ipynb #0ca5fbd3
 def _check_params(model_arg):
@@ -889,13 +900,15 @@ def run_check(source, consumer: str | None = None, model_arg=None, config_path=N
 # %% ../nbs/60b_adapter_files.ipynb #b23b4dc6
 def _parser(doc: str):
     "The command line of `main`: the subcommands export and check."
-    from cascade_nb.cli import cli_parser
+    from cascade_nb.cli import cli_parser, add_import_option
     p = cli_parser("cascade_nb.lora", doc)
     sub = p.add_subparsers(dest="command", required=True, metavar="export|check")
     e = sub.add_parser("export", help="write a LoRA in another program's layout, with metadata")
     e.add_argument("source", help="run directory, LoRA .safetensors file or peft adapter folder")
     e.add_argument("--to", required=True, help=f"layout: {', '.join(LAYOUTS)}")
-    e.add_argument("--out", required=True, help="file (a folder for peft, or embedding with several tokens)")
+    e.add_argument("--out", required=True, help="file (a folder for peft, or embedding with several tokens), "
+                                                "outside any run directory")
+    e.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     e.add_argument("--config", help="training YAML of the LoRA (model, module_filters, train_tokens)")
     e.add_argument("--model", help="Stage C checkpoint or training YAML with the base weights (kohya: a .diff where "
                                    "q/k/v do not split, ComfyUI's form of DoRA and rescaled OFT)")
@@ -905,6 +918,7 @@ def _parser(doc: str):
                                                   "in cascade_nb's layout, else comfyui)")
     c.add_argument("--model", help="training YAML or Stage C checkpoint to merge the file into (per-layer |dW|)")
     c.add_argument("--config", help="training YAML with the run's module_filters (official layout)")
+    for sub_parser in (e, c): add_import_option(sub_parser)
     return p
 
 # %% ../nbs/60b_adapter_files.ipynb #2b0c740b
@@ -912,17 +926,19 @@ def main(argv=None) -> int:
     """Export a LoRA for another program, or check how one reads a LoRA file.
 
     python -m cascade_nb.lora export RUN_DIR_or_FILE --to cascade_nb|official|kohya|peft|embedding --out PATH
-        [--config TRAINING.yaml] [--model CONFIG_or_CHECKPOINT]
+        [--overwrite] [--config TRAINING.yaml] [--model CONFIG_or_CHECKPOINT] [--import MODULE]
     python -m cascade_nb.lora check FILE_or_DIR [--for cascade_nb|comfyui|kohya|peft|official]
-        [--model CONFIG_or_CHECKPOINT] [--config TRAINING.yaml]
+        [--model CONFIG_or_CHECKPOINT] [--config TRAINING.yaml] [--import MODULE]
     Exit status of check: 1 when the consumer skips a key, refuses the file or a scale looks wrong, 0 otherwise;
     2 for bad input.
     """
-    from cascade_nb.cli import parse_cli, cli_errors
+    from cascade_nb.cli import parse_cli, cli_errors, stop_on_signals
     args = parse_cli(_parser(main.__doc__), argv)
-    with cli_errors(OSError, ValueError, KeyError):
+    with cli_errors(OSError, ValueError, KeyError), stop_on_signals():
+        from cascade_nb.config import import_modules
+        import_modules(args.imports, "--import")
         if args.command == "export":
-            paths, warns = run_export(args.source, args.to, args.out, args.config, args.model)
+            paths, warns = run_export(args.source, args.to, args.out, args.config, args.model, args.overwrite)
             for w in warns: print(f"warning: {w}", file=sys.stderr)
             print("\n".join(map(str, paths)))
             return 0

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/cli.html.md"""
 
 # %% ../nbs/01a_cli.ipynb #5910328d
 from __future__ import annotations
-import argparse, contextlib, os, sys
+import argparse, contextlib, os, signal, sys, threading
 from pathlib import Path
 from .registry import Registry, UnknownChoice
 from .config import ConfigError
@@ -15,7 +15,7 @@ from .hub import weights_file
 
 # %% auto #0
 __all__ = ['cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'output_dir',
-           'readable_weights']
+           'run_dir_of', 'output_target', 'Stopped', 'stop_on_signals', 'readable_weights']
 
 # %% ../nbs/01a_cli.ipynb #551fe829
 class _Parser(argparse.ArgumentParser):
@@ -95,6 +95,45 @@ def output_dir(path, option: str = "--out") -> Path:
     path.mkdir(parents=True, exist_ok=True)
     if not os.access(path, os.W_OK | os.X_OK): raise PermissionError(13, f"{option} is not writable", str(path))
     return path
+
+# %% ../nbs/01a_cli.ipynb #6a5f2fa2
+def run_dir_of(path) -> Path | None:
+    "The cascade_nb run directory (a folder holding `info.json`) that `path` lies in, at most two folders up, or None."
+    p = Path(os.path.abspath(path))
+    return next((d for d in (p.parent, p.parent.parent) if (d/"info.json").is_file()), None)
+
+def output_target(path, overwrite: bool = False, option: str = "--out") -> Path:
+    """A file or folder a command is about to write, checked before any slow work: never inside a run directory
+    (its released files are the run's alone), never a symbolic link, and an existing one only with `overwrite`."""
+    path = Path(path)
+    if (run := run_dir_of(path)) is not None or (run := path if (path/"info.json").is_file() else None):
+        raise FileExistsError(17, f"{option} lies in the run directory {run} (it holds info.json): a run's files are "
+                                  "written by the run alone; choose a path outside it", str(path))
+    if path.is_symlink():
+        raise FileExistsError(17, f"{option} is a symbolic link: remove it or choose another path", str(path))
+    if path.exists() and not overwrite:
+        raise FileExistsError(17, f"{option} already exists; pass --overwrite to replace it", str(path))
+    return path
+
+# %% ../nbs/01a_cli.ipynb #a758ab30
+class Stopped(Exception):
+    "A stop signal that arrived while a command wrote its files."
+    def __init__(self, signum: int): super().__init__(signal.Signals(signum).name); self.signum = signum
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM, SIGHUP and SIGINT end a command that writes by an exception, so that its atomic writes remove their
+    temporary files on the way out; then one line on stderr and exit status 128 + the signal's number. (Outside a
+    process's main thread, where no handler can be set, signals keep their handlers.)"""
+    def stop(signum, frame): raise Stopped(signum)
+    if threading.current_thread() is not threading.main_thread(): yield; return
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try: yield
+    except Stopped as e:
+        print(f"stopped by {e}: the file being written was removed, nothing is left half-written", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    finally:
+        for s, handler in old.items(): signal.signal(s, handler)
 
 # %% ../nbs/01a_cli.ipynb #4fe13440
 def readable_weights(path) -> Path:

@@ -14,7 +14,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from .registry import registry, ConfigError
 from .typed_yaml import (Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, PROBABILITY, DECAY, coerce,
-                                   read_yaml, read_yaml_file, MAX_CONFIG_BYTES, MAX_YAML_VALUES, _numeric)
+                                   read_yaml, read_yaml_file, read_json_file, MAX_CONFIG_BYTES, MAX_YAML_VALUES,
+                                   _numeric)
 from .filters import DatasetFilter, CaptionsGetter, CaptionRecipe
 _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1", "PROBABILITY", "DECAY",
          "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
@@ -24,9 +25,9 @@ __all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SOURCE_KEYS', 'RUN
            'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS',
            'ModelConfig', 'GDFConfig', 'DataConfig', 'SourceEntry', 'source_entry', 'source_entries', 'TrainConfig',
            'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'check_range', 'config_section', 'Config',
-           'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'dump_config', 'save_config',
-           'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce',
-           'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
+           'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'config_from_run', 'dump_config',
+           'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY',
+           'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"
@@ -644,6 +645,26 @@ def _check(cfg: Config, where: str, training: bool):
          f"key(s) {', '.join(changing)} change the captions per sample and epoch, but latent_space: cached trains on "
          "the text embeddings of the captions as they were cached; turn them off, or train from the images "
          "(latent_space: effnet)")
+
+# %% ../nbs/01_config.ipynb #711247d1
+def config_from_run(info_path: str | os.PathLike, overrides=(), training: bool = True) -> Config:
+    """The resolved config a run recorded in its `info.json`, validated like a config a user was handed. A run folder
+    is data: a module its `imports:` names must already be imported (the user's `--import`); nothing is imported
+    from it or from the import path on its word."""
+    info_path = Path(info_path)
+    record = read_json_file(info_path, "run record")
+    saved = record.get("config") if isinstance(record, dict) else None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{info_path}: key 'config' is missing or not a mapping; expected the run's resolved config "
+                          "(a run directory written by cascade_nb)")
+    try: imports = coerce(saved.get("imports"), Optional[list[str]], "imports") or []
+    except ConfigError as e: raise ConfigError(f"{info_path}: {e}") from None
+    for name in imports:
+        if name not in sys.modules:
+            raise ConfigError(f"{info_path}: key 'imports' names module {name!r}; a run folder is data, and cascade_nb "
+                              f"imports no code a run's files name: if you trust that module, import it yourself "
+                              f"(--import {name}, with its folder on PYTHONPATH)")
+    return config_from_dict(saved, overrides, training=training, source=str(info_path))
 
 # %% ../nbs/01_config.ipynb #7ac5194f
 class _Dumper(yaml.SafeDumper): "YAML dumper writing lists inline (`[1/1, 1/2]`) and mappings as blocks."

@@ -6,12 +6,12 @@ Docs: https://cascade-nb.github.io/cascade_nb/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #7df7148c
 from __future__ import annotations
-import os, tempfile, contextlib, json, math
+import os, shutil, tempfile, contextlib, json, math
 from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['append_dims', 'atomic_path', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'Weights',
+__all__ = ['append_dims', 'atomic_path', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'atomic_dir', 'Weights',
            'save_safetensors_atomic', 'count_params', 'human_count', 'to_uint8', 'to_pil_grid', 'show_images',
            'resolve_dtype', 'default_device', 'enable_tf32', 'checkpoint_file', 'safetensors_header',
            'save_with_config', 'read_safetensors', 'load_safetensors_strict', 'load_with_config', 'frozen', 'seeded',
@@ -80,6 +80,31 @@ def atomic_write_text(path, text: str):
 def atomic_write_json(path, obj, **kwargs):
     "Write `obj` as JSON to `path` atomically."
     atomic_write_text(path, json.dumps(obj, indent=2, **kwargs))
+
+# %% ../nbs/00_core.ipynb #da840de0
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike):
+    """A temporary folder next to `path` for a writer of several files (a peft adapter folder); on success it takes
+    `path`'s place whole: renamed there when `path` is absent, else swapped with the old folder, which is then removed.
+    Two writers of one `path` never mix their files: each renames a complete folder (a rename onto a folder that
+    another writer created meanwhile fails). On failure the temporary folder is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        for f in tmp.iterdir(): _fsync_file(f)
+        if path.is_dir() and not path.is_symlink():
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old / "x")
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else: os.rename(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 # %% ../nbs/00_core.ipynb #f0041f9c
 class Weights(dict):

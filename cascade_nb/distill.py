@@ -75,9 +75,8 @@ def teacher_config(cfg: Config) -> Config:
     dc = cfg.distill
     path = Path(dc.teacher_checkpoint_path)
     if (path/"info.json").exists():
-        from cascade_nb.config import config_from_dict
-        saved = json.loads((path/"info.json").read_text())["config"]
-        return config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(path/"info.json"))
+        from cascade_nb.config import config_from_run
+        return config_from_run(path/"info.json", ["generator_checkpoint_path=null"])
     g, w = GDFConfig(), dc.cfg_scale if not isinstance(dc.cfg_scale, tuple) else sum(dc.cfg_scale) / 2
     m = replace(cfg.model, model_version=dc.teacher_model_version or cfg.model.model_version,
                 generator_checkpoint_path=dc.teacher_checkpoint_path, model_overrides=dc.teacher_model_overrides or {})

@@ -396,15 +396,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")
-    p.add_argument("--report", action="store_true", help="also write each run's report card (report.md with its "
-                   "pictures) next to its outputs: {output_path}/{experiment_id}/report/")
+    p.add_argument("--report", action="store_true", help="also write each run's report card (report.md and "
+                   "report_curves.png) into its outputs folder {output_path}/{experiment_id}/, when that lies inside "
+                   "the run folder or the current folder")
+    p.add_argument("--report-dir", default=None, metavar="DIR", help="with --report and one --checkpoint: write the "
+                   "report card into DIR instead")
     return add_import_option(p)
 
 # %% ../nbs/43_eval.ipynb #eb2e24da
 def main(argv=None) -> dict:
     "`python -m cascade_nb.eval`: {run: {metric: value}} for each --checkpoint, printed as a table."
     a = _parser().parse_args(argv)
-    results, weights, evaluator = [], [], None
+    if a.report_dir is not None and not (a.report and len(a.checkpoint) == 1):
+        _parser().error("--report-dir goes with --report and one --checkpoint")
+    results, weights, evaluator, cfgs = [], [], None, []
     try:
         from cascade_nb.config import import_modules
         from cascade_nb.cli import cli_choice
@@ -422,7 +427,7 @@ def main(argv=None) -> dict:
                                   reference=shared.get("reference"), seed=a.seed, best_metric="", steps=a.steps,
                                   cfg_scale=a.cfg, sampler=a.sampler)
             results.append(evaluate_run(evaluator, mode, gdf)[0])
-            if a.report: print(f"report: {REPORTS['markdown'](run, cfg, results[-1])}")
+            cfgs.append(cfg)
     except (FileNotFoundError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr); sys.exit(2)
     keys = list(dict.fromkeys(k for r in results for k in r))
@@ -434,6 +439,12 @@ def main(argv=None) -> dict:
     if a.json:
         try: Path(a.json).write_text(json.dumps(by_run, indent=1) + "\n")
         except OSError as e: print(f"error: --json {a.json}: {e.strerror or e}", file=sys.stderr); sys.exit(2)
+    # after the numbers are printed: a report that cannot be written loses none of them
+    for run, cfg, r in zip(a.checkpoint, cfgs, results) if a.report else ():
+        try: print(f"report: {REPORTS['markdown'](run, cfg, r, a.report_dir)}")
+        except (ConfigError, OSError) as e:
+            from cascade_nb.cli import error_line
+            print(f"error: --report: {error_line(e)}", file=sys.stderr); sys.exit(2)
     return by_run
 
 if __name__ == "__main__" and "__file__" in globals():

@@ -6,22 +6,24 @@ Docs: https://cascade-nb.github.io/cascade_nb/report.html.md"""
 
 # %% ../nbs/45_report.ipynb #45r00003
 from __future__ import annotations
-import contextlib, dataclasses, difflib, functools, json, math
+import contextlib, dataclasses, difflib, functools, html, json, math, re
 from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
 from .registry import registry
-from .core import seeded
+from .core import seeded, atomic_path, atomic_write_text
+from .typed_yaml import read_json_file
 from .eval import (register_metric, pixel_features, CLIPScore, SELECTION_RULES, REPORTS, read_evaluations,
                              _embeds)
 from .prompt_samples import adapter_scaled
 
 # %% auto #0
-__all__ = ['FEATURES', 'register_features', 'DINO_MODEL', 'REPORT_METRICS', 'features_of', 'tiny_clip_model', 'clip_model',
-           'CLIPImageFeatures', 'DinoFeatures', 'subject_fidelity', 'drift', 'diversity', 'caption_labels',
-           'SubjectFidelity', 'BaseWeights', 'Drift', 'Diversity', 'PromptFidelity', 'latest_per_update',
-           'stopping_walk', 'stopping_update', 'plot_report', 'write_report']
+__all__ = ['FEATURES', 'register_features', 'DINO_MODEL', 'REPORT_METRICS', 'feature_space', 'features_of', 'tiny_clip_model',
+           'clip_model', 'CLIPImageFeatures', 'DinoFeatures', 'subject_fidelity', 'drift', 'diversity',
+           'caption_labels', 'SubjectFidelity', 'BaseWeights', 'Drift', 'Diversity', 'PromptFidelity',
+           'latest_per_update', 'stopping_walk', 'stopping_update', 'plot_report', 'Md', 'md_text', 'report_folder',
+           'write_report']
 
 # %% ../nbs/45_report.ipynb #45r00007
 FEATURES = registry("feature_space", how="@register_features('name') in a module the config lists in 'imports'")
@@ -30,15 +32,18 @@ FEATURES = registry("feature_space", how="@register_features('name') in a module
 register_features = FEATURES.register
 "Decorator `@register_features('name')`: make a feature-space builder available as `eval_features: name`."
 
-def features_of(cfg: Config):
-    "The feature extractor of the run's `eval_features`; an unknown name is refused with a suggestion."
-    name = cfg.checkpoint.eval_features
+def feature_space(name: str):
+    "The registered builder of feature space `name` (`eval_features`); an unknown name is refused with a suggestion."
     if name not in FEATURES:
         close = difflib.get_close_matches(str(name), FEATURES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"key 'eval_features': {name!r} is not a feature space{hint}; expected one of "
                           f"{sorted(FEATURES)}")
-    return FEATURES[name](cfg)
+    return FEATURES[name]
+
+def features_of(cfg: Config):
+    "The feature extractor of the run's `eval_features`."
+    return feature_space(cfg.checkpoint.eval_features)(cfg)
 
 @register_features("pixels")
 def _pixels(cfg: Config): return pixel_features
@@ -312,16 +317,29 @@ def plot_report(rows: list[dict], evals: list[dict], stop, out_png) -> Path:
     for ax in axes:
         ax.set_xlabel("update")
         if stop is not None: ax.axvline(stop[0], color="tab:red", ls=":", label="kept")
-    fig.tight_layout(); fig.savefig(out_png, dpi=90)
+    fig.tight_layout()
+    # a new file renamed over the old one: a link planted where the picture goes is replaced, never written through
+    with atomic_path(out_png) as tmp: fig.savefig(tmp, dpi=90, format="png")
     return Path(out_png)
 
 # %% ../nbs/45_report.ipynb #45r00033
-def _table(head: list[str], rows: list[list]) -> list[str]:
-    "A Markdown table."
-    cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "\\|")
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(map(cell, r)) + " |"
-                                                                       for r in rows]
+class Md(str):
+    "Markdown the report writes itself (a picture link, a bold label): put on the page as it is."
 
+def md_text(value) -> str:
+    """Text read from a run's files (prompts, names, values) as literal Markdown on one line: control characters
+    and newlines become spaces (no new block, no row out of a table), HTML's `& < >` become entities (no tag, no
+    autolink), and the characters that open code, emphasis, links, pictures and table cells are escaped."""
+    s = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", str(value)).split())
+    return re.sub(r"([\\`*\[\]!|])", r"\\\1", html.escape(s, quote=False))
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    "A Markdown table; every cell but an `Md` is literal text (`md_text`), a float shown to 4 digits."
+    cell = lambda v: v if isinstance(v, Md) else f"{v:.4g}" if isinstance(v, float) else md_text(v)
+    return ["| " + " | ".join(map(cell, head)) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(map(cell, r)) + " |" for r in rows]
+
+# %% ../nbs/45_report.ipynb #e1a6eef8
 def _stop_text(evals: list[dict], best: dict | None) -> list[str]:
     "What the stopping rule says, at which evaluation it stopped, and which weights the run kept for it."
     keep, fired = stopping_walk(evals)
@@ -330,46 +348,83 @@ def _stop_text(evals: list[dict], best: dict | None) -> list[str]:
     before = max((r for r in evals if r["update"] < fired["update"]), key=lambda r: r["update"]) if fired else None
     why = (f"at update {fired['update']} subject fidelity was no higher ({fired[f]:.4g}) while drift grew "
            f"({before[d]:.4g} → {fired[d]:.4g})" if fired else "fidelity was still rising at the last evaluation")
-    kept = (f"The run kept these weights as `{best['weights']}` (`best_metric: stopping_rule`)."
+    kept = (f"The run kept these weights as {md_text(best.get('weights'))} (`best_metric: stopping_rule`)."
             if best and best.get("metric") == "stopping_rule" and best.get("update") == keep["update"] else
             "Set `best_metric: stopping_rule` to keep this update's weights as `*_best.safetensors` while training.")
     return [f"**Keep update {keep['update']}** (subject fidelity {keep[f]:.4g}): {why}.", "", kept]
 
-
 # %% ../nbs/45_report.ipynb #45r00034
+_SAMPLE_FILE = re.compile(r"[\w.-]+\.png")
+
+def _prompt_pictures(index_path: Path) -> tuple[int, dict[str, str]]:
+    """(update, {prompt text: picture file}) of one `samples/UPDATE/index.json` (`cascade_nb.prompt_samples`); a
+    ConfigError names the file when it is not such a record; a picture name that is not a plain PNG name is None."""
+    ix = read_json_file(index_path, "prompt samples index")
+    try:
+        update, pictures = ix["update"], {}
+        if not isinstance(update, int) or isinstance(update, bool): raise TypeError(f"update {update!r}")
+        for e in ix["prompts"]:
+            name = e["files"].get("pair", e["files"]["weights"])
+            pictures[str(e["text"])] = name if isinstance(name, str) and _SAMPLE_FILE.fullmatch(name) else None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{index_path}: not an index cascade_nb writes (bad or missing {e}); expected "
+                          "{update, prompts: [{text, files: {weights, pair?}}]}") from None
+    return update, pictures
+
 def _grids_over_updates(out: Path) -> list[str]:
-    "The evaluation grids and the `sample_prompts` pictures of each update, as Markdown linking the run's own PNGs."
+    """The evaluation grids and the `sample_prompts` pictures of each update, as Markdown linking the run's own PNGs
+    (a prompt the prompts file of an update did not have shows '-')."""
     lines = ["### Evaluation samples (above: samples; below: the captions' training images)", ""]
-    lines += [f"**update {int(p.stem[5:])}**\n\n![]({p.name})\n" for p in sorted(out.glob("eval_*.png"))]
-    indexes = [json.loads(p.read_text()) for p in sorted(out.glob("samples/*/index.json"))]
+    lines += [f"**update {int(p.stem[5:])}**\n\n![]({p.name})\n" for p in sorted(out.glob("eval_*.png"))
+              if p.stem[5:].isdigit()]
+    indexes = [_prompt_pictures(p) for p in sorted(out.glob("samples/*/index.json"))]
     if indexes:
-        cols = [f"update {ix['update']}" for ix in indexes]
-        shown = lambda ix, i: ix["prompts"][i]["files"].get("pair", ix["prompts"][i]["files"]["weights"])
-        rows = [[e["text"], *(f"![](samples/{ix['update']:06d}/{shown(ix, i)})" for ix in indexes)]
-                for i, e in enumerate(indexes[0]["prompts"])]
-        lines += ["### Prompt samples (`sample_prompts`)", "", *_table(["prompt", *cols], rows)]
+        texts = list(dict.fromkeys(t for _, pictures in indexes for t in pictures))
+        picture = lambda u, pictures, t: Md(f"![](samples/{u:06d}/{pictures[t]})") if pictures.get(t) else "-"
+        rows = [[t, *(picture(u, pictures, t) for u, pictures in indexes)] for t in texts]
+        lines += ["### Prompt samples (`sample_prompts`)", "", *_table(["prompt", *(f"update {u}" for u, _ in indexes)],
+                                                                      rows)]
     return lines
 
 # %% ../nbs/45_report.ipynb #45r00035
-def write_report(run_dir, cfg: Config, results: dict | None = None) -> Path:
-    """`{output_path}/{experiment_id}/report.md`: the kept update, the numbers at each evaluation, curves and sample
-    grids over updates, and `results` (the weights scored now) when given."""
+def report_folder(run_dir, cfg: Config, chosen=None) -> Path:
+    """Where a run's report goes: `chosen` (the user's `--report-dir`), else the run's outputs folder as its config
+    records it (`{output_path}/{experiment_id}`), when that is an existing folder, no symbolic link, inside the run
+    folder or the current folder. A run folder is shared and downloaded: its `info.json` does not choose where files
+    are written."""
+    if chosen is not None: return Path(chosen)
     out = Path(cfg.checkpoint.output_path)/cfg.checkpoint.experiment_id
+    inside = any(out.resolve().is_relative_to(b.resolve()) for b in (Path(run_dir), Path.cwd()))
+    why = ("is a symbolic link" if out.is_symlink() else "is not a folder" if not out.is_dir() else
+           None if inside else "is outside the run folder and the current folder")
+    if why:
+        raise ConfigError(f"--report: the run's outputs folder {out} (output_path in {Path(run_dir)/'info.json'}) "
+                          f"{why}; pass --report-dir DIR to say where its report goes")
+    return out
+
+def write_report(run_dir, cfg: Config, results: dict | None = None, out_dir=None) -> Path:
+    """`report.md` in `out_dir` (default: the run's outputs, `report_folder`): the kept update, the numbers at each
+    evaluation, curves and sample grids over updates, and `results` (the weights scored now) when given. Everything
+    read from the run's files is literal text on the page (`md_text`), and both files are written atomically (a link
+    in their place is replaced, never followed)."""
+    ck = cfg.checkpoint
+    feature_space(ck.eval_features)
+    out = report_folder(run_dir, cfg, out_dir)
     rows = _metric_rows(out/"metrics.jsonl")
     evals = latest_per_update(read_evaluations(out/"metrics.jsonl"))
     stop, best_json = stopping_update(evals), Path(run_dir)/"best.json"
-    plot_report(rows, evals, stop, out/"report_curves.png")
-    keys, ck = list(dict.fromkeys(k for r in evals for k in r if k.startswith("eval/"))), cfg.checkpoint
+    best = read_json_file(best_json, "best-weights record") if best_json.is_file() else None
+    keys = list(dict.fromkeys(k for r in evals for k in r if k.startswith("eval/")))
     numbers = _table(["update", *(k[5:] for k in keys)], [[r["update"], *(r.get(k, "-") for k in keys)] for r in evals])
-    lines = [f"# Report card: {ck.experiment_id}", "",
-             f"Features: `{ck.eval_features}`; an evaluation every {ck.eval_every} updates.", "",
-             "## The update to keep", "",
-             *_stop_text(evals, json.loads(best_json.read_text()) if best_json.is_file() else None), "",
+    lines = [f"# Report card: {md_text(ck.experiment_id)}", "",
+             f"Features: {md_text(ck.eval_features)}; an evaluation every {ck.eval_every} updates.", "",
+             "## The update to keep", "", *_stop_text(evals, best if isinstance(best, dict) else None), "",
              "## Numbers at each evaluation", "", *numbers, "", "## Curves", "", "![](report_curves.png)", "",
              "## Samples over updates", "", *_grids_over_updates(out)]
     if results:
         lines += ["", "## The released weights, scored now", "", *_table(["metric", "value"], list(results.items()))]
-    (out/"report.md").write_text("\n".join(lines) + "\n")
+    plot_report(rows, evals, stop, out/"report_curves.png")
+    atomic_write_text(out/"report.md", "\n".join(lines) + "\n")
     return out/"report.md"
 
 REPORTS["markdown"] = write_report

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse, json, os, re, sys
 from pathlib import Path
 import torch
-from .config import config_from_dict, ConfigError, import_modules
+from .config import config_from_run, ConfigError, import_modules
 from .cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights,
                             add_import_option, cli_choice)
 from .core import to_pil_grid
@@ -30,9 +30,8 @@ def run_config(checkpoint_dir):
     if not info_path.exists():
         raise FileNotFoundError(f"{run} is not a cascade_nb run directory (no info.json); "
                                 f"pass {{checkpoint_path}}/{{experiment_id}}")
-    try: saved = json.loads(info_path.read_text())["config"]
-    except (ValueError, KeyError) as e: raise ValueError(f"{info_path} is not a readable run record ({e})") from None
-    return config_from_dict(saved, ["generator_checkpoint_path=null"], source=str(info_path))
+    # the run folder is data: its imports: are not imported (config_from_run), only checked to be
+    return config_from_run(info_path, ["generator_checkpoint_path=null"])
 
 # %% ../nbs/42_sample.ipynb #98e620a1
 def best_weights(checkpoint_dir) -> tuple[Path, dict]:

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/typed_yaml.html.md"""
 
 # %% ../nbs/00c_typed_yaml.ipynb #ab329996
 from __future__ import annotations
-import math, typing
+import json, math, typing
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -15,8 +15,8 @@ import yaml
 from .registry import REGISTRIES, Registry, UnknownChoice, ConfigError
 
 # %% auto #0
-__all__ = ['MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'read_yaml',
-           'read_yaml_file', 'Range', 'Choice', 'coerce']
+__all__ = ['MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'MAX_RECORD_BYTES', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY',
+           'DECAY', 'read_yaml', 'read_yaml_file', 'read_json_file', 'Range', 'Choice', 'coerce']
 
 # %% ../nbs/00c_typed_yaml.ipynb #47c65637
 MAX_CONFIG_BYTES = 1 << 20
@@ -83,6 +83,27 @@ def read_yaml_file(path, what: str = "config file", max_bytes: int = MAX_CONFIG_
     except yaml.YAMLError as e: raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); expected a YAML file") from None
+    except OSError as e: raise ConfigError(f"{what} {str(path)!r} cannot be read: {e.strerror}") from None
+
+# %% ../nbs/00c_typed_yaml.ipynb #89e351e7
+MAX_RECORD_BYTES = 16 * 2**20
+"The most a JSON record a run wrote (info.json, best.json, index.json) may hold: they are a few KB."
+
+def read_json_file(path, what: str = "record", max_bytes: int = MAX_RECORD_BYTES):
+    """The JSON document in file `path` (a `what`), at most `max_bytes` read; a `ConfigError` names the file and the
+    problem (missing, a folder, too large, not UTF-8, not JSON)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} " + ("is a directory" if path.is_dir() else "does not exist"))
+    try:
+        with open(path, "rb") as f: data = f.read(max_bytes + 1)
+        if len(data) > max_bytes: raise ConfigError(f"more than {max_bytes} bytes; a {what} is a few KB")
+        return json.loads(data.decode("utf-8"))
+    except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); expected JSON") from None
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); expected a {what} as cascade_nb writes it") from None
     except OSError as e: raise ConfigError(f"{what} {str(path)!r} cannot be read: {e.strerror}") from None
 
 # %% ../nbs/00c_typed_yaml.ipynb #8b800fc2

@@ -129,3 +129,42 @@ def test_lokr_and_oft_runs_release_headers_and_check_clean(tmp_path, capsys):
     assert " diff " in res.stdout and "warning" not in res.stdout
     res = in_process(capsys, "check", tmp_path / "lokr.safetensors", "--model", tmp_path / "pretrained.safetensors")
     assert res.returncode == 0 and " lokr " in res.stdout and " diff " in res.stdout, res.stdout + res.stderr
+
+def test_export_never_overwrites_without_asking(run_dir, tmp_path, capsys):
+    """B26, B27, B31: the run's own released LoRA is never an export target (not even with --overwrite); an existing
+    file is replaced only with --overwrite; a peft folder is replaced whole (no config of one export beside the
+    weights of another)."""
+    import hashlib
+    from cascade_nb.adapter_files import main
+    run, _ = run_dir
+    sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+    released = sha(run / "lora.safetensors")
+    for out in (run / "lora.safetensors", run / "peft"):
+        res = in_process(capsys, "export", run, "--to", "peft" if out.name == "peft" else "kohya", "--out", out,
+                         "--overwrite")
+        assert res.returncode == 2 and "lies in the run directory" in res.stderr, res.stderr
+    assert sha(run / "lora.safetensors") == released and not (run / "peft").exists()
+    mine = tmp_path / "notes.safetensors"
+    mine.write_bytes(b"my notes")
+    res = in_process(capsys, "export", run, "--to", "kohya", "--out", mine)
+    assert res.returncode == 2 and "already exists; pass --overwrite" in res.stderr and mine.read_bytes() == b"my notes"
+    assert in_process(capsys, "export", run, "--to", "kohya", "--out", mine, "--overwrite").returncode == 0
+    assert mine.read_bytes() != b"my notes"
+    (tmp_path / "peft").mkdir(); (tmp_path / "peft" / "stale.bin").write_bytes(b"old")
+    assert in_process(capsys, "export", run, "--to", "peft", "--out", tmp_path / "peft").returncode == 2
+    assert in_process(capsys, "export", run, "--to", "peft", "--out", tmp_path / "peft", "--overwrite").returncode == 0
+    assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.safetensors", "peft"]     # no temporary left
+
+def test_export_imports_no_module_the_run_names(run_dir, tmp_path, capsys):
+    "B69 for `lora export` / `check`: the run's info.json names a module; it is refused unless --import names it."
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(run_dir[0], run)
+    info = json.loads((run / "info.json").read_text())
+    (run / "info.json").write_text(json.dumps({"config": {**info["config"], "imports": ["cnb_helpers_lora"]}}))
+    (run / "cnb_helpers_lora.py").write_text("raise SystemExit('never')\n")
+    for cmd in (["export", run, "--to", "kohya", "--out", tmp_path / "k.safetensors"], ["check", run]):
+        res = in_process(capsys, *cmd)
+        assert res.returncode == 2 and "--import cnb_helpers_lora" in res.stderr, res.stderr
+    assert "cnb_helpers_lora" not in sys.modules

@@ -31,7 +31,8 @@ def test_training_logs_the_card_and_keeps_the_rules_update(run):
 
 def test_cli_report_writes_the_page(run):
     ck = run / "ckpt" / "card"
-    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", ck, "--report", "--json", run / "now.json")
+    # from the folder it trained in: the outputs folder its info.json names is inside the current folder
+    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", ck, "--report", "--json", run / "now.json", cwd=run)
     page = run / "out" / "card" / "report.md"
     assert f"report: {page}" in res.stdout
     text = page.read_text()
