@@ -66,7 +66,8 @@ SELECTION_RULES: dict = {}
 `rule.needs`, the result keys it reads."""
 
 REPORTS: dict = {}
-"Report writers `write(run_dir, cfg, results) -> path` by format (`--report`; the report card registers 'markdown')."
+("Report writers by format (`--report`; the report card registers 'markdown'): `writer.folder(run_dir, cfg, chosen, "
+ "overwrite) -> folder`, checked before any sampling, then `writer(run_dir, cfg, results, folder) -> path`.")
 
 METRIC_MODULES = ("cascade_nb.report",)
 "The modules, later in the reading order, that register more metrics and selection rules (the report card)."
@@ -400,7 +401,8 @@ def _parser() -> argparse.ArgumentParser:
                    "report_curves.png) into its outputs folder {output_path}/{experiment_id}/, when that lies inside "
                    "the run folder or the current folder")
     p.add_argument("--report-dir", default=None, metavar="DIR", help="with --report and one --checkpoint: write the "
-                   "report card into DIR instead")
+                   "report card into DIR instead (from the metrics.jsonl and pictures DIR holds)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file and report card")
     return add_import_option(p)
 
 # %% ../nbs/43_eval.ipynb #eb2e24da
@@ -409,13 +411,16 @@ def main(argv=None) -> dict:
     a = _parser().parse_args(argv)
     if a.report_dir is not None and not (a.report and len(a.checkpoint) == 1):
         _parser().error("--report-dir goes with --report and one --checkpoint")
-    results, weights, evaluator, cfgs = [], [], None, []
+    results, weights, evaluator, cfgs, folders = [], [], None, [], []
     try:
         from cascade_nb.config import import_modules
-        from cascade_nb.cli import cli_choice
+        from cascade_nb.cli import cli_choice, output_target
         import_modules(a.imports, "--import")
+        if a.json: output_target(a.json, a.overwrite, "--json")
         for run in a.checkpoint:
             mode, gdf, cfg = load_run(run, ema=not a.no_ema, best=a.best)
+            # where each report goes, checked now rather than after the sampling
+            if a.report: folders.append(REPORTS["markdown"].folder(run, cfg, a.report_dir, a.overwrite))
             if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
             weights.append(mode.weights_file)
             if a.reference:
@@ -428,8 +433,9 @@ def main(argv=None) -> dict:
                                   cfg_scale=a.cfg, sampler=a.sampler)
             results.append(evaluate_run(evaluator, mode, gdf)[0])
             cfgs.append(cfg)
-    except (FileNotFoundError, ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr); sys.exit(2)
+    except (OSError, ConfigError, ValueError) as e:
+        from cascade_nb.cli import error_line
+        print(f"error: {error_line(e)}", file=sys.stderr); sys.exit(2)
     keys = list(dict.fromkeys(k for r in results for k in r))
     print(f"{len(evaluator.captions)} captions, seed {a.seed}, {len(evaluator.ref_captions)} reference images")
     print("\t".join(["metric", *a.checkpoint]))
@@ -440,8 +446,8 @@ def main(argv=None) -> dict:
         try: Path(a.json).write_text(json.dumps(by_run, indent=1) + "\n")
         except OSError as e: print(f"error: --json {a.json}: {e.strerror or e}", file=sys.stderr); sys.exit(2)
     # after the numbers are printed: a report that cannot be written loses none of them
-    for run, cfg, r in zip(a.checkpoint, cfgs, results) if a.report else ():
-        try: print(f"report: {REPORTS['markdown'](run, cfg, r, a.report_dir)}")
+    for run, cfg, r, folder in zip(a.checkpoint, cfgs, results, folders):
+        try: print(f"report: {REPORTS['markdown'](run, cfg, r, folder)}")
         except (ConfigError, OSError) as e:
             from cascade_nb.cli import error_line
             print(f"error: --report: {error_line(e)}", file=sys.stderr); sys.exit(2)

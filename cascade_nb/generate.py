@@ -8,15 +8,16 @@ Docs: https://cascade-nb.github.io/cascade_nb/generate.html.md"""
 from __future__ import annotations
 import argparse, re, sys
 from pathlib import Path
-from .core import atomic_write
+
 from .config import import_modules
 from .cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line,
     add_import_option, cli_choice)
 from .inference import CascadePipeline, to_pil
+from .sample import unused_paths, save_png
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['STAGE_FILES', 'slug', 'make_parser', 'check_models_dir', 'main']
+__all__ = ['STAGE_FILES', 'slug', 'make_parser', 'image_names', 'check_models_dir', 'main']
 
 # %% ../nbs/51_generate.ipynb #11e2e17f
 def slug(text: str, max_len: int = 40) -> str:
@@ -59,11 +60,14 @@ def make_parser() -> argparse.ArgumentParser:
                    help="bfloat16 or float32 (default: bf16 on GPU, fp32 on CPU; fp16 is refused)")
     p.add_argument("--offload", action="store_true", help="load one stage at a time (low memory)")
     p.add_argument("--no-previews", action="store_true", help="don't write the Stage C previews")
+    p.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
     return add_import_option(p)
 
 # %% ../nbs/51_generate.ipynb #09876847
-def _save_png(image, path: Path):
-    with atomic_write(path) as f: image.save(f, format="PNG")
+def image_names(prompts: list[str], n: int, seed: int, previews: bool) -> list[str]:
+    "The files `generate` writes for `prompts` × `n` at `seed`: `{seed}_{i}_{slug}.png`, each with its `_preview`."
+    stems = [f"{seed}_{i:02d}_{slug(p)}" for i, p in enumerate(q for q in prompts for _ in range(n))]
+    return [f"{s}{suffix}.png" for s in stems for suffix in ("", "_preview")[:1 + previews]]
 
 # %% ../nbs/51_generate.ipynb #1b63e39c
 STAGE_FILES = {"stage_c": "prior", "stage_b": "decoder", "stage_a": "vqgan"}
@@ -93,6 +97,9 @@ def main(argv=None) -> int:
         import_modules(args.imports, "--import")
         cli_choice(SAMPLERS, args.sampler_c, "--sampler-c")
         out_dir = output_dir(args.out)          # a file, or not writable: said now, not after the sampling
+        # files of these names already there: said now too (a random seed is known only after the sampling)
+        if args.seed is not None:
+            unused_paths(out_dir, image_names(args.prompts, args.n, args.seed, not args.no_previews), args.overwrite)
         for f in (args.image, args.init_image):
             if f is not None and not Path(f).is_file(): raise FileNotFoundError(2, "no such image file", f)
         if args.stage_c_weights is not None:
@@ -116,13 +123,16 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:   # missing/corrupt files, bad option values: one line, no traceback
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
-    prompts = [p for p in args.prompts for _ in range(args.n)]
-    previews = to_pil(out.previews) if out.previews is not None else [None] * len(prompts)
-    for i, (image, preview, prompt) in enumerate(zip(out.pil(), previews, prompts)):
-        path = out_dir / f"{out.seed}_{i:02d}_{slug(prompt)}.png"
-        for im, p in [(image, path), (preview, path.with_name(f"{path.stem}_preview.png"))]:
-            if im is not None: _save_png(im, p); print(p)
-    print(f"wrote {len(prompts)} image(s) to {out_dir} (seed {out.seed})")
+    previews = to_pil(out.previews) if out.previews is not None else [None] * len(out.pil())
+    pictures = [im for pair in zip(out.pil(), previews) for im in pair if im is not None]
+    try:
+        for im, path in zip(pictures, unused_paths(out_dir, image_names(args.prompts, args.n, out.seed,
+                                                                        out.previews is not None), args.overwrite)):
+            save_png(im, path, args.overwrite); print(path)
+    except OSError as e:   # a file of that name appeared meanwhile, a full disk
+        print(f"error: {error_line(e)}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(previews)} image(s) to {out_dir} (seed {out.seed})")
     return 0
 
 # %% ../nbs/51_generate.ipynb #01c2d0a0

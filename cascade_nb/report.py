@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/report.html.md"""
 
 # %% ../nbs/45_report.ipynb #45r00003
 from __future__ import annotations
-import contextlib, dataclasses, difflib, functools, html, json, math, re
+import contextlib, dataclasses, difflib, functools, html, json, math, os, re
 from pathlib import Path
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ __all__ = ['FEATURES', 'register_features', 'DINO_MODEL', 'REPORT_METRICS', 'fea
            'clip_model', 'CLIPImageFeatures', 'DinoFeatures', 'subject_fidelity', 'drift', 'diversity',
            'caption_labels', 'SubjectFidelity', 'BaseWeights', 'Drift', 'Diversity', 'PromptFidelity',
            'latest_per_update', 'stopping_walk', 'stopping_update', 'plot_report', 'Md', 'md_text', 'report_folder',
-           'write_report']
+           'write_report', 'MarkdownReport']
 
 # %% ../nbs/45_report.ipynb #45r00007
 FEATURES = registry("feature_space", how="@register_features('name') in a module the config lists in 'imports'")
@@ -427,4 +427,18 @@ def write_report(run_dir, cfg: Config, results: dict | None = None, out_dir=None
     atomic_write_text(out/"report.md", "\n".join(lines) + "\n")
     return out/"report.md"
 
-REPORTS["markdown"] = write_report
+class MarkdownReport:
+    """The report card as `eval --report` writes it: `folder` says where, checked before any sampling (the place, the
+    features' name, and files a run would replace, which need `overwrite`); calling it writes the page there."""
+    files = ("report.md", "report_curves.png")
+    def folder(self, run_dir, cfg: Config, chosen=None, overwrite: bool = False) -> Path:
+        feature_space(cfg.checkpoint.eval_features)
+        out = report_folder(run_dir, cfg, chosen)
+        if not overwrite and (old := next((out/f for f in self.files if os.path.lexists(out/f)), None)):
+            raise FileExistsError(17, "--report: a report card is there already; pass --overwrite to replace it",
+                                  str(old))
+        return out
+    def __call__(self, run_dir, cfg: Config, results: dict | None = None, out_dir=None) -> Path:
+        return write_report(run_dir, cfg, results, out_dir)
+
+REPORTS["markdown"] = MarkdownReport()

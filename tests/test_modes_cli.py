@@ -141,7 +141,8 @@ class CountedTraining(FullTraining):
 def test_user_registered_parts_train_sample_and_plan(tmp_path):
     """A module outside the package registers a loss weight, a sampler, an optimizer, an LR schedule and a mode (with a
     loss mask from `extras`):
-    `accelerate launch` trains with them, `python -m cascade_nb.sample --sampler` samples with the sampler, the memory
+    `accelerate launch` trains with them, `python -m cascade_nb.sample --sampler --import` samples with the sampler (a
+    run folder imports no module on its own: the user names it), the memory
     planner plans the mode; no package edit."""
     (tmp_path / "my_parts.py").write_text(PARTS)
     cfg = tmp_path / "parts.yaml"
@@ -160,10 +161,11 @@ def test_user_registered_parts_train_sample_and_plan(tmp_path):
     assert trained.count("optimizer") == 1 and "lr_schedule" in trained, trained
     calls.unlink()
     res = run_cli("-m", "cascade_nb.sample", "--checkpoint", tmp_path / "ckpt" / "parts", "--prompt", "red apple", "--n", "1",
-                  "--steps", "3", "--sampler", "ddim_half", "--out", tmp_path / "samples", cwd=tmp_path)
+                  "--steps", "3", "--sampler", "ddim_half", "--out", tmp_path / "samples", "--import", "my_parts",
+                  cwd=tmp_path)
     assert "wrote 1 images" in res.stdout and calls.read_text().split().count("sampler") == 3, calls.read_text()  # once per step
     res = run_cli("-m", "cascade_nb.sample", "--checkpoint", tmp_path / "ckpt" / "parts", "--prompt", "x", "--sampler", "ddim_hlaf",
-                  "--out", tmp_path / "typo", check=False, cwd=tmp_path)
+                  "--out", tmp_path / "typo", "--import", "my_parts", check=False, cwd=tmp_path)
     assert res.returncode == 2 and "--sampler: 'ddim_hlaf' is not a registered sampler; did you mean 'ddim_half'" in res.stderr, res.stderr
     res = run_cli("-m", "cascade_nb.memory", cfg, "experiment_id=parts", cwd=tmp_path)
     assert res.stdout.startswith("counted tiny (543.76K generator, 543.76K trainable)") and "peak per GPU" in res.stdout, res.stdout

@@ -63,14 +63,19 @@ def test_a_report_chain_from_a_shared_folder_touches_nothing_outside(trained, tm
     (home / "victim.png").write_bytes(b"mine")
     res = run_cli("-m", "cascade_nb.eval", "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
                   "--report", cwd=run.parent, check=False)
+    # refused before any sampling, in one line
     assert res.returncode == 2 and "key 'eval_features'" in res.stderr and "is not a feature space" in res.stderr
-    assert "retrieval/top1" in res.stdout            # the numbers came first and are not lost
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
     assert (home / ".bashrc").read_text() == "# my shell\n" and (home / "victim.png").read_bytes() == b"mine"
     info = json.loads((run / "info.json").read_text())
     info["config"]["eval_features"] = "pixels"
     (run / "info.json").write_text(json.dumps(info))
+    # the planted link counts as a report already there: replaced (not followed) only when the user says so
     res = run_cli("-m", "cascade_nb.eval", "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
-                  "--report", cwd=run.parent)
+                  "--report", cwd=run.parent, check=False)
+    assert res.returncode == 2 and "a report card is there already; pass --overwrite" in res.stderr, res.stderr
+    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
+                  "--report", "--overwrite", cwd=run.parent)
     assert f"report: {Path('shared_run/out/good/report.md')}" in res.stdout
     assert (home / ".bashrc").read_text() == "# my shell\n" and (home / "victim.png").read_bytes() == b"mine"
     assert not (out / "report.md").is_symlink() and "# Report card: good" in (out / "report.md").read_text()
