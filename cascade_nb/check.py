@@ -10,20 +10,21 @@ import functools, hashlib, math, os, sys, warnings
 from dataclasses import dataclass, field
 from typing import Callable, Literal, NamedTuple, Optional
 import torch
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, import_modules
 from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .registry import registry
 from .modes import TRAINING_MODES
-from .run_state import training_hook
-from .train import LAUNCH_CHECKS
-from .memory import GB, plan_memory, suggest
+from .run_state import training_hook, optimizer_groups
+from .train import LAUNCH_CHECKS, LAUNCH_CHECK_MODULES
+from .memory import GB, plan_memory, suggest, meta_generator
 
 # %% auto #0
-__all__ = ['LEVELS', 'CHECKS', 'register_check', 'USUAL_LR', 'ADAPTER_SCALES', 'EFFECTIVE_STEP', 'REFERENCE_STEP', 'MAX_EPOCHS',
-           'DATA_TARGET_MODES', 'Finding', 'DataStats', 'CheckContext', 'scan_data', 'run_checks', 'LrRange',
-           'check_lr', 'check_adapter_step', 'check_caption_dropout', 'check_fit', 'epochs', 'check_epochs',
-           'check_data', 'check_workers', 'check_cache', 'check_config', 'format_report', 'main', 'launch_check',
-           'memory_line', 'FirstUpdateMemory']
+__all__ = ['LEVELS', 'CHECKS', 'register_check', 'USUAL_LR', 'ADAPTER_SCALES', 'EFFECTIVE_STEP', 'REFERENCE_STEP',
+           'TRAINED_NAMES', 'WARMUP_SHARE', 'PRODIGY_D_COEF', 'MAX_EPOCHS', 'DATA_TARGET_MODES', 'Finding', 'DataStats',
+           'CheckContext', 'scan_data', 'run_checks', 'LrRange', 'check_lr', 'check_adapter_step',
+           'check_caption_dropout', 'check_tag_dropout', 'check_launch', 'check_lr_multipliers', 'check_schedule',
+           'check_fit', 'epochs', 'check_epochs', 'check_data', 'check_workers', 'check_cache', 'check_config',
+           'format_report', 'main', 'launch_check', 'memory_line', 'FirstUpdateMemory']
 
 # %% ../nbs/71_check.ipynb #e6a66e7a
 LEVELS = ("error", "warning", "note")
@@ -49,6 +50,7 @@ class DataStats(NamedTuple):
     excluded: int           # samples dataset_filters excluded
     upscaled: list          # keys of usable images smaller than the training side
     duplicates: list        # (key, key of the first copy) of images with the same decoded pixels
+    masked_out: int = 0     # usable samples whose loss mask (`loss_mask`) is zero everywhere
 
 # %% ../nbs/71_check.ipynb #3f6a77ab
 @dataclass
@@ -64,6 +66,7 @@ class CheckContext:
     max_samples: int = 2000
     cpus: Optional[int] = None
     skipped: dict = field(default_factory=dict)        # check name -> why it did not run
+    launch: bool = False                               # at the start of `train` (which runs its launch checks itself)
 
     def skip(self, name: str, why: str) -> list:
         "Record that check `name` did not run, and why; no finding."
@@ -97,17 +100,20 @@ def scan_data(cfg: Config, limit: int = 2000) -> DataStats:
     entries, shards = resolve_sources(d.webdataset_path, allow_pipe=d.allow_pipe_sources)   # each entry once
     counter = SkipCounter()
     dec = SampleDecoder(counter, d.captions_getter, d.dataset_filters, default_min_side(d.image_size), len(shards),
-                        strict=False, max_pixels=default_max_pixels(d.image_size), sources=entries)
-    n, complete, first, upscaled, dups = 0, True, {}, [], []
+                        strict=False, max_pixels=default_max_pixels(d.image_size), sources=entries,
+                        loss_mask=d.loss_mask)
+    n, complete, first, upscaled, dups, masked_out = 0, True, {}, [], [], 0
     for s in dec(ShardReader(counter, d.allow_pipe_sources)(shards)):
         if n >= limit: complete = False; break
         n += 1
+        masked_out += s.get("mask") is not None and not s["mask"].any()
         if _upscaled(*s["original_size"], cfg): upscaled.append(s["__key__"])
         img = s["image"]
         digest = hashlib.sha1(f"{img.size}".encode() + img.tobytes()).hexdigest()
         if digest in first: dups.append((s["__key__"], first[digest]))
         else: first[digest] = s["__key__"]
-    return DataStats(n, complete, dict(counter.total), counter.filters.get("excluded", 0), upscaled, dups)
+    return DataStats(n, complete, dict(counter.total), counter.filters.get("excluded", 0), upscaled, dups,
+                     masked_out)
 
 # %% ../nbs/71_check.ipynb #42590802
 CHECKS = registry("check", {}, "@register_check('name') on a function (ctx) -> list[Finding]")
@@ -191,6 +197,71 @@ def check_caption_dropout(ctx: CheckContext) -> list[Finding]:
                     "and guidance (sample_cfg) has nothing to amplify",
                     "set caption_dropout: 0.1 (the demos') or 0.05")]
 
+# %% ../nbs/71_check.ipynb #316dbec9
+@register_check("tag_dropout")
+def check_tag_dropout(ctx: CheckContext) -> list[Finding]:
+    "tag_dropout 1 with no tag kept or protected empties every caption, as caption_dropout 1 does."
+    d = ctx.cfg.data
+    if d.tag_dropout < 1 or "tags" not in d.caption_transforms or d.keep_tokens or d.keep_tokens_separator \
+            or d.protected_tags: return []
+    return [Finding("error", "tag_dropout", "1 with keep_tokens 0 (no keep_tokens_separator, no protected_tags) drops "
+                    "every tag, so every caption is empty (a caption_prefix alone is left) and the model never "
+                    "learns the text condition", "set tag_dropout: 0.1 (a share of the tags), or keep_tokens: 1")]
+
+# %% ../nbs/71_check.ipynb #ecfc7bf7
+def _launch_checks():
+    "The trainer's launch checks (`LAUNCH_CHECKS`) other than this module's own, their modules imported."
+    import_modules(LAUNCH_CHECK_MODULES, "launch")
+    return {name: fn for name, fn in LAUNCH_CHECKS.items() if name != "cascade_nb"}
+
+@register_check("launch")
+def check_launch(ctx: CheckContext) -> list[Finding]:
+    "What another launch check (e.g. the `sample_prompts` file's) refuses, as an error with its own line."
+    if ctx.launch: return []   # train runs them itself
+    out = []
+    for name, launch_check_fn in _launch_checks().items():
+        try: launch_check_fn(ctx.cfg, None)
+        except ConfigError as e:
+            out.append(Finding("error", name, " ".join(str(e).split()), "train refuses to start with it"))
+    return out
+
+TRAINED_NAMES: dict[str, Callable] = {
+    "full": lambda cfg: [n for n, _ in meta_generator(cfg).named_parameters()]}
+"Training mode -> `fn(cfg)`: the names of the parameters it trains, without weights (the meta device)."
+
+@register_check("lr_multipliers")
+def check_lr_multipliers(ctx: CheckContext) -> list[Finding]:
+    "An `lr_multipliers` pattern that decides the lr of no trained parameter, in the words `train` refuses it with."
+    t = ctx.cfg.train
+    if ctx.launch or not t.lr_multipliers: return []
+    if (names := TRAINED_NAMES.get(t.mode)) is None:
+        return ctx.skip("lr_multipliers", f"the '{t.mode}' mode's parameters are named once train builds them")
+    try: params = [(n, torch.nn.Parameter(torch.empty(0, device="meta"))) for n in names(ctx.cfg)]
+    except ConfigError as e: return ctx.skip("lr_multipliers", str(e))
+    group = TRAINING_MODES.choose(t.mode).param_group_names[0]
+    try: optimizer_groups({group: params}, t)
+    except ConfigError as e:
+        return [Finding("error", "lr_multipliers", str(e), "use a part of a trained parameter's name")]
+    return []
+
+WARMUP_SHARE, PRODIGY_D_COEF = 1.0, (0.1, 10.0)
+"A warm-up as long as this share of the run is warned about; Prodigy's `d_coef` outside this range too."
+
+@register_check("schedule")
+def check_schedule(ctx: CheckContext) -> list[Finding]:
+    "A warm-up as long as the run (the command's only: a short trial launch is meant); Prodigy's `d_coef` far off."
+    t, out = ctx.cfg.train, []
+    if not ctx.launch and t.warmup_updates >= WARMUP_SHARE * t.updates:
+        end = t.lr * min(1.0, t.updates / max(t.warmup_updates, 1))
+        out.append(Finding("warning", "warmup_updates", f"{t.warmup_updates} is not below updates {t.updates}: the "
+                           f"run is all warm-up and ends at lr {end:.2g}, not {t.lr:g}",
+                           f"set warmup_updates: {max(t.updates // 10, 1)} (a tenth of the run) or fewer"))
+    lo, hi = PRODIGY_D_COEF
+    if t.optimizer == "prodigy" and not lo <= (d := float((t.optimizer_args or {}).get("d_coef", 1.0))) <= hi:
+        out.append(Finding("warning", "optimizer_args.d_coef", f"{d:g} scales Prodigy's estimated step size far from "
+                           f"its {lo:g}..{hi:g}: the steps explode or never move", "set d_coef: 1 (its default)"))
+    return out
+
 # %% ../nbs/71_check.ipynb #7ab73cbc
 def _budget(ctx: CheckContext) -> tuple[float, float, str] | None:
     "(GB the plan must fit, GB free now, what they are), or None when unknown."
@@ -270,6 +341,10 @@ def _empty_data(cfg: Config, d: DataStats) -> list[Finding]:
     if not d.samples:
         return [Finding("error", "webdataset_path", f"no usable sample (skipped: {d.skipped or 'none'})",
                         "check the source with python -m cascade_nb.data inspect SOURCE")]
+    if d.masked_out == d.samples and not cfg.data.unmasked_weight:
+        return [Finding("error", "loss_mask", f"every one of the {d.samples} samples read has a mask of zeros: the "
+                        "loss weighs no pixel, so it is 0 and nothing trains", "check the masks (white: trained), "
+                        "set unmasked_weight > 0, or loss_mask: off")]
     if d.complete and d.samples < cfg.data.batch_size:
         return [Finding("error", "batch_size", f"{cfg.data.batch_size} is more than the {d.samples} usable samples of "
                         "the data: not one batch", f"set batch_size: {d.samples} or less, or add data")]
@@ -287,6 +362,9 @@ def _data_quality(cfg: Config, d: DataStats) -> list[Finding]:
         out.append(Finding("warning", "webdataset_path", f"{len(d.duplicates)} image(s) repeat another's pixels{of} "
                            f"({_keys([f'{a} = {b}' for a, b in d.duplicates])}): they are trained on twice as often",
                            "remove the copies"))
+    if d.masked_out and not cfg.data.unmasked_weight:
+        out.append(Finding("warning", "loss_mask", f"{d.masked_out} of {n} samples have a mask of zeros{of}: they "
+                           "teach nothing and dilute each batch", "check their masks (white: trained)"))
     if d.upscaled:
         out.append(Finding("warning", "image_size", f"{len(d.upscaled)} of {n} images are smaller than the training "
                            f"side {cfg.data.image_size}{of} ({_keys(d.upscaled)}): upscaled, they teach blur",
@@ -377,7 +455,8 @@ def launch_check(cfg: Config, acc) -> None:
     "The checks of `check_config` without a data scan, for this launch: warnings logged, errors raised (`ConfigError`)."
     from accelerate.utils import DistributedType
     mem = torch.cuda.mem_get_info(acc.device) if acc.device.type == "cuda" else None
-    ctx = CheckContext(cfg, acc.num_processes, acc.distributed_type == DistributedType.FSDP, None, mem, scan=False)
+    ctx = CheckContext(cfg, acc.num_processes, acc.distributed_type == DistributedType.FSDP, None, mem, scan=False,
+                       launch=True)
     found = run_checks(ctx)
     if errors := [f for f in found if f.level == "error"]:
         more = f" (and {len(errors) - 1} more: python -m cascade_nb.check lists them)" if len(errors) > 1 else ""

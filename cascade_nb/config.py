@@ -21,13 +21,14 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
          "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
 
 # %% auto #0
-__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SOURCE_KEYS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES',
-           'NULL_TURNS_OFF', 'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS',
-           'ModelConfig', 'GDFConfig', 'DataConfig', 'SourceEntry', 'source_entry', 'source_entries', 'TrainConfig',
-           'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'check_range', 'config_section', 'Config',
-           'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'config_from_run', 'dump_config',
-           'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY',
-           'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
+__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SOURCE_KEYS', 'SOURCE_WEIGHT', 'SOURCE_REPEATS',
+           'SOURCE_LOSS_WEIGHT', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES', 'NULL_TURNS_OFF', 'BUILTIN_SECTIONS',
+           'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS', 'ModelConfig', 'GDFConfig',
+           'DataConfig', 'SourceEntry', 'source_entry', 'source_entries', 'TrainConfig', 'CheckpointConfig',
+           'check_experiment_id', 'LogConfig', 'check_range', 'config_section', 'Config', 'config_from_dict',
+           'load_config', 'import_modules', 'ConfigHook', 'config_from_run', 'dump_config', 'save_config',
+           'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce',
+           'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"
@@ -138,6 +139,9 @@ class SourceEntry:
 SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior", "hflip", "caption")
 "The keys of a mapping entry of `webdataset_path`."
 
+SOURCE_WEIGHT, SOURCE_REPEATS, SOURCE_LOSS_WEIGHT = Range(0, 1000), Range(1, 1000), Range(0, 1000)
+"The ranges of an entry's `weight`, `repeats` and `loss_weight` (see the table above for why they end at 1000)."
+
 # %% ../nbs/01_config.ipynb #397834c0
 def _entry_value(entry: dict, name: str, tp, rng: Range | None, key: str, default):
     "`entry[name]` coerced to `tp` and inside `rng`, or `default`; a ConfigError names `key.name`."
@@ -168,11 +172,11 @@ def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
     if "path" not in entry: raise ConfigError(f"key '{key}.path' is missing (the folder, tar(s) or URL to read)")
     if "weight" in entry and "repeats" in entry:
         raise ConfigError(f"key '{key}': give 'weight' or 'repeats', not both ('repeats: N' is 'weight: N')")
-    weight = _entry_value(entry, "weight", float, AT_LEAST_0, key, None)
-    repeats = _entry_value(entry, "repeats", int, AT_LEAST_1, key, 1)
+    weight = _entry_value(entry, "weight", float, SOURCE_WEIGHT, key, None)
+    repeats = _entry_value(entry, "repeats", int, SOURCE_REPEATS, key, 1)
     return SourceEntry(_entry_value(entry, "path", str, None, key, ""),
                        float(repeats) if weight is None else weight,
-                       _entry_value(entry, "loss_weight", float, AT_LEAST_0, key, 1.0),
+                       _entry_value(entry, "loss_weight", float, SOURCE_LOSS_WEIGHT, key, 1.0),
                        _entry_value(entry, "caption_prefix", str, None, key, ""),
                        _entry_value(entry, "prior", bool, None, key, False),
                        _entry_value(entry, "hflip", bool, None, key, None), _entry_caption(entry, key))
@@ -187,6 +191,9 @@ def source_entries(value, key: str = "webdataset_path") -> list[SourceEntry]:
     if not any(e.weight > 0 for e in entries):
         raise ConfigError(f"key '{key}': every entry has weight 0, so nothing is left to train on; "
                           "give at least one a weight > 0")
+    if all(e.prior for e in entries if e.weight > 0):
+        raise ConfigError(f"key '{key}': every entry with weight > 0 is prior: true, whose target is the frozen base's "
+                          "own prediction, so nothing is left to learn; add an entry of the images to learn (no prior)")
     return entries
 
 # %% ../nbs/01_config.ipynb #b2d2bb91

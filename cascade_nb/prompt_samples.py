@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/prompt_samples.html.md"""
 
 # %% ../nbs/44_prompt_samples.ipynb #06c13007
 from __future__ import annotations
-import contextlib, dataclasses, difflib, json, math, warnings
+import contextlib, dataclasses, difflib, json, math, signal, warnings
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -18,15 +18,17 @@ from .hub import parse_hub_spec
 from .gdf.presets import SAMPLING_DEFAULTS
 from .models.stage_b import stage_b_latents
 from .data.buckets import size_rule
-from .run_state import training_hook, ema_weights, evaluation_view
+from .run_state import training_hook, ema_weights, evaluation_view, StopFlag, StopWaiting
 from .sample import sample_run, save_png, _slug, chunk_seed
 from .train import LAUNCH_CHECKS, tracker_image
 
 # %% auto #0
-__all__ = ['PROMPT_FIELDS', 'MAX_PROMPTS', 'MAX_PROMPTS_BYTES', 'SAMPLE_DECODERS', 'STAGE_B_KEYS', 'SamplePrompt',
-           'prompt_defaults', 'read_prompt_entries', 'prompt_entry', 'read_prompts', 'adapter_scaled', 'sample_prompt',
+__all__ = ['PROMPT_FIELDS', 'MAX_SIZE_FACTOR', 'MAX_PROMPTS', 'MAX_PROMPTS_BYTES', 'NEGATIVE_PROMPT_LIMITS', 'SAMPLE_DECODERS',
+           'STAGE_B_KEYS', 'SamplePrompt', 'prompt_defaults', 'read_prompt_entries', 'largest_sample_side',
+           'prompt_entry', 'no_negative_prompt', 'read_prompts', 'adapter_scaled', 'sample_prompt',
            'LatentSpaceDecoder', 'check_cascade_decode', 'CascadeDecoder', 'sample_decoder', 'prompt_folder',
-           'write_prompt_samples', 'sample_weights', 'log_prompt_samples', 'PromptSamples', 'check_sample_prompts']
+           'write_prompt_samples', 'installed_stop_flag', 'sample_weights', 'log_prompt_samples', 'PromptSamples',
+           'check_sample_prompts']
 
 # %% ../nbs/44_prompt_samples.ipynb #0c600f0e
 @dataclass(frozen=True)
@@ -41,9 +43,12 @@ class SamplePrompt:
     adapter_scale: float = 1.0   # strength of a LoRA's adapters (1: as trained)
 
 PROMPT_FIELDS = {"text": (str, None), "seed": (int, Range(0, 2**32, hi_open=True)), "cfg": (float, AT_LEAST_0),
-                 "steps": (int, AT_LEAST_1), "size": (int, Range(8)), "negative_prompt": (str, None),
+                 "steps": (int, Range(1, 1000)), "size": (int, Range(8)), "negative_prompt": (str, None),
                  "adapter_scale": (float, Range(-16, 16))}
-"Each field of an entry: (type, valid range or None)."
+"Each field of an entry: (type, valid range or None); `size` is bounded by the run's side too (`MAX_SIZE_FACTOR`)."
+
+MAX_SIZE_FACTOR = 2
+"A prompt's side is at most this × the largest side the run trains at (`image_size`, `resolution_schedule`)."
 
 MAX_PROMPTS, MAX_PROMPTS_BYTES = 64, 1 << 20
 "The most prompts a file may hold (each is sampled once or twice per `sample_every`), and the most bytes read."
@@ -99,6 +104,11 @@ def _check_fields(raw: dict, at: str):
                               + f"; expected some of {', '.join(PROMPT_FIELDS)}")
     if "text" not in raw: raise ConfigError(f"{at}: field 'text' is missing; expected the prompt's text")
 
+def largest_sample_side(cfg: Config) -> int:
+    "The largest prompt side: `MAX_SIZE_FACTOR` × the largest side the run trains at."
+    sides = [cfg.data.image_size, *(side for _, side in cfg.data.resolution_schedule or ())]
+    return MAX_SIZE_FACTOR * max(sides)
+
 def prompt_entry(cfg: Config, raw, index: int, where: str) -> SamplePrompt:
     "Entry `index` of prompts file `where`, validated, with `prompt_defaults` for the fields it leaves out."
     at = f"{where}: entry {index}"
@@ -116,9 +126,28 @@ def prompt_entry(cfg: Config, raw, index: int, where: str) -> SamplePrompt:
     if values["size"] % multiple or values["size"] < least:
         raise ConfigError(f"{at}: field 'size': {values['size']} does not fit this generator; expected a multiple of "
                           f"{multiple}, at least {least}")
+    if values["size"] > (most := largest_sample_side(cfg)):
+        raise ConfigError(f"{at}: field 'size': {values['size']} is out of range; expected at most {most} "
+                          f"({MAX_SIZE_FACTOR} × the run's largest training side)")
     return SamplePrompt(**values)
 
 # %% ../nbs/44_prompt_samples.ipynb #f59b2200
+def _encodes_tokens(cfg: Config) -> bool:
+    "Whether a LoRA run conditions on token ids (`train_tokens`, `text_encoder_adapter`)."
+    lc = getattr(cfg, "lora", None)
+    return cfg.train.mode == "lora" and any(getattr(lc, k, None) for k in ("train_tokens", "text_encoder_adapter"))
+
+NEGATIVE_PROMPT_LIMITS = {
+    "stage b": lambda cfg: cfg.model.stage == "b" and "a Stage B run's CFG has no CLIP text embeddings to replace",
+    "text tokens": lambda cfg: _encodes_tokens(cfg) and "this LoRA trains text tokens or text-encoder adapters, so "
+                               "its CFG conditions on token ids, not on the CLIP text embeddings a negative prompt "
+                               "replaces"}
+"Rule name -> `fn(cfg)`: why a run's CFG cannot take a negative prompt (as `negative_conds` finds), or False."
+
+def no_negative_prompt(cfg: Config) -> str | None:
+    "Why `cfg`'s runs cannot sample a negative prompt (`NEGATIVE_PROMPT_LIMITS`), or None."
+    return next((why for rule in NEGATIVE_PROMPT_LIMITS.values() if (why := rule(cfg))), None)
+
 def read_prompts(cfg: Config, path=None) -> list[SamplePrompt]:
     """The prompts of file `path` (default: the config's `sample_prompts`), validated; an adapter scale other than 1
     needs a mode with adapters (`adapter_scaled`)."""
@@ -130,6 +159,9 @@ def read_prompts(cfg: Config, path=None) -> list[SamplePrompt]:
         if p.adapter_scale != 1 and not hasattr(mode, "adapter_scaled"):
             raise ConfigError(f"{path}: entry {i}: field 'adapter_scale': {p.adapter_scale} needs a run with adapters "
                               f"(LoRA); this '{mode.name}' run has none; expected 1")
+        if p.negative_prompt and (why := no_negative_prompt(cfg)):
+            raise ConfigError(f"{path}: entry {i}: field 'negative_prompt': {p.negative_prompt!r} cannot apply: {why}; "
+                              "expected no negative_prompt")
     return prompts
 
 # %% ../nbs/44_prompt_samples.ipynb #815b4ced
@@ -268,28 +300,51 @@ def _global_rng_kept(device):
     "A context that gives torch's global generators (CPU, and this process's CUDA device) back as it found them."
     return torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else [])
 
-def sample_weights(run, prompts: list[SamplePrompt], decoder=None) -> dict[str, list[torch.Tensor]]:
+def installed_stop_flag() -> StopFlag | None:
+    "The trainer's `StopFlag` when it is this process's SIGTERM handler (`train` installs it first), else None."
+    owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return owner if isinstance(owner, StopFlag) else None
+
+def _each_prompt(prompts: list[SamplePrompt], sample, stop: StopFlag | None) -> list:
+    "`sample(p)` of each prompt; a stop signal during one raises `StopWaiting` there (`stop`: None, never)."
+    out = []
+    for p in prompts:
+        with stop.interruptible() if stop is not None else contextlib.nullcontext(): out.append(sample(p))
+    return out
+
+def sample_weights(run, prompts: list[SamplePrompt], decoder=None, stop: StopFlag | None = None) -> dict:
     """{'weights': images, 'ema': images} of `prompts` from the run's current weights and (when it keeps one on the
     training device, or of the trained tensors only, which are lent to `net`) its EMA, made by `decoder`
-    (`sample_prompt`); all processes; no random stream of the run moves."""
+    (`sample_prompt`); all processes; no random stream of the run moves. A signal to `stop` ends the sampling of a
+    prompt with `StopWaiting`, everything put back."""
     acc, mode, gdf, cfg = run.acc, run.mode, run.gdf, run.cfg
     net = acc.unwrap_model(run.net)
     mode.set_training(run.net, False)
-    with _global_rng_kept(acc.device), acc.autocast(), evaluation_view(run):
-        images = {"weights": [sample_prompt(mode, gdf, cfg, p, net, acc.device, decoder) for p in prompts]}
-        if run.ema is not None and (run.ema.trained_only or not (cfg.train.ema_on_cpu and acc.device.type != "cpu")):
-            with ema_weights(run.ema, net) as m:
-                images["ema"] = [sample_prompt(mode, gdf, cfg, p, m, acc.device, decoder) for p in prompts]
-    mode.set_training(run.net, True)
+    try:
+        with _global_rng_kept(acc.device), acc.autocast(), evaluation_view(run):
+            images = {"weights": _each_prompt(prompts, lambda p: sample_prompt(mode, gdf, cfg, p, net, acc.device,
+                                                                               decoder), stop)}
+            if run.ema is not None and (run.ema.trained_only
+                                        or not (cfg.train.ema_on_cpu and acc.device.type != "cpu")):
+                with ema_weights(run.ema, net) as m:
+                    images["ema"] = _each_prompt(prompts, lambda p: sample_prompt(mode, gdf, cfg, p, m, acc.device,
+                                                                                  decoder), stop)
+    finally: mode.set_training(run.net, True)
     return images
 
 # %% ../nbs/44_prompt_samples.ipynb #f3110979
-def log_prompt_samples(run, prompts: list[SamplePrompt], decoder=None) -> Path:
+def log_prompt_samples(run, prompts: list[SamplePrompt], decoder=None) -> Path | None:
     """Sample `prompts` (`sample_weights` with `decoder`, all processes); the main process writes them
     (`write_prompt_samples`) and logs each prompt's picture (the pair with an EMA) to the tracker with its text as
-    caption."""
+    caption. One process under the trainer's `StopFlag`: a stop signal before or during the sampling skips it (None)."""
     acc, update = run.acc, run.state.update
-    images, folder = sample_weights(run, prompts, decoder), prompt_folder(run.out_dir, update)
+    stop = installed_stop_flag() if getattr(acc, "num_processes", 1) == 1 else None
+    if stop:
+        return acc.print(f"update {update}: prompt samples skipped: received {stop.signal} (the run saves and stops)")
+    try: images, folder = sample_weights(run, prompts, decoder, stop), prompt_folder(run.out_dir, update)
+    except StopWaiting as e:
+        stop.waiting = False
+        return acc.print(f"update {update}: prompt samples stopped by {e} and skipped (the run saves and stops)")
     if acc.is_main_process:
         index = write_prompt_samples(folder, prompts, images, update, getattr(decoder, "name", "previewer"))
         for e in index["prompts"]:

@@ -38,3 +38,33 @@ def test_train_refuses_an_error_finding_before_building(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "check: error: caption_dropout" in lines[-1], res.stderr
     assert "training of" not in res.stdout and not any(tmp_path.iterdir()), res.stdout
+
+DEMO = ROOT / "configs" / "demo.yaml"
+
+@pytest.mark.parametrize("config, entry", [
+    (DEMO, "{text: apple, seed: -1}"), (DEMO, "{text: apple, cfg: .nan}"), (DEMO, "{text: apple, size: 4096}"),
+    (DEMO, "{text: apple, size: 200000}"), (DEMO, "{text: apple, steps: 100000000}"),
+    (DEMO, "{text: apple, adapter_scale: 0.5}"), (LORA, "{text: apple, negative_prompt: blurry}")])
+def test_check_reads_sample_prompts_as_the_launch_does(tmp_path, capsys, monkeypatch, config, entry):
+    "B57: `check` said 'no findings' for prompts files the launch refuses (B56, B58-B60); now the launch's own line."
+    from cascade_nb.config import load_config, ConfigError
+    from cascade_nb.prompt_samples import check_sample_prompts
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "p.yaml").write_text(f"- {entry}\n")
+    args = [config, f"sample_prompts={tmp_path}/p.yaml"]
+    with pytest.raises(ConfigError) as launch: check_sample_prompts(load_config(args[0], args[1:]))
+    assert main([*args, "--no-data"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"error: sample_prompts: {launch.value}; train refuses to start with it", first
+
+@pytest.mark.parametrize("overrides, says", [
+    (["lr_multipliers={nonexistent_block: 2}"], "error: lr_multipliers: key 'lr_multipliers.nonexistent_block': "
+                                                "'nonexistent_block' decides the lr of no trained parameter"),
+    (["warmup_updates=100000", "updates=10"], "warning: warmup_updates: 100000 is not below updates 10"),
+    (["optimizer=prodigy", "lr=1", "optimizer_args={d_coef: 1.0e+30}"], "warning: optimizer_args.d_coef: 1e+30")])
+def test_check_finds_what_the_launch_finds_late_and_warns_of_odd_schedules(capsys, monkeypatch, overrides, says):
+    "B53: an lr_multipliers pattern that matches nothing was found only once the model was built; B54: warnings."
+    monkeypatch.chdir(ROOT)
+    main([DEMO, *overrides, "--no-data"])
+    out = capsys.readouterr().out
+    assert out.startswith(says), out

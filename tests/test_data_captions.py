@@ -83,3 +83,15 @@ def test_the_config_keys_reach_the_loader(tagged):
     # validation, sample grids and evaluation read the captions whole: the trigger word, no shuffle, no dropout
     whole = captions(whole_source(cfg, str(tagged), 2))
     assert whole["0000"] == "sks, " + ", ".join(f"t{i}" for i in range(8))
+
+def test_tag_dropout_1_with_no_tag_kept_is_refused_like_caption_dropout_1(tagged):
+    "B51: every caption became '' and the run trained on; now `check` and the launch say it, naming the key."
+    from cascade_nb.config import config_from_dict
+    from cascade_nb.check import check_config
+    def found(*overrides):
+        cfg = config_from_dict(dict(webdataset_path=str(tagged), image_size=32, num_workers=0), list(overrides),
+                               training=False)
+        return [str(f) for f in check_config(cfg, scan=False, names=["tag_dropout"])[0]]
+    said = found("tag_dropout=1")
+    assert len(said) == 1 and said[0].startswith("error: tag_dropout: 1 with keep_tokens 0"), said
+    assert found("tag_dropout=1", "keep_tokens=1") == [] and found("tag_dropout=0.5") == []

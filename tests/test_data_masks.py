@@ -142,3 +142,16 @@ def test_packed_shards_keep_the_mask_members(tmp_path):
     packed, = list(build_dataset(shard, 12, image_size=48, loss_mask="member", shuffle_buffer=0, resampled=False))
     folder, = batches(loss_mask="member")
     assert packed["keys"] == folder["keys"] and torch.equal(packed["masks"], folder["masks"])
+
+def test_check_finds_masks_of_zeros(tmp_path):
+    "Every mask all zero trains nothing (loss 0 at every update): `check` says so when it reads the data (B43)."
+    from cascade_nb.check import check_config
+    for i in range(4):
+        Image.new("RGB", (32, 32), (50 * i, 10, 200)).save(tmp_path / f"{i:04d}.png")
+        (tmp_path / f"{i:04d}.txt").write_text("a square")
+        Image.new("L", (32, 32), 0).save(tmp_path / f"{i:04d}.mask.png")
+    cfg = load_config(DEMO, [f"webdataset_path={tmp_path}", "loss_mask=member", "normalize_masked_area=true",
+                             "batch_size=4", "dataset_filters=null"])
+    found, _ = check_config(cfg, names=["data"])
+    assert [(f.level, f.key) for f in found] == [("error", "loss_mask")], found
+    assert "every one of the 4 samples read has a mask of zeros" in str(found[0])

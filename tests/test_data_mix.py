@@ -144,3 +144,19 @@ def test_inspect_config_prints_the_effective_mix(tmp_path, sources):
     cfg.write_text(f"experiment_id: m\nimage_size: 32\nwebdataset_path: [{{path: {a}, weight: 3}}, {c}]\n")
     out = run_cli("-m", "cascade_nb.data", "inspect", cfg).stdout
     assert f"[0] {a}: 12 samples x weight 3 = 36 (75.0%)" in out and f"[1] {c}: 12 samples x weight 1 = 12 (25.0%)" in out
+
+@pytest.mark.parametrize("entry, says", [
+    ("{path: P, weight: 1.0e+9}, {path: P, weight: 0.5}", "'webdataset_path[0].weight': 1000000000.0 is out of range; "
+                                                          "expected in [0, 1000]"),
+    ("{path: P, repeats: 5000}", "'webdataset_path[0].repeats': 5000 is out of range; expected in [1, 1000]"),
+    ("{path: P, loss_weight: 1.0e+308}",
+     "'webdataset_path[0].loss_weight': 1e+308 is out of range; expected in [0, 1000]"),
+    ("{path: P, prior: true}", "every entry with weight > 0 is prior: true"),
+])
+def test_absurd_weights_and_a_prior_only_mixture_are_one_line(sources, entry, says):
+    "B47 (a weight of 1e9 listed 80 GB of visits), B46 (loss inf at every update), B48 (loss 0: nothing to learn)."
+    from cascade_nb.config import load_config
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "lora_demo.yaml",
+                    ["resampled=false", f"webdataset_path=[{entry.replace('P', sources[0])}]"])
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -107,6 +107,23 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     i = info(tmp_path, "term")
     assert 1 <= i["update"] < 200
 
+def test_sigterm_during_update_0_prompt_samples(tmp_path):
+    "64 prompts of 1000 steps would hold update 0 for many minutes: SIGTERM skips them, saves and exits 0 at once."
+    entries = [f"- {{text: apple {i}, steps: 1000, size: 64}}\n" for i in range(64)]
+    (tmp_path / "prompts.yaml").write_text("".join(entries))
+    proc = _start(tmp_path, "busy", "updates=200", "save_every=100", f"sample_prompts={tmp_path}/prompts.yaml")
+    head = ""
+    while "parameter groups:" not in head:   # printed once the models are built, just before update 0's samples
+        assert proc.poll() is None, head
+        head += proc.stdout.readline()
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and time.time() - t0 < 60, out[-3000:]
+    assert "update 0: prompt samples stopped by SIGTERM" in out and "saved update 1" in out, out[-3000:]
+    assert info(tmp_path, "busy")["update"] == 1
+
 def test_nonfinite_losses(tmp_path):
     res = run_cli(DRIVER, "--nan-from", "3", *demo_args(tmp_path, "nan", "updates=20", "max_nan_steps=4"), check=False)
     assert res.returncode != 0 and "4 non-finite losses in a row" in res.stderr
