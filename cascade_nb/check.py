@@ -10,12 +10,12 @@ import functools, hashlib, math, os, sys, warnings
 from dataclasses import dataclass, field
 from typing import Callable, Literal, NamedTuple, Optional
 import torch
-from .config import Config, ConfigError, load_config, import_modules
+from .config import Config, ConfigError, load_config
 from .cli import cli_parser, parse_cli, cli_errors, at_least
-from .registry import registry
+from .registry import registry, load_builtin_parts
 from .modes import TRAINING_MODES
 from .run_state import training_hook, optimizer_groups
-from .train import LAUNCH_CHECKS, LAUNCH_CHECK_MODULES
+from .train import LAUNCH_CHECKS
 from .memory import GB, plan_memory, suggest, meta_generator
 
 # %% auto #0
@@ -210,8 +210,8 @@ def check_tag_dropout(ctx: CheckContext) -> list[Finding]:
 
 # %% ../nbs/71_check.ipynb #ecfc7bf7
 def _launch_checks():
-    "The trainer's launch checks (`LAUNCH_CHECKS`) other than this module's own, their modules imported."
-    import_modules(LAUNCH_CHECK_MODULES, "launch")
+    "The trainer's launch checks (`LAUNCH_CHECKS`, every module that registers one loaded) other than this module's."
+    load_builtin_parts()
     return {name: fn for name, fn in LAUNCH_CHECKS.items() if name != "cascade_nb"}
 
 @register_check("launch")

@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import yaml
-from .registry import registry, ConfigError
+from .registry import Registry, registry, ConfigError, load_builtin_parts
 from .typed_yaml import (Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, PROBABILITY, DECAY, coerce,
                                    read_yaml, read_yaml_file, read_json_file, MAX_CONFIG_BYTES, MAX_YAML_VALUES,
                                    _numeric)
@@ -398,15 +398,18 @@ class Config:
     mode_sections: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name):
-        "A registered mode section by name (`cfg.distill`), like a built-in one."
+        "A mode's section by name (`cfg.distill`), like a built-in one."
         sections = self.__dict__.get("mode_sections", {})
         if name in sections: return sections[name]
-        if name in SECTIONS: return SECTIONS[name]()   # registered after this config was built: its defaults
         raise AttributeError(f"{type(self).__name__!r} has no section or attribute {name!r}")
 
+    def sections(self) -> dict[str, Any]:
+        "Its sections by name: the built-in ones, then the modes' (those registered when it was loaded)."
+        return {**{s: getattr(self, s) for s in BUILTIN_SECTIONS}, **self.mode_sections}
+
     def flat(self) -> dict[str, Any]:
-        "All keys in one flat dict, values in their Python form."
-        return {f.name: getattr(getattr(self, s), f.name) for s, c in SECTIONS.items() for f in fields(c)}
+        "All keys in one flat dict, values in their Python form: this config's own, whatever is imported later."
+        return {f.name: getattr(sec, f.name) for sec in self.sections().values() for f in fields(sec)}
 
     def to_yaml_dict(self) -> dict[str, Any]:
         "All keys in one flat dict of plain YAML values (fractions as 'a/b', filters as [key, 'lambda ...'])."
@@ -435,12 +438,6 @@ _ALIASES = {"learning_rate": "lr", "train_batch_size": "batch_size", "max_train_
             # kohya's per-part LRs: our param_groups (LoRA: adapters, tokens); its block LR weights: lr_multipliers
             "unet_lr": "param_groups", "text_encoder_lr": "param_groups", "embedding_lr": "param_groups",
             "down_lr_weight": "lr_multipliers", "mid_lr_weight": "lr_multipliers", "up_lr_weight": "lr_multipliers"}
-
-# %% ../nbs/01_config.ipynb #69096c8a
-def _modes_hint() -> str:
-    "What to do when the training modes (and their sections' keys) were never loaded in this process."
-    if "training_mode" in CONFIG_HOOKS: return ""
-    return " (the keys of the training modes' own sections are known once cascade_nb.modes is imported)"
 
 # %% ../nbs/01_config.ipynb #d9ad9619
 def _suggest(key: str) -> str:
@@ -477,6 +474,8 @@ def _flatten(raw: dict, where: str) -> dict[str, Any]:
 def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str | None = None) -> Config:
     "Build and validate a `Config` from a flat (or sectioned) dict plus `key=value` overrides."
     where = source or "config"
+    # every built-in part registered (sections, modes, samplers...): the same verdict in any process
+    load_builtin_parts()
     values = {k: (v, where) for k, v in _flatten(raw or {}, where).items()}
     if isinstance(overrides, dict):
         overrides = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in overrides.items()]
@@ -492,7 +491,7 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     for hook in list(CONFIG_HOOKS.values()): hook.before(where, search)
     sections = {s: {} for s in SECTIONS}
     for k, (v, src) in values.items():
-        if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}{_modes_hint()}")
+        if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
         tp = typing.get_type_hints(SECTIONS[KEY_SECTION[k]])[k]
         try:
             if k == "experiment_id": check_experiment_id(v)
@@ -540,7 +539,8 @@ class ConfigHook:
     def before(self, where: str, search: Path | None): pass
     def after(self, cfg: Config, where: str): pass
 
-CONFIG_HOOKS = registry("config_hook", {}, "@register_config_hook('name') on a `ConfigHook` instance")
+# this module's own registry, not a shared one: the hooks act on the sections of this module's `SECTIONS`
+CONFIG_HOOKS = Registry("config_hook", how="@register_config_hook('name') on a `ConfigHook` instance")
 register_config_hook = CONFIG_HOOKS.register
 ("`register_config_hook('name', hook)`: run `hook.before`/`hook.after` in every `load_config` "
  "(re-registering replaces).")

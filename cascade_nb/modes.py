@@ -16,17 +16,17 @@ from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, imag
 from typing import NamedTuple
 from .config import (Config, ConfigError, ConfigHook, SECTIONS, SECTION_MODES, import_modules,
     register_config_hook, REQUIRED, source_entries)
-from .registry import registry, UnknownChoice
+from .registry import registry, UnknownChoice, load_builtin_parts
 from .gdf.presets import training_shift
 from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 
 # %% auto #0
-__all__ = ['TRAINING_MODES', 'PLUGIN_MODULES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage',
-           'released_file', 'load_released_generator', 'TrainedGroups', 'TrainingMode', 'build_generator',
-           'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
-           'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight',
-           'sample_weights', 'training_mode', 'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries',
-           'resolve_mode', 'check_mode_sections', 'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
+__all__ = ['TRAINING_MODES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage', 'released_file',
+           'load_released_generator', 'TrainedGroups', 'TrainingMode', 'build_generator', 'check_model_overrides',
+           'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace',
+           'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight', 'sample_weights', 'training_mode',
+           'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries', 'resolve_mode', 'check_mode_sections',
+           'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -419,14 +419,12 @@ def refuse_prior_entries(cfg: Config, mode: type):
                               "images as a plain entry with a loss_weight instead")
 
 # %% ../nbs/40b_modes.ipynb #c6a088f8
-PLUGIN_MODULES = ("cascade_nb.lora", "cascade_nb.controlnet", "cascade_nb.distill")
-"The modules, after this one, that register the built-in modes (and their config sections)."
-
 def resolve_mode(cfg: Config, where: str = "config") -> type:
-    "The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks."
-    hook_modules = ("cascade_nb.eval",) if cfg.checkpoint.eval_every else ()   # registers its training hook
+    """The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks;
+    the built-in modes come from `BUILTIN_PARTS`, a user's from the config's `imports:`."""
+    load_builtin_parts()
     search = Path(cfg.source).parent if cfg.source else None
-    import_modules([*PLUGIN_MODULES, *hook_modules, *(cfg.train.imports or ())], where, search)
+    import_modules(cfg.train.imports or (), where, search)
     t = cfg.train
     if t.mode is None: t.mode = next((n for n, c in TRAINING_MODES.items() if c.selected_by(cfg)), "full")
     try: mode = TRAINING_MODES.choose(t.mode)
@@ -455,8 +453,7 @@ def check_mode_sections(cfg: Config, where: str = "config"):
 
 # %% ../nbs/40b_modes.ipynb #f028f2aa
 class ModeHook(ConfigHook):
-    "Loading a config: the built-in modes' modules imported before its keys are read; its mode resolved after."
-    def before(self, where: str, search: Path | None): import_modules(PLUGIN_MODULES, where)
+    "Loading a config: its mode resolved, and the sections of other modes left at their defaults."
     def after(self, cfg: Config, where: str):
         resolve_mode(cfg, where)
         check_mode_sections(cfg, where)

@@ -6,10 +6,11 @@ Docs: https://cascade-nb.github.io/cascade_nb/registry.html.md"""
 
 # %% ../nbs/00a_registry.ipynb #5b98a9bb
 from __future__ import annotations
-import difflib
+import difflib, importlib
 
 # %% auto #0
-__all__ = ['REGISTRIES', 'UnknownChoice', 'ConfigError', 'Registry', 'registry', 'registry_table']
+__all__ = ['REGISTRIES', 'BUILTIN_PARTS', 'UnknownChoice', 'ConfigError', 'Registry', 'registry', 'registry_table',
+           'load_builtin_parts']
 
 # %% ../nbs/00a_registry.ipynb #dd3cda3c
 class UnknownChoice(ValueError):
@@ -17,7 +18,7 @@ class UnknownChoice(ValueError):
 
 REGISTRIES: dict[str, "Registry"] = {}
 ("Every registry by kind ('loss_weight', 'sampler', 'timestep_sampling', 'optimizer', 'lr_schedule', 'warmup_shape', "
- "'training_mode', 'caption_getter', 'config_hook', ...).")
+ "'training_mode', 'caption_getter', 'adapter', ...).")
 
 # %% ../nbs/00a_registry.ipynb #1db3210e
 class ConfigError(ValueError):
@@ -67,3 +68,14 @@ def registry_table(registry: Registry) -> str:
         return doc.splitlines()[0].replace("|", "\\|") if doc else ""
     rows = [f"| `{name}` | {what(obj)} |" for name, obj in registry.items()]
     return "\n".join([f"| {registry.words} | what it is |", "|---|---|", *rows])
+
+# %% ../nbs/00a_registry.ipynb #eafdb976
+BUILTIN_PARTS = ("cascade_nb.gdf", "cascade_nb.run_state", "cascade_nb.modes", "cascade_nb.prompt_samples",
+                 "cascade_nb.train", "cascade_nb.eval", "cascade_nb.report", "cascade_nb.lora",
+                 "cascade_nb.adapter_files", "cascade_nb.controlnet", "cascade_nb.distill", "cascade_nb.check")
+"""Every module of the package that registers built-in parts (config sections and hooks, schedules, loss weights,
+samplers, optimizers, modes, adapter types, metrics, feature spaces, launch checks), in reading order."""
+
+def load_builtin_parts():
+    "Import every module of `BUILTIN_PARTS` (each once): then every registry holds every built-in part."
+    for name in BUILTIN_PARTS: importlib.import_module(name)

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn, enable_tf32
 from .models.blocks import compile_blocks, compile_seconds
-from .config import Config, load_config, save_config, ConfigError, import_modules
-from .registry import registry
+from .config import Config, load_config, save_config, ConfigError
+from .registry import registry, load_builtin_parts
 from .cli import cli_parser, parse_cli, cli_errors, error_line
 # the modes' names are also `cascade_nb.train.X` (they lived here before `cascade_nb.modes`): some are re-exports only
 from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
@@ -42,9 +42,9 @@ from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover,
                                      size_rule, check_resolution_schedule, at_resolution)
 
 # %% auto #0
-__all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'LAUNCH_CHECK_MODULES', 'sample_latents', 'sample_rows', 'validation_noise',
-           'validation_loss', 'per_process_batch', 'batch_stream', 'whole_source', 'training_data', 'preview_batch',
-           'Run', 'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite',
+__all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss',
+           'per_process_batch', 'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run',
+           'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite',
            'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
            'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers',
            'start_logging', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
@@ -593,12 +593,10 @@ def check_optimizer(name: str, distributed_type, fused: bool = False) -> None:
 LAUNCH_CHECKS = registry("launch_check", how="@LAUNCH_CHECKS.register('name') on a function (cfg, acc)")
 "Functions `check(cfg, acc)` that `start_launch` runs before any model is built: they warn, or raise `ConfigError`."
 
-LAUNCH_CHECK_MODULES = ("cascade_nb.check", "cascade_nb.prompt_samples")
-"The modules, later in the reading order, that register launch checks and training hooks (`run_launch_checks`)."
-
 def run_launch_checks(cfg: Config, acc) -> None:
-    "Import `LAUNCH_CHECK_MODULES`, then run every registered launch check on `cfg` with the accelerator `acc`."
-    import_modules(LAUNCH_CHECK_MODULES, "launch")
+    """Run every registered launch check on `cfg` with the accelerator `acc`: the built-in ones (some registered by
+    later modules, `BUILTIN_PARTS`) and a user's."""
+    load_builtin_parts()
     for check in list(LAUNCH_CHECKS.values()): check(cfg, acc)
 
 # %% ../nbs/41_train.ipynb #f8d5cda3

@@ -137,7 +137,7 @@ class Choice(str):
 
 # %% ../nbs/00c_typed_yaml.ipynb #29275e0b
 def _registry_of(tp) -> Registry | None:
-    "The registry a `Choice[kind]` annotation names, None while no module defining its parts was imported."
+    "The registry a `Choice[kind]` annotation names, None while no module registering its parts was imported."
     return REGISTRIES.get(tp.choice_kind)
 
 # %% ../nbs/00c_typed_yaml.ipynb #724f67a2
@@ -168,8 +168,11 @@ def coerce(value, tp, key: str = "value"):
     if tp is Any: return value
     if getattr(tp, "choice_kind", None):   # a registered name (duck-typed: this notebook's Choice or the package's)
         if not isinstance(value, str): raise bad()
-        # a registry not loaded in this process (its module comes later and was not imported): checked where it is
-        try: _registry_of(tp) and _registry_of(tp).choose(value)
+        if (parts := _registry_of(tp)) is None:
+            raise ConfigError(f"key '{key}': no registry of {tp.choice_kind} parts is loaded, so {value!r} cannot "
+                              "be checked; its module belongs in cascade_nb.registry.BUILTIN_PARTS or the config's "
+                              "imports")
+        try: parts.choose(value)
         except UnknownChoice as e: raise ConfigError(f"key '{key}': {e}") from None
         return value
     if origin is Union:

@@ -2,12 +2,12 @@
 from fractions import Fraction
 import pytest
 from cascade_nb.config import ConfigError, KEY_SECTION, load_config, save_config
-import cascade_nb.modes   # noqa: F401 -- the training modes' config hook: configs load the way every command loads them
+from conftest import run_cli
 from official_configs import OFFICIAL_CONFIGS, OFFICIAL_KEYS
 
 def test_every_official_key_is_known():
-    "Known to every process that loads configs: the LoRA and ControlNet keys once their modes registered (the hook)."
-    load_config(None, training=False)   # the modes' hook imports the modules of the built-in modes
+    "Known to every process that loads configs: the LoRA and ControlNet keys too (`BUILTIN_PARTS`)."
+    load_config(None, training=False)   # loading imports the modules of the built-in parts
     missing = [k for k in OFFICIAL_KEYS if k not in KEY_SECTION]
     assert not missing, missing
 
@@ -87,3 +87,27 @@ def test_missing_required_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"): load_config(tmp_path / "nope.yaml")
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"): load_config(tmp_path / "list.yaml")
+
+FRESH = '''
+import glob, sys
+from cascade_nb.config import load_config, ConfigError
+assert "torch" not in sys.modules, "import cascade_nb.config imported torch"
+for f in sorted(glob.glob("configs/*.yaml")): load_config(f)
+cases = [("configs/demo.yaml", "mode=bogus", "key 'mode'", "full, lora"),
+         ("configs/demo.yaml", "loss_weight=bogus", "key 'loss_weight'", "min_snr"),
+         ("configs/demo.yaml", "optimizer=bogus", "key 'optimizer'", "adamw8bit"),
+         ("configs/demo.yaml", "sample_sampler=bogus", "key 'sample_sampler'", "ddim"),
+         ("configs/demo.yaml", "noise_schedule=nonsense", "key 'noise_schedule'", "cosine"),
+         ("configs/lora_demo.yaml", "adapter=bogus", "key 'adapter'", "lokr")]
+for path, override, key, choice in cases:
+    try: load_config(path, [override])
+    except ConfigError as e: assert key in str(e) and choice in str(e) and "\\n" not in str(e), str(e)
+    else: raise AssertionError(f"{override} was accepted")
+print("same verdict")
+'''
+
+def test_a_fresh_process_that_imports_only_the_config_gives_the_same_verdict():
+    """`from cascade_nb.config import load_config` alone (no torch on import): every shipped config loads, and each
+    bad choice is refused in one line naming the key and the registered choices (`BUILTIN_PARTS`)."""
+    res = run_cli("-c", FRESH)
+    assert "same verdict" in res.stdout, res.stdout + res.stderr

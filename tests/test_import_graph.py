@@ -73,24 +73,36 @@ for path in sorted(Path("configs").glob("*.yaml")):
 print(json.dumps({"at_import": at_import, "at_load": loaded(), "configs": out}))
 """
 
-def test_config_imports_no_later_module_at_import_or_load():
-    "`import cascade_nb.config` and `load_config` of every shipped config load no module of a later notebook."
+def test_config_imports_no_later_module_at_import_and_loads_the_built_in_parts_at_load():
+    """`import cascade_nb.config` loads no module of a later notebook (nor torch); `load_config` imports the built-in
+    parts through the one list (`BUILTIN_PARTS`), so every shipped config resolves its mode in a process that imported
+    only the config, as in any command."""
     import json, subprocess, sys
+    from cascade_nb.registry import BUILTIN_PARTS
     res = subprocess.run([sys.executable, "-c", CONFIG_ALONE], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     late = lambda names: [m for m in names if m in MODULES and notebook_of(m) and notebook_of(m) > notebook_of("cascade_nb.config")]
-    assert got["at_import"] == got["at_load"], set(got["at_load"]) - set(got["at_import"])
-    assert not late(got["at_load"]), late(got["at_load"])
-    configs = got["configs"]
-    assert len(configs) >= 4 and configs["demo.yaml"] is None      # loaded; the mode is left to the modes' hook
-    for name, outcome in configs.items():                            # a mode's own keys: a clear error, not a crash
-        assert outcome is None or "known once cascade_nb.modes is imported" in outcome, (name, outcome)
+    assert not late(got["at_import"]), late(got["at_import"])
+    assert set(BUILTIN_PARTS) <= set(got["at_load"]), set(BUILTIN_PARTS) - set(got["at_load"])
+    assert got["configs"] == {"controlnet_demo.yaml": "controlnet", "demo.yaml": "full", "lcm_demo.yaml": "lcm",
+                              "lora_demo.yaml": "lora"}
 
-def test_with_the_modes_loaded_every_shipped_config_resolves_its_mode():
-    import json, subprocess, sys
-    code = CONFIG_ALONE.replace("import cascade_nb.config as config", "import cascade_nb.config as config, cascade_nb.modes")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["configs"] == {"controlnet_demo.yaml": "controlnet", "demo.yaml": "full",
-                                                 "lcm_demo.yaml": "lcm", "lora_demo.yaml": "lora"}
+def test_every_module_that_registers_a_built_in_part_is_in_the_one_list():
+    "A module of the package that registers parts (a decorator or `registry(...)` at module level) is in BUILTIN_PARTS."
+    from cascade_nb.registry import BUILTIN_PARTS
+    registers = re.compile(r"^(?:@\w*(?:register\w*|training_mode|config_section)\b|\w+ = registry\(|"
+                           r"register_\w+\(\s*\"|REPORTS\[|SELECTION_RULES\[)", re.M)
+    loaded = set(GRAPH_CLOSURE(BUILTIN_PARTS))
+    missing = [m for m, p in MODULES.items() if registers.search(p.read_text()) and m not in loaded
+               and m not in ("cascade_nb.registry", "cascade_nb.config", "cascade_nb.typed_yaml", "cascade_nb.filters")]
+    assert not missing, f"modules registering parts that BUILTIN_PARTS does not load: {missing}"
+
+def GRAPH_CLOSURE(roots):
+    "The modules `roots` import, directly or not (themselves included)."
+    seen, todo = set(), list(roots)
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in GRAPH: continue
+        seen.add(m); todo += GRAPH[m]
+    return seen

@@ -21,9 +21,7 @@ def _ratios(cfg, args):
 
 def _load_cfg(path, overrides=()):
     if path is None: return None
-    from cascade_nb.config import load_config, import_modules
-    # a training config of any mode: the modes (later in the reading order) register their sections' keys on import
-    import_modules(["cascade_nb.modes"], "data")
+    from cascade_nb.config import load_config
     return load_config(path, overrides, training=False)
 
 # %% ../../nbs/34_data.cli.ipynb #b10d2c63
