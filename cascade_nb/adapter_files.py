@@ -559,8 +559,11 @@ def read_cascade_nb(sd: dict, params: dict, metadata: dict | None = None, config
     rd = Reading("cascade_nb")
     for path, entry in adapter_entries(sd).items():
         cls, t, alpha = entry
-        # a text-encoder adapter (`text_model.` in the file) patches what `params` holds under `text_encoder.`
-        p = "text_encoder." + path.removeprefix(TEXT_ENCODER_PREFIX) if path.startswith(TEXT_ENCODER_PREFIX) else path
+        # a text-encoder adapter (`text_model.` in a whole file) patches what `params` holds under `text_encoder.`;
+        # a text model's own parameters (their HF names also start with `text_model.`) are matched as they are
+        p = path if path in params or not path.startswith(TEXT_ENCODER_PREFIX) else (
+            "text_encoder." + path.removeprefix(TEXT_ENCODER_PREFIX))
+
         if p not in params:
             rd.warnings.append(f"{path}: no such parameter in the model (a file for another model?)"); continue
         try: entry_fits(path, entry, {path: params[p].shape})

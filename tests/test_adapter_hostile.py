@@ -279,3 +279,19 @@ def test_a_user_sees_one_line(crafted):
     "The command as a user runs it (one subprocess): a pickle named .safetensors, exit 2, one line, nothing run."
     res = lora_cli("check", crafted["pickle"])
     one_line_error(res, crafted["pickle"], "not a readable safetensors file")
+
+def test_kohya_alpha_not_a_number_names_the_key(crafted, capsys, tmp_path):
+    "B9 in kohya's layout: ComfyUI's reading (check) and training's load name the `.alpha` key."
+    from safetensors.torch import load_file, save_file
+    from cascade_nb.lora import _lora_load
+    from cascade_nb.config import ConfigError
+    res = in_process(capsys, "export", crafted["good"], "--to", "kohya", "--out", tmp_path / "k.safetensors")
+    assert res.returncode == 0, res.stderr
+    sd = load_file(str(tmp_path / "k.safetensors"))
+    key = next(k for k in sd if k.endswith("attn_out_proj.alpha"))
+    save_file({**sd, key: torch.ones(3)}, str(tmp_path / "bad.safetensors"))
+    one_line_error(in_process(capsys, "check", tmp_path / "bad.safetensors", "--for", "comfyui"),
+                   f"{key}: a float32 tensor of shape (3,); expected one number")
+    model, text, _ = crafted["tiny_model"]
+    with pytest.raises(ConfigError, match=f"{key}: a float32 tensor of shape"):
+        _lora_load(SimpleNamespace(te_targets=[], text_model=text, cfg=None), tmp_path / "bad.safetensors", model)
