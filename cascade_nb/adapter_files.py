@@ -18,16 +18,19 @@ from .core import save_safetensors_atomic, safetensors_header, atomic_dir
 from .lora import (base_state_dict, to_kohya, to_reference, is_reference_lora, from_kohya, from_reference,
                              load_peft_adapter, _to_diffusers_module, _kohya_parts, adapter_entries, adapter_from_entry,
                              adapter_metadata, layer_records, token_names, LoRA, FullDiff,
-                             _no_text_encoder, clip_text_linears)
+                             _no_text_encoder, clip_text_linears, entry_fits, load_adapter_file, _scalar,
+                             weight_shapes, split_text_encoder, lora_tokens, text_encoder_weight_shapes,
+                             _text_encoder_size, TEXT_ENCODER_PREFIX)
+
 
 # %% auto #0
-__all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'COMFY_FORMS', 'LAYOUTS', 'consumer_params', 'clip_g_params', 'Target',
-           'split_modules', 'Layer', 'Reading', 'Family', 'comfy_weight_decompose', 'text_modules', 'consumer_names',
-           'comfy_names', 'read_comfyui', 'is_embedding_file', 'read_comfy_embedding', 'read_kohya', 'peft_pattern',
-           'peft_targets', 'read_peft', 'reference_targets', 'read_official', 'read_cascade_nb', 'cascade_nb_deltas',
-           'delta_error', 'peft_files', 'ExportContext', 'comfy_ready', 'export_adapter', 'AdapterSource',
-           'read_source', 'source_layout', 'source_lora', 'meta_stage_c', 'run_export', 'reading_table',
-           'merge_reading', 'run_check', 'main']
+__all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'COMFY_FORMS', 'LAYOUTS', 'DELTA_LIMIT', 'consumer_params', 'clip_g_params',
+           'text_encoder_params', 'Target', 'split_modules', 'Layer', 'Reading', 'Family', 'comfy_weight_decompose',
+           'text_modules', 'consumer_names', 'comfy_names', 'read_comfyui', 'is_embedding_file', 'read_comfy_embedding',
+           'read_kohya', 'peft_pattern', 'peft_targets', 'read_peft', 'reference_targets', 'read_official',
+           'read_cascade_nb', 'cascade_nb_deltas', 'delta_error', 'peft_files', 'ExportContext', 'comfy_ready',
+           'export_adapter', 'AdapterSource', 'header_fields', 'read_source', 'source_layout', 'source_lora',
+           'meta_stage_c', 'run_export', 'reading_table', 'merge_reading', 'value_notes', 'run_check', 'main']
 
 # %% ../nbs/60b_adapter_files.ipynb #824b2f61
 def consumer_params(model: nn.Module, text_model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -42,6 +45,10 @@ def clip_g_params(width: int = 1280, layers: int = 32, mlp: int = 5120) -> dict[
     "Names and shapes (meta tensors) of the CLIP-G text encoder's projections that a LoRA file can patch."
     return {f"text_encoder.{m}.weight": torch.empty(s, device="meta")
             for m, s in clip_text_linears(width, layers, mlp).items()}
+
+def text_encoder_params(cfg) -> dict[str, torch.Tensor]:
+    "`clip_g_params` for the text encoder of a training config `cfg` (CLIP-G, or the tiny test encoder's sizes)."
+    return {f"text_encoder.{p}": torch.empty(s, device="meta") for p, s in text_encoder_weight_shapes(cfg).items()}
 
 # %% ../nbs/60b_adapter_files.ipynb #2e65bc66
 @dataclass(frozen=True)
@@ -275,7 +282,7 @@ def _prefixes(sd: dict) -> set[str]:
 def _alpha_of(sd: dict, x: str, used: set) -> float | None:
     if x + ".alpha" not in sd: return None
     used.add(x + ".alpha")
-    return float(sd[x + ".alpha"])
+    return _scalar(sd[x + ".alpha"], x + ".alpha")
 
 def _is_meta(t) -> bool: return getattr(t, "is_meta", False)
 
@@ -550,19 +557,27 @@ def read_official(sd: dict, params: dict, metadata: dict | None = None, config: 
 def read_cascade_nb(sd: dict, params: dict, metadata: dict | None = None, config: dict | None = None) -> Reading:
     "What cascade_nb's own `load_lora`/`merge_lora` add for a file in its layout (any adapter type), tokens aside."
     rd = Reading("cascade_nb")
-    for p, entry in adapter_entries(sd).items():
+    for path, entry in adapter_entries(sd).items():
         cls, t, alpha = entry
+        # a text-encoder adapter (`text_model.` in a whole file) patches what `params` holds under `text_encoder.`;
+        # a text model's own parameters (their HF names also start with `text_model.`) are matched as they are
+        p = path if path in params or not path.startswith(TEXT_ENCODER_PREFIX) else (
+            "text_encoder." + path.removeprefix(TEXT_ENCODER_PREFIX))
+
         if p not in params:
-            rd.warnings.append(f"{p}: no such parameter in the model (a file for another model?)"); continue
+            rd.warnings.append(f"{path}: no such parameter in the model (a file for another model?)"); continue
+        try: entry_fits(path, entry, {path: params[p].shape})
+        except ValueError as e: rd.warnings.append(f"{e}: not merged"); continue
         a, W = adapter_from_entry(entry, params[p].shape), params[p]
         rank = getattr(a, "rank", None)
         scale = alpha / rank if rank and cls.kind in ("lora", "loha", "lokr") else 1.0
         with torch.no_grad(): delta = a.update(W.float())
         if delta.is_meta:
-            rd.warnings.append(f"{p}: {cls.kind} depends on the base weights; pass --model to evaluate it")
-            rd.layers[p] = Layer(Target(p), cls.kind, rank, alpha, float("nan")); continue
+            rd.warnings.append(f"{path}: {cls.kind} depends on the base weights; pass --model to evaluate it")
+            rd.layers[path] = Layer(Target(p), cls.kind, rank, alpha, float("nan")); continue
         rd.add(params, Target(p), delta)
-        rd.layers[p] = Layer(Target(p), cls.kind, rank, alpha, scale)
+        rd.layers[path] = Layer(Target(p), cls.kind, rank, alpha, scale)
+
     rd.loaded = [k for k in sd if k.startswith("tokens.") or k.rpartition(".")[0] in rd.layers]
     rd.skipped = [k for k in sd if k not in rd.loaded]
     return rd
@@ -714,17 +729,32 @@ LAYOUTS = Registry("adapter_layout", {"cascade_nb": _export_cascade_nb, "officia
 # %% ../nbs/60b_adapter_files.ipynb #faa51ec2
 def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None, text_model: nn.Module | None = None,
                    base: str | None = None, module_filters=None, options: dict | None = None,
-                   overwrite: bool = False) -> tuple[list[Path], list[str]]:
+                   overwrite: bool = False, text_shapes: dict | None = None,
+                   text_width: int | None = None) -> tuple[list[Path], list[str]]:
     """Write `lora` (cascade_nb's layout, tokens included) as `layout` at `out`, with metadata; (paths, warnings).
     `model`: the Stage C (official order; with its weights, ComfyUI-exact DoRA/OFT in kohya files); `text_model`: the
     text model with the run's `train_tokens` added; `options`: the adapter type's (`adapter_options`). `out` must not
-    exist unless `overwrite`, and never lies in a run directory (`output_target`)."""
+    exist unless `overwrite`, and never lies in a run directory (`output_target`). Every entry is checked first
+    (`adapter_entries`: against `model`'s weights and the text encoder's `text_shapes` where given, finite), and the
+    tokens (`lora_tokens`, rows `text_width` wide where given): nothing is written that a consumer cannot load."""
+    from safetensors import SafetensorError
     from cascade_nb.cli import cli_choice, output_target
     writer = cli_choice(LAYOUTS, layout, "--to")
     output_target(out, overwrite)
+    generator, te = split_text_encoder(_adapters_only(lora))
+    adapter_entries(generator, None if model is None else weight_shapes(model), finite=True)
+    adapter_entries(te, text_shapes, finite=True)
+    emb = text_model.get_input_embeddings() if text_model is not None else None
+    lora_tokens(lora, text_width or (emb.embedding_dim if emb is not None else None),
+                emb.num_embeddings if emb is not None else None)
     meta = adapter_metadata(_adapters_only(lora), layout, base, token_names(lora), module_filters, options)
     ctx = ExportContext(model, text_model, {**meta, "modelspec.title": Path(out).stem})
-    return writer(lora, Path(out), ctx), ctx.warnings
+    # a folder, a read-only place, a full disk: one line naming --out, not the temporary file being written
+    try: return writer(lora, Path(out), ctx), ctx.warnings
+    except (OSError, SafetensorError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise ValueError(f"--out {out}: cannot write the {layout} export there ({why})") from None
+
 
 # %% ../nbs/60b_adapter_files.ipynb #1bf37584
 @dataclass
@@ -737,9 +767,28 @@ class AdapterSource:
     run_config: dict | None = None
     info_path: Path | None = None   # the run directory's info.json, which `run_config` came from
 
+_HEADER_JSON = {"cascade_nb.adapter_options": dict, "cascade_nb.layers": dict, "cascade_nb.comfyui_forms": dict,
+                "cascade_nb.module_filters": (list, type(None)), "cascade_nb.trigger_tokens": list}
+"The JSON fields of cascade_nb's adapter file headers and the JSON type each holds (`header_fields`)."
+
+def header_fields(path, metadata: dict) -> dict:
+    "`metadata` of the file at `path`, its JSON fields (`_HEADER_JSON`) checked; a one-line ValueError names the key."
+    for key, kind in _HEADER_JSON.items():
+        if not metadata.get(key): continue
+        try: value = json.loads(metadata[key])
+        except ValueError as e: raise ValueError(f"{path}: header key {key!r}: not JSON ({e})") from None
+        if not isinstance(value, kind):
+            want = " or ".join("null" if k is type(None) else {dict: "an object", list: "a list"}[k]
+                               for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ValueError(f"{path}: header key {key!r} is {metadata[key][:60]!r}; expected {want}")
+    return metadata
+
+def _read_weights(path) -> tuple[dict, dict]:
+    "(tensors, checked header metadata) of a `.safetensors` file, its header read before any tensor."
+    return load_adapter_file(path), header_fields(path, safetensors_header(path)[0])
+
 def read_source(path) -> AdapterSource:
     "The adapter at `path`: a run directory, a peft adapter folder or a safetensors file (one-line errors otherwise)."
-    from safetensors.torch import load_file
     path = Path(path)
     run_config = info = None
     if path.is_dir() and (path / "info.json").exists():
@@ -751,12 +800,11 @@ def read_source(path) -> AdapterSource:
         if not (path / "adapter_config.json").exists():
             raise FileNotFoundError(2, "neither a run directory (info.json) nor a peft folder (adapter_config.json)",
                                     str(path))
-        weights = path / "adapter_model.safetensors"
-        return AdapterSource(path, load_file(str(weights)), safetensors_header(weights)[0],
-                             json.loads((path / "adapter_config.json").read_text()))
+        config = read_json_file(path / "adapter_config.json", "peft adapter config")
+        if not isinstance(config, dict): raise ValueError(f"{path / 'adapter_config.json'}: expected a JSON object")
+        return AdapterSource(path, *_read_weights(path / "adapter_model.safetensors"), config)
     if not path.is_file(): raise FileNotFoundError(2, "no such file", str(path))
-    return AdapterSource(path, load_file(str(path)), safetensors_header(path)[0], run_config=run_config,
-                         info_path=info)
+    return AdapterSource(path, *_read_weights(path), run_config=run_config, info_path=info)
 
 # %% ../nbs/60b_adapter_files.ipynb #d50edb6f
 def source_layout(src: AdapterSource) -> str:
@@ -822,19 +870,24 @@ def run_export(source, layout: str, out, config_path=None, model_arg=None, overw
     output_target(out, overwrite)   # before the slow reading
     src = read_source(source)
     cfg = _run_cfg(src, config_path)
-    model = _check_params(model_arg)[1] if model_arg else meta_stage_c(cfg) if cfg is not None else None
+    model = _check_params(model_arg, cfg)[1] if model_arg else meta_stage_c(cfg) if cfg is not None else None
     filters = cfg.lora.module_filters if cfg is not None else None
     lora = source_lora(src, model, filters)
     base = ((src.run_config or {}).get("generator_checkpoint_path")
             or src.metadata.get("cascade_nb.generator_checkpoint_path"))
     text_model = _text_model_with_tokens(cfg, lora) if layout == "official" else None
     options = json.loads(src.metadata.get("cascade_nb.adapter_options") or "{}")
-    return export_adapter(lora, layout, out, model, text_model, base, filters, options, overwrite)
+    # the run's text encoder, else (a lone file) CLIP-G's width: an embedding file's `clip_g` vector is CLIP-G's
+    text_width = _text_encoder_size(cfg)[0] if cfg is not None else 1280 if layout == "embedding" else None
+    return export_adapter(lora, layout, out, model, text_model, base, filters, options, overwrite,
+                          text_encoder_weight_shapes(cfg) if cfg is not None else None, text_width)
 
 # %% ../nbs/60b_adapter_files.ipynb #0ca5fbd3
-def _check_params(model_arg):
-    "(params, Stage C or None) for `check`: a config's or checkpoint's Stage C with weights, else meta 3.6B + CLIP-G."
-    if model_arg is None: return consumer_params(meta_stage_c()) | clip_g_params(), None
+def _check_params(model_arg, cfg=None):
+    """(params, Stage C or None) for `check`: a config's or checkpoint's Stage C with weights, else the meta Stage C
+    and text encoder of the run's config `cfg`, else meta 3.6B + CLIP-G."""
+    text = clip_g_params() if cfg is None else text_encoder_params(cfg)
+    if model_arg is None: return consumer_params(meta_stage_c(cfg)) | text, None
     if str(model_arg).endswith((".yaml", ".yml")):
         from cascade_nb.modes import build_generator, build_text_encoder
         cfg = _config(model_arg)
@@ -842,8 +895,14 @@ def _check_params(model_arg):
         text = build_text_encoder(cfg)[1] if cfg.model.clip_text_model_name == "tiny" else None
         return consumer_params(model, text) | ({} if text is not None else clip_g_params()), model
     from cascade_nb.models.stage_c import load_stage_c
-    model = load_stage_c(model_arg, dtype="float32")
-    return consumer_params(model) | clip_g_params(), model
+    # a checkpoint without its model config (no metadata, not an official size) takes the run's (`cfg`)
+    arch = {} if cfg is None else dict(preset=cfg.model.model_version, **cfg.model.model_overrides)
+    try: model = load_stage_c(model_arg, dtype="float32", **arch)
+    except ValueError as e:
+        if cfg is not None or "infer the preset" not in str(e): raise
+        raise ValueError(f"{e}: for `check`, pass --config TRAINING.yaml (the run's model_version and "
+                         "model_overrides), or --model TRAINING.yaml") from None
+    return consumer_params(model) | text, model
 
 # %% ../nbs/60b_adapter_files.ipynb #fb52199d
 def reading_table(rd: Reading, deltas: dict | None = None) -> str:
@@ -881,18 +940,36 @@ def merge_reading(model: nn.Module, rd: Reading) -> dict[str, torch.Tensor]:
         out[path] = W.float() - before
     return out
 
+DELTA_LIMIT = 1e3
+"`check` warns about a layer whose ΔW has an entry beyond this: a Stage C or CLIP weight is of order 1."
+
+def value_notes(rd: Reading):
+    "Warnings naming each layer whose ΔW holds NaN or inf or exceeds `DELTA_LIMIT`, or whose alpha is negative."
+    for name, l in rd.layers.items():
+        d = rd.deltas.get(l.target.weight)
+        if l.alpha is not None and l.alpha < 0:
+            rd.warnings.append(f"{name}: alpha {l.alpha:g} is negative: the update is reversed (scale {l.scale:.4g})")
+        if d is None: continue
+        d = d if l.target.rows is None else d[l.target.rows]
+        if not bool(torch.isfinite(d).all()):
+            rd.warnings.append(f"{name}: its ΔW holds NaN or inf: every image would be black")
+        elif (top := float(d.abs().max())) > DELTA_LIMIT:
+            rd.warnings.append(f"{name}: its ΔW reaches {top:.3g} (a weight is of order 1): a scale looks wrong")
+
 def run_check(source, consumer: str | None = None, model_arg=None, config_path=None) -> tuple[Reading, str]:
     "`check`: the reading of `consumer` (our layout: cascade_nb, else comfyui) of the adapter at `source`; its table."
     from cascade_nb.cli import cli_choice
     src = read_source(source)
     consumer = consumer or ("cascade_nb" if source_layout(src) == "cascade_nb" else "comfyui")
     reader = cli_choice(CONSUMERS, consumer, "--for")
-    params, model = _check_params(model_arg)
-    # the run's filters: --config, else a training YAML given as --model, else the run directory's
+    # the run's model and filters: --config, else a training YAML given as --model, else the run directory's
     is_yaml = model_arg is not None and str(model_arg).endswith((".yaml", ".yml"))
     cfg = _run_cfg(src, config_path or (model_arg if is_yaml else None))
+    params, model = _check_params(model_arg, cfg)
     config = src.peft_config if consumer == "peft" else {"module_filters": cfg.lora.module_filters if cfg else None}
     rd = reader(src.sd, params, src.metadata, config)
+    value_notes(rd)
+
     if (layout := source_layout(src)) in ("cascade_nb", "peft") and consumer not in ("peft", "official", "cascade_nb"):
         rd.warnings.append(f"a {layout}-layout file: for {consumer}, export it with --to kohya")
     return rd, reading_table(rd, merge_reading(model, rd) if model is not None else None)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from .core import save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device, Weights
+from .core import (save_safetensors_atomic, count_params, human_count, seeded_rand, images_to_device, Weights,
+                   safetensors_header)
 from .hub import weights_file, parse_hub_spec
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -27,7 +28,8 @@ from .modes import released_file
 __all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTERS', 'LORA_PARAM_GROUPS',
            'match_filters', 'lora_targets', 'register_adapter', 'Adapter', 'LoRA', 'apply_lora', 'base_state_dict',
            'is_adapter', 'lora_layers', 'scaled_adapters', 'lora_state_dict', 'lora_entries', 'adapter_kind',
-           'adapter_entries', 'adapter_from_entry', 'lora_delta', 'load_lora', 'adapter_options', 'layer_records',
+           'check_entry', 'entry_fits', 'entry_finite', 'adapter_entries', 'load_adapter_file', 'weight_shapes',
+           'adapter_from_entry', 'lora_delta', 'load_lora', 'adapter_options', 'layer_records', 'lora_tokens',
            'token_names', 'save_lora', 'adapter_metadata', 'merge_lora', 'unmerge_lora', 'LoKr', 'LoHa', 'DoRA', 'OFT',
            'FullDiff', 'TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens', 'adapters_disabled',
            'prior_retarget', 'has_prior_entries', 'prior_extras', 'prior_loss', 'split_text_encoder',
@@ -35,8 +37,8 @@ __all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'TEXT_ENCODER_PREFIX'
            'from_kohya', 'save_peft_adapter', 'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora',
            'to_reference', 'from_reference', 'load_lora_file', 'LoraConfig', 'check_adapter_keys', 'adapter_keys',
            'text_encoder_lora', 'check_text_encoder_keys', 'add_text_encoder_adapters', 'LoraNet',
-           'lora_base_generator', 'merged_lora_run', 'clip_text_linears', 'text_encoder_shapes', 'add_file_tokens',
-           'lora_param_group', 'LoraTraining', 'PriorHook']
+           'lora_base_generator', 'merged_lora_run', 'clip_text_linears', 'text_encoder_weight_shapes',
+           'text_encoder_shapes', 'add_file_tokens', 'lora_param_group', 'LoraTraining', 'PriorHook']
 
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -82,6 +84,8 @@ def register_adapter(name: str):
 class Adapter(nn.Module):
     """A parametrization W → W + multiplier·update(W) of one weight, its trained tensors named as LyCORIS names them."""
     kind, signature = "adapter", None   # its registered name; a tensor name only its file entries have
+    names: tuple = ()          # the tensor names one entry of its type holds in a file (`optional` ones may be absent)
+    optional: tuple = ()
     keys: tuple = ()           # the `lora` config keys it reads (besides module_filters)
     row_tensors: tuple = ()    # its tensors whose first axis runs over W's output rows (or blocks of them)
     keeps_original = False     # merging forgets what unmerging needs: merge_lora keeps the original W
@@ -110,6 +114,12 @@ class Adapter(nn.Module):
 
     @classmethod
     def claims(cls, names: set) -> bool: return cls.signature in names
+    @classmethod
+    def matrix_shape(cls, t: dict) -> tuple:
+        """(rows, columns) of the 2-d view (out, in·k·k) of the weight that one entry's tensors `t` update (None where
+        they leave it free); a ValueError naming the tensors and their shapes where these do not fit together. A type
+        that states no shapes (a user's, registered elsewhere) leaves both free."""
+        return None, None
     @classmethod
     def default_alpha(cls, tensors: dict) -> float: return 1.0   # a kohya/LyCORIS entry without alpha
     @classmethod
@@ -143,6 +153,7 @@ class Adapter(nn.Module):
 class LoRA(Adapter):
     "Parametrization W → W + (alpha/rank)·up@down for a Linear/Conv weight or a fused projection (Hu et al. 2021)."
     signature, keys, row_tensors = "lora_down", ("rank", "lora_alpha", "lora_dropout", "lora_init"), ("lora_up",)
+    names = ("lora_down", "lora_up")
     def __init__(self, shape, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0, init: str = "reference"):
         super().__init__(shape, alpha)
         if init not in LORA_INITS: raise ValueError(f"lora_init {init!r}: expected one of {sorted(LORA_INITS)}")
@@ -173,6 +184,14 @@ class LoRA(Adapter):
     @classmethod
     def claims(cls, names): return "lora_down" in names and "dora_scale" not in names
     @classmethod
+    def matrix_shape(cls, t):
+        d, u = t["lora_down"], t["lora_up"]
+        if d.ndim < 2 or u.ndim != d.ndim or u.shape[1] != d.shape[0] or any(s != 1 for s in u.shape[2:]):
+            raise ValueError(f"{_shapes(t)} do not fit: expected lora_down (rank, in[, k, k]) and lora_up "
+                             "(out, rank[, 1, 1])")
+        if d.shape[0] == 0: raise ValueError(f"has rank 0 ({_shapes(t)}): expected rank >= 1")
+        return u.shape[0], math.prod(d.shape[1:])
+    @classmethod
     def fuse_rows(cls, parts):
         "Always exact (`_fuse`): rank r with a shared D (our own split), else rank 3r with a block-diagonal U."
         down, up, alpha = _fuse([(t["lora_down"], t["lora_up"], a) for t, a in parts])
@@ -181,6 +200,8 @@ class LoRA(Adapter):
     def default_alpha(cls, tensors): return float(tensors["lora_down"].shape[0])
 
 # %% ../nbs/60_lora.ipynb #666cb29f
+def _shapes(t: dict) -> str: return ", ".join(f"{k} {tuple(v.shape)}" for k, v in t.items())
+
 def _owner(model: nn.Module, path: str):
     mod, _, name = path.rpartition('.')
     return model.get_submodule(mod), name
@@ -274,15 +295,76 @@ def _lora_only(lora: dict, what: str):
                                "(to_kohya writes every type)")
 
 # %% ../nbs/60_lora.ipynb #9334ae0e
-def adapter_kind(names) -> type[Adapter]:
-    "The registered type whose tensor names `names` (one file entry's) are; ValueError naming them if none."
+def adapter_kind(names, where: str = "") -> type[Adapter]:
+    "The registered type whose tensor names `names` (one file entry's, at `where`) are; ValueError naming them if none."
     names = set(names)
     for cls in ADAPTERS.values():
         if cls.claims(names): return cls
-    raise ValueError(f"tensor names {sorted(names)} are no registered adapter type's ({', '.join(ADAPTERS)})")
+    raise ValueError(f"{where + ': ' if where else ''}tensor names {sorted(names)} are no registered adapter type's "
+                     f"({', '.join(f'{n}: {c.names}' for n, c in ADAPTERS.items())})")
 
-def adapter_entries(lora: dict) -> dict[str, tuple]:
-    "{parameter path: (type, {tensor name: tensor}, alpha)} from a state dict in cascade_nb's layout (any types)."
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PARAM_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+def _scalar(t, key: str) -> float:
+    "A file's alpha as a number: one element of a real dtype; else a one-line ValueError naming `key`."
+    t = torch.as_tensor(t)
+    if t.numel() != 1 or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{key}: a {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}; expected "
+                         "one number (the adapter's alpha)")
+    return float(t)
+
+def check_entry(path: str, tensors: dict, alpha=None) -> tuple:
+    """One entry of a LoRA file as (type, tensors, alpha), checked: a dotted parameter path, the tensor names of one
+    registered type (none unknown, missing or ambiguous), float tensors, one number as alpha, shapes that fit together
+    (`Adapter.matrix_shape`); else a one-line ValueError naming the layer."""
+    if not _PARAM_PATH.fullmatch(path):
+        raise ValueError(f"{path!r} names no parameter of a model (expected a dotted module path such as "
+                         "down_blocks.0.2.attention.attn.in_proj_weight)")
+    cls = adapter_kind(tensors, path)
+    # a type that declares no `names` (a user's, registered elsewhere) is taken as it claims
+    unknown = sorted(set(tensors) - set(cls.names)) if cls.names else []
+    missing = sorted(set(cls.names) - set(cls.optional) - set(tensors))
+
+    if unknown or missing:
+        raise ValueError(f"{path}: a {cls.kind} entry holds {', '.join(cls.names)}"
+                         + (f"; unknown tensor {', '.join(unknown)}" if unknown else "")
+                         + (f"; {', '.join(missing)} missing" if missing else ""))
+    for k, t in tensors.items():
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{path}.{k}: dtype {str(t.dtype).removeprefix('torch.')}; expected a float tensor "
+                             "(float16, bfloat16, float32 or float64)")
+    alpha = cls.layout_alpha if alpha is None else _scalar(alpha, f"{path}.alpha")
+    try: cls.matrix_shape(tensors)
+    except ValueError as e: raise ValueError(f"{path}: the {cls.kind} {e}") from None
+    return cls, tensors, alpha
+
+# %% ../nbs/60_lora.ipynb #9313b015
+def entry_fits(path: str, entry: tuple, shapes: dict):
+    "A ValueError naming the layer and the shapes when `entry` updates no weight of `shapes` ({path: shape}) as it is."
+    if path not in shapes: raise ValueError(f"{path}: no such parameter in the model (a file for another model?)")
+    cls, t, _ = entry
+    W = tuple(shapes[path])
+    want = (W[0], math.prod(W[1:])) if len(W) >= 2 else None
+    got = cls.matrix_shape(t)
+    if want is None or any(g is not None and g != w for g, w in zip(got, want)):
+        dims = " x ".join("any" if g is None else str(g) for g in got)
+        raise ValueError(f"{path}: the file's {cls.kind} ({_shapes(t)}) updates a {dims} matrix, the weight is {W}: "
+                         "transposed tensors, or a file for another model")
+
+
+def entry_finite(path: str, entry: tuple):
+    "A ValueError naming the layer when a tensor or the alpha of `entry` holds NaN or inf."
+    _, t, alpha = entry
+    bad = [k for k, v in t.items() if not bool(torch.isfinite(v).all())] + ([] if math.isfinite(alpha) else ["alpha"])
+    if bad: raise ValueError(f"{path}: {', '.join(bad)} hold NaN or inf values: its update would make every image "
+                             "black (a diverged run?)")
+
+def adapter_entries(lora: dict, shapes: dict | None = None, finite: bool = False) -> dict[str, tuple]:
+    """{parameter path: (type, {tensor name: tensor}, alpha)} from a state dict in cascade_nb's layout (any types),
+    each entry checked (`check_entry`); with `shapes` ({parameter path: weight shape}) also against the model's weight
+    (`entry_fits`), with `finite` for NaN and inf (`entry_finite`). Check, export, training and sampling all read a
+    file through here."""
     groups = {}
     for k, v in lora.items():
         if k.startswith("tokens."): continue
@@ -290,11 +372,27 @@ def adapter_entries(lora: dict) -> dict[str, tuple]:
         groups.setdefault(path, {})[name] = v
     out = {}
     for path, t in groups.items():
-        alpha = t.pop("alpha", None)
-        cls = adapter_kind(t)
-        out[path] = (cls, t, cls.layout_alpha if alpha is None else float(alpha))
+        out[path] = entry = check_entry(path, t, t.pop("alpha", None))
+        if shapes is not None: entry_fits(path, entry, shapes)
+        if finite: entry_finite(path, entry)
     return out
 
+def load_adapter_file(path) -> dict[str, torch.Tensor]:
+    """The tensors of a LoRA `.safetensors` file, its header read first (`safetensors_header`): a file that is not one
+    (empty, truncated, a pickle under that name, a header claiming more than the file holds) is a one-line ValueError
+    naming it before any tensor is read; nothing in it runs."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    safetensors_header(path)
+    try: return load_file(str(path))
+    except SafetensorError as e: raise ValueError(f"{path}: {' '.join(str(e).split())}") from None
+
+def weight_shapes(model: nn.Module) -> dict[str, tuple]:
+    "{parameter path (plain, official names): shape} of `model`'s weights, what `adapter_entries` checks a file by."
+
+    return {k: tuple(v.shape) for k, v in base_state_dict(model).items()}
+
+# %% ../nbs/60_lora.ipynb #58a36265
 def adapter_from_entry(entry: tuple, shape) -> Adapter:
     "The adapter (on the CPU, fp32, eval mode) of one `adapter_entries` entry, for a weight of `shape`."
     cls, tensors, alpha = entry
@@ -309,14 +407,9 @@ def lora_delta(down, up, alpha: float, shape) -> torch.Tensor:
 def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
     """Adapt `model` with the state dict `lora` (any adapter types; adds the adapters where missing, then copies the
     weights)."""
-    entries = adapter_entries(lora)
+    entries = adapter_entries(lora, weight_shapes(model), finite=True)
     have = lora_layers(model)
     missing = [p for p in entries if p not in have]
-    for p in missing:
-        try: _owner(model, p)[0]
-        except AttributeError:
-            raise KeyError(f"load_lora: the LoRA adapts {p!r}, which {type(model).__name__} "
-                           "does not have") from None
     for p in missing:
         owner, name = _owner(model, p)
         W = getattr(owner, name)
@@ -348,9 +441,44 @@ def layer_records(lora: dict) -> dict[str, dict]:
     return {p: {"kind": e[0].kind, "rank": getattr(adapter_from_entry(e, ()), "rank", None), "alpha": e[2]}
             for p, e in adapter_entries(lora).items()}
 
+_TOKEN_KEYS = ("tokens.ids", "tokens.embeddings", "tokens.names")
+
+def lora_tokens(lora: dict, width: int | None = None, vocab: int | None = None) -> tuple[list, torch.Tensor, list]:
+    """(ids, embeddings (n, width), names) of the trained tokens of a LoRA state dict (([], None, []) without), checked:
+    integer ids (below `vocab`), finite float rows of `width`, names a JSON list of as many strings; else a one-line
+    ValueError naming the key."""
+    if not any(k in lora for k in _TOKEN_KEYS): return [], None, []
+    if missing := [k for k in _TOKEN_KEYS if k not in lora]:
+        raise ValueError(f"key {missing[0]!r} missing: trained tokens need {', '.join(_TOKEN_KEYS)}")
+    ids, rows, raw = (lora[k] for k in _TOKEN_KEYS)
+    if ids.ndim != 1 or ids.dtype.is_floating_point or ids.dtype in (torch.bool, torch.uint8) or ids.is_complex():
+        raise ValueError(f"key 'tokens.ids': a {ids.dtype} tensor of shape {tuple(ids.shape)}; expected a 1-d integer "
+                         "tensor")
+    if rows.dtype not in _FLOATS or rows.ndim != 2 or rows.shape[0] != len(ids):
+        raise ValueError(f"key 'tokens.embeddings': a {rows.dtype} tensor of shape {tuple(rows.shape)}; expected "
+                         f"float rows, one per token ({len(ids)})")
+    if width is not None and rows.shape[1] != width:
+        raise ValueError(f"key 'tokens.embeddings': rows of width {rows.shape[1]}; the text encoder's token "
+                         f"embeddings are {width} wide (a file for another text encoder?)")
+    if not bool(torch.isfinite(rows).all()): raise ValueError("key 'tokens.embeddings': holds NaN or inf values")
+    if vocab is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = [i for i in ids.tolist() if not 0 <= i < vocab]
+        raise ValueError(f"key 'tokens.ids': {bad[:5]} lie outside the text encoder's vocabulary (ids 0 to "
+                         f"{vocab - 1}): a file for another tokenizer or train_tokens?")
+    try:
+        if raw.dtype != torch.uint8 or raw.ndim != 1: raise ValueError(f"a {raw.dtype} tensor, not bytes")
+        names = json.loads(bytes(raw.tolist()).decode())
+    except ValueError as e:   # also a UnicodeDecodeError
+        raise ValueError(f"key 'tokens.names': not UTF-8 JSON text ({' '.join(str(e).split())[:100]})") from None
+    if not isinstance(names, list) or len(names) != len(ids) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"key 'tokens.names': {json.dumps(names)[:80]}; expected a JSON list of {len(ids)} token "
+                         "strings, one per id")
+    return ids.tolist(), rows, names
+
 def token_names(lora: dict) -> list[str]:
-    "The trained token strings of a LoRA state dict (`tokens.names`), [] without tokens."
-    return json.loads(bytes(lora["tokens.names"].tolist()).decode()) if "tokens.names" in lora else []
+    "The trained token strings of a LoRA state dict (`tokens.names`, checked by `lora_tokens`), [] without tokens."
+    return lora_tokens(lora)[2]
+
 
 def save_lora(lora: dict, path, metadata: dict | None = None):
     "Write a LoRA state dict as safetensors (atomically), with optional string metadata (e.g. `adapter_metadata`)."
@@ -406,7 +534,7 @@ def merge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
     """Fold a LoRA state dict (any adapter types) into `model`'s weights in place: W ← W + scale·ΔW (computed in fp32
     for the types whose ΔW depends on W). A DoRA's original W is kept on `model` for `unmerge_lora`."""
     kept = model.__dict__.setdefault("_lora_kept_weights", {})
-    for p, entry in adapter_entries(lora).items():
+    for p, entry in adapter_entries(lora, weight_shapes(model), finite=True).items():
         W = model.get_parameter(p)
         a = adapter_from_entry(entry, W.shape).to(W.device)
         if a.keeps_original: kept[p] = W.detach().clone()
@@ -417,7 +545,7 @@ def merge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
 def unmerge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
     "Undo `merge_lora(model, lora, scale)` (in the reverse order), each type by its own inverse (`Adapter.unmerge`)."
     kept = model.__dict__.get("_lora_kept_weights", {})
-    for p, entry in reversed(adapter_entries(lora).items()):
+    for p, entry in reversed(adapter_entries(lora, weight_shapes(model)).items()):
         W = model.get_parameter(p)
         a = adapter_from_entry(entry, W.shape).to(W.device)
         if a.keeps_original and p not in kept:
@@ -463,6 +591,7 @@ class LoKr(Adapter):
     signature, keys = "lokr_w1", ("rank", "lora_alpha", "lokr_factor", "decompose_both", "full_matrix")
     row_tensors = ("lokr_w1", "lokr_w1_a")
     factors = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+    names = optional = factors   # each factor full (lokr_wN) or low rank (lokr_wN_a @ lokr_wN_b): `matrix_shape`
     def __init__(self, shape, rank=4, lora_alpha=1.0, lokr_factor=-1, decompose_both=False, full_matrix=False):
         super().__init__(shape, lora_alpha)
         weight_gen = _lycoris("lokr").weight_gen
@@ -491,6 +620,24 @@ class LoKr(Adapter):
     @classmethod
     def claims(cls, names): return "lokr_w1" in names or "lokr_w1_a" in names
     @classmethod
+    def matrix_shape(cls, t):
+        "kron(w1, w2): (rows1·rows2, cols1·cols2), each factor in exactly one form."
+        def factor(i):
+            full, a, b = f"lokr_w{i}", f"lokr_w{i}_a", f"lokr_w{i}_b"
+            if full in t and (a in t or b in t):
+                raise ValueError(f"has both {full} and {a if a in t else b} ({_shapes(t)}): one form per factor")
+            if full in t:
+                if t[full].ndim < 2: raise ValueError(f"{full} {tuple(t[full].shape)}: expected a matrix")
+                return t[full].shape[0], math.prod(t[full].shape[1:])
+            if a not in t or b not in t: raise ValueError(f"has neither {full} nor both {a} and {b} ({_shapes(t)})")
+            A, B = t[a], t[b]
+            if A.ndim != 2 or B.ndim != 2 or A.shape[1] != B.shape[0]:
+                raise ValueError(f"{_shapes(t)} do not fit: expected {a} (rows, rank) and {b} (rank, cols)")
+            if B.shape[0] == 0: raise ValueError(f"has rank 0 ({_shapes(t)}): expected rank >= 1")
+            return A.shape[0], B.shape[1]
+        (r1, c1), (r2, c2) = factor(1), factor(2)
+        return r1 * r2, c1 * c2
+    @classmethod
     def default_alpha(cls, tensors):
         return float(next((tensors[k].shape[0] for k in ("lokr_w1_b", "lokr_w2_b") if k in tensors), 1))
 
@@ -499,6 +646,7 @@ class LoKr(Adapter):
 class LoHa(Adapter):
     "ΔW = (alpha/rank)·(w1a@w1b) ⊙ (w2a@w2b): rank r² from 2r(out + in) parameters (FedPara, LyCORIS)."
     signature, keys, row_tensors = "hada_w1_a", ("rank", "lora_alpha"), ("hada_w1_a", "hada_w2_a")
+    names = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
     def __init__(self, shape, rank=4, lora_alpha=1.0):
         super().__init__(shape, lora_alpha)
         weight_gen = _lycoris("loha").weight_gen
@@ -509,6 +657,17 @@ class LoHa(Adapter):
 
     @property
     def rank(self): return self.hada_w1_b.shape[0]
+
+    @classmethod
+    def matrix_shape(cls, t):
+        "(w1a@w1b) ⊙ (w2a@w2b): two (out, in·k·k) products."
+        a1, b1, a2, b2 = (t[n] for n in cls.names)
+        if any(x.ndim != 2 for x in (a1, b1, a2, b2)) or a1.shape[1] != b1.shape[0] or a2.shape[1] != b2.shape[0] \
+                or (a1.shape[0], b1.shape[1]) != (a2.shape[0], b2.shape[1]):
+            raise ValueError(f"{_shapes(t)} do not fit: expected hada_w1_a, hada_w2_a (out, rank) and hada_w1_b, "
+                             "hada_w2_b (rank, in·k·k)")
+        if 0 in (b1.shape[0], b2.shape[0]): raise ValueError(f"has rank 0 ({_shapes(t)}): expected rank >= 1")
+        return a1.shape[0], b1.shape[1]
 
     def update(self, W=None):
         diff_weight = _lycoris("loha").diff_weight
@@ -525,6 +684,7 @@ class LoHa(Adapter):
 class DoRA(LoRA):
     "W' = dora_scale·(W + ΔW)/‖W + ΔW‖ per output row, ΔW a LoRA; dora_scale starts at ‖W‖ (Liu et al. 2024)."
     signature, row_tensors, keeps_original = "dora_scale", ("lora_up", "dora_scale"), True
+    names = ("lora_down", "lora_up", "dora_scale")
     def __init__(self, shape, rank=4, alpha=1.0, dropout=0.0, init="reference", W=None):
         super().__init__(shape, rank, alpha, dropout, init)
         norms = (W.detach().float().flatten(1).norm(dim=1) if W is not None else torch.ones(shape[0]))
@@ -541,6 +701,13 @@ class DoRA(LoRA):
     @classmethod
     def claims(cls, names): return {"lora_down", "dora_scale"} <= names
     @classmethod
+    def matrix_shape(cls, t):
+        "A LoRA's, and one magnitude per output row."
+        rows, cols = super().matrix_shape({k: t[k] for k in LoRA.names})
+        if t["dora_scale"].shape[:1] != (rows,) or t["dora_scale"].numel() != rows:
+            raise ValueError(f"{_shapes(t)} do not fit: expected dora_scale ({rows}, 1[, 1, 1]), one per output row")
+        return rows, cols
+    @classmethod
     def fuse_rows(cls, parts):
         lora, alpha = super().fuse_rows(parts)
         return {**lora, "dora_scale": torch.cat([t["dora_scale"] for t, _ in parts])}, alpha
@@ -555,6 +722,7 @@ def _divisor_near(n: int, b: int) -> int:
 class OFT(Adapter):
     "W' = rescale·(Rᵀ W) per block of output rows, R = Cayley(B − Bᵀ), B = 0 at init (Qiu et al. 2023, diag-OFT)."
     signature, keys = "oft_blocks", ("oft_block_size", "oft_constraint", "oft_rescale")
+    names, optional = ("oft_blocks", "rescale"), ("rescale",)
     layout_alpha = 0.0   # no constraint
     row_tensors = ("oft_blocks", "rescale")
     def __init__(self, shape, oft_block_size=32, oft_constraint=0.0, oft_rescale=False):
@@ -593,6 +761,16 @@ class OFT(Adapter):
     @classmethod
     def default_alpha(cls, tensors): return 0.0
     @classmethod
+    def matrix_shape(cls, t):
+        "n square b x b blocks rotate n·b output rows (any number of columns); `rescale` one per row."
+        B = t["oft_blocks"]
+        if B.ndim != 3 or B.shape[1] != B.shape[2] or 0 in B.shape:
+            raise ValueError(f"{_shapes(t)}: expected oft_blocks (blocks, b, b) of square blocks")
+        rows = B.shape[0] * B.shape[1]
+        if "rescale" in t and (t["rescale"].shape[:1] != (rows,) or t["rescale"].numel() != rows):
+            raise ValueError(f"{_shapes(t)} do not fit: expected rescale ({rows}, 1[, 1, 1]), one per output row")
+        return rows, None
+    @classmethod
     def splits_exactly(cls, tensors, alpha):
         "The bound is on the whole Q: a split (or a fusion) keeps the rotation only where the bound does not bind."
         B = tensors["oft_blocks"]
@@ -602,11 +780,16 @@ class OFT(Adapter):
 @register_adapter("full")
 class FullDiff(Adapter):
     "ΔW itself, `diff` (LyCORIS' full / ComfyUI's `.diff` key): what an exact export writes where no factor splits."
-    signature, row_tensors = "diff", ("diff",)
+    signature, row_tensors, names = "diff", ("diff",), ("diff",)
     def __init__(self, shape, diff=None):
         super().__init__(shape, 1.0)
         self.diff = nn.Parameter(torch.zeros(shape) if diff is None else diff.detach().float().clone())
     def update(self, W=None): return self.diff
+    @classmethod
+    def matrix_shape(cls, t):
+        if t["diff"].ndim < 2: raise ValueError(f"{_shapes(t)}: expected the weight's own shape")
+        return t["diff"].shape[0], math.prod(t["diff"].shape[1:])
+
 
 # %% ../nbs/60_lora.ipynb #431f870d
 class TokenDeltas(nn.Module):
@@ -698,8 +881,7 @@ def token_state_dict(tokenizer, text_model) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_tokens(tokenizer, text_model, lora: dict) -> list[str]:
     "Add the tokens of a LoRA file to `tokenizer` and write their embeddings into `text_model` (for inference)."
-    if "tokens.ids" not in lora: return []
-    names = json.loads(bytes(lora["tokens.names"].tolist()).decode())
+    names, rows = lora_tokens(lora, text_model.get_input_embeddings().embedding_dim)[2:0:-1]
     if not names: return []
     if isinstance(text_model.get_input_embeddings(), TokenDeltas):
         raise ValueError("load_tokens: text model is being trained")
@@ -710,7 +892,7 @@ def load_tokens(tokenizer, text_model, lora: dict) -> list[str]:
         text_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     if max(ids) > tokenizer.eos_token_id: _pool_at_first_eos(text_model, tokenizer.eos_token_id)
     E = text_model.get_input_embeddings().weight
-    for i, e in zip(ids, lora["tokens.embeddings"]): E[i] = e.to(E)
+    for i, e in zip(ids, rows): E[i] = e.to(E)
     return names
 
 # %% ../nbs/60_lora.ipynb #bc25c39a
@@ -863,9 +1045,10 @@ def text_encoder_from_kohya(sd: dict) -> dict[str, torch.Tensor]:
     out = {}
     for stem, t in kohya_groups(sd, _KOHYA_TE).items():
         alpha, path = t.pop("alpha", None), f"{TEXT_ENCODER_PREFIX}{_kohya_te_module(stem)}.weight"
-        cls = adapter_kind(t)
+        cls = adapter_kind(t, f"lora_te_{stem}")
         out.update({f"{path}.{n}": v for n, v in t.items()})
-        out[f"{path}.alpha"] = torch.tensor(cls.default_alpha(t) if alpha is None else float(alpha))
+        out[f"{path}.alpha"] = torch.tensor(cls.default_alpha(t) if alpha is None
+                                            else _scalar(alpha, f"lora_te_{stem}.alpha"))
     return out
 
 # %% ../nbs/60_lora.ipynb #af40ada9
@@ -911,8 +1094,10 @@ def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:
     for key, t in kohya_groups(sd, ("lora_unet_",)).items():
         if key not in by_key: raise KeyError(f"from_kohya: lora_unet_{key} names no module of {type(model).__name__}")
         alpha = t.pop("alpha", None)
-        cls = adapter_kind(t)
-        entry, name = (cls, t, cls.default_alpha(t) if alpha is None else float(alpha)), by_key[key]
+        cls = adapter_kind(t, f"lora_unet_{key}")
+        check_entry(by_key[key], t)   # its tensors, before any maths on them
+        alpha = cls.default_alpha(t) if alpha is None else _scalar(alpha, f"lora_unet_{key}.alpha")
+        entry, name = (cls, t, alpha), by_key[key]
         if name.rsplit('.', 1)[-1] in ('to_q', 'to_k', 'to_v'):
             fused.setdefault(name.rsplit('.', 1)[0], {})[name[-4:]] = entry
         else: entries[f"{name}.weight"] = entry
@@ -958,10 +1143,15 @@ def load_peft_adapter(adapter_dir, model: nn.Module) -> dict[str, torch.Tensor]:
     """A peft LoRA adapter for StableCascadeUNet (diffusers layout) → a LoRA state dict in cascade_nb's layout for
     `model`."""
     from safetensors.torch import load_file
+    from cascade_nb.typed_yaml import read_json_file
+
     adapter_dir = Path(adapter_dir)
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    r, alpha = cfg["r"], float(cfg["lora_alpha"])
-    sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    cfg = read_json_file(adapter_dir / "adapter_config.json", "peft adapter config")
+    try: r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{adapter_dir / 'adapter_config.json'}: r and lora_alpha must be numbers ({e})") from None
+    sd = load_adapter_file(adapter_dir / "adapter_model.safetensors")
+
     kohya_like = {}
     for k, v in sd.items():
         k = k.removeprefix("base_model.model.")
@@ -1023,11 +1213,13 @@ def to_reference(lora: dict, model: nn.Module, text_model=None) -> dict[str, tor
                              "the reference's is constant over the taps")
         out[f"weights.{i}.lora_down"] = taps[..., 0].float().contiguous()
         out[f"weights.{i}.lora_up"] = (up.flatten(1).float() * alpha).contiguous()  # the reference's scale is 1/rank
-    ids, rows = lora.get("tokens.ids", torch.zeros(0, dtype=torch.long)), lora.get("tokens.embeddings")
+    emb = text_model.get_input_embeddings() if text_model is not None else None
+    ids, rows, _ = lora_tokens(lora, *((emb.embedding_dim, emb.num_embeddings) if emb is not None else ()))
+    ids = torch.tensor(ids, dtype=torch.long)
     if len(ids) and text_model is None:
         raise ValueError("to_reference: the LoRA has trained tokens; pass the text model "
                          "prepared with add_train_tokens (the rows the reference starts from)")
-    base = text_model.get_input_embeddings().weight[ids].float().cpu() if len(ids) else torch.zeros(0, 1280)
+    base = emb.weight[ids].float().cpu() if len(ids) else torch.zeros(0, 1280)
     out["embeddings.embeddings"] = (rows.float() - base if len(ids) else base).contiguous()
     out["embeddings.indices"] = ids.long().contiguous()
     return out
@@ -1078,12 +1270,11 @@ def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, 
     """Merge a LoRA (cascade_nb, reference, kohya/ComfyUI file or peft adapter folder; a file also by hub id) into
     `generator` and add its tokens (and its text-encoder adapters) to `text_model`; returns it in our layout. A
     reference file needs the `module_filters` (and `train_tokens`) it was trained with."""
-    from safetensors.torch import load_file
     # a hub id names a .safetensors file (fetched into the hub cache); a local path may also be a peft folder
     path = weights_file(path)
     if path.is_dir(): lora = load_peft_adapter(path, generator)
     else:
-        lora = load_file(str(path))
+        lora = load_adapter_file(path)
         if any(k.startswith("lora_unet_") for k in lora): lora = from_kohya(lora, generator)
         elif is_reference_lora(lora):
             lora = {**from_reference(lora, generator, module_filters or ()),
@@ -1240,7 +1431,13 @@ def clip_text_linears(width: int = 1280, layers: int = 32, mlp: int | None = Non
     names = {f"text_model.encoder.layers.{b}.{m}": s for b in range(layers) for m, s in per_layer.items()}
     return {**names, "text_projection": (proj, width)}
 
+def text_encoder_weight_shapes(cfg) -> dict[str, tuple]:
+    "{HF parameter path: shape} of the Linear weights of the text encoder of `cfg` (what its adapters may adapt)."
+    width, proj, layers = _text_encoder_size(cfg)
+    return {f"{n}.weight": s for n, s in clip_text_linears(width, layers, proj=proj).items()}
+
 def text_encoder_shapes(cfg) -> list[tuple]:
+
     "Weight shapes of the text encoder's Linear layers that `text_encoder_module_filters` select (memory planner)."
     width, proj, layers = _text_encoder_size(cfg)
     names = clip_text_linears(width, layers, proj=proj)
@@ -1297,9 +1494,19 @@ def _lora_build(mode, cfg, generator, tokenizer, text_model, image_model, space,
 
 # %% ../nbs/60_lora.ipynb #bdb8ea17
 def _lora_load(mode, path, generator):
-    "`LoraTraining._load`: the adapters and token rows of a released LoRA file (either layout) into the run."
-    from safetensors.torch import load_file
-    sd = load_file(str(path))
+    """`LoraTraining._load`: the adapters and token rows of a released LoRA file (ours, the reference's or kohya's)
+    into the run; what does not fit the run is a `ConfigError` naming the key."""
+    try: _lora_load_file(mode, path, generator)
+    except (ValueError, KeyError, OSError) as e:
+        from cascade_nb.cli import error_line
+        why = e.args[0] if isinstance(e, KeyError) and e.args else error_line(e)   # a KeyError's str() is quoted
+        raise ConfigError(f"key 'lora_checkpoint_path': {why}") from None
+
+
+def _lora_load_file(mode, path, generator):
+    sd = load_adapter_file(weights_file(path))
+    if any(k.startswith(("lora_unet_", *_KOHYA_TE)) for k in sd):   # kohya's layout: ours for this generator
+        sd = {**from_kohya(sd, generator), **{k: v for k, v in sd.items() if k.startswith("tokens.")}}
     ref = is_reference_lora(sd)
     sd, te = split_text_encoder(sd)
     if te and not mode.te_targets:
@@ -1313,6 +1520,10 @@ def _lora_load(mode, path, generator):
     emb = mode.text_model.get_input_embeddings()
     if not isinstance(emb, TokenDeltas):
         raise ValueError(f"{path} trains tokens {ids.tolist()}: set the train_tokens it was trained with")
+    if not ref:
+        ids, rows, _ = lora_tokens(sd, emb.embedding_dim, emb.num_embeddings)
+        ids = torch.tensor(ids, dtype=torch.long)
+
     if sorted(ids.tolist()) != emb.ids.tolist():
         raise ValueError(f"{path}: its tokens {sorted(ids.tolist())} differ from train_tokens' {emb.ids.tolist()}")
     slots, ids = emb.slot[ids.to(emb.slot.device)], ids.to(emb.slot.device)
@@ -1356,8 +1567,7 @@ def _lora_released(mode, accelerator, net):
 def add_file_tokens(path, tokenizer, text_model) -> list[str]:
     """The tokens and text-encoder adapters (merged) of a LoRA file in cascade_nb's layout or kohya's (`lora_te_`
     keys; it holds no tokens) into a text encoder; the tokens' names."""
-    from safetensors.torch import load_file
-    sd = load_file(str(weights_file(path)))
+    sd = load_adapter_file(weights_file(path))
     if any(k.startswith(_KOHYA_TE) for k in sd): names, te = [], split_text_encoder(text_encoder_from_kohya(sd))[1]
     else: names, te = load_tokens(tokenizer, text_model, sd), split_text_encoder(sd)[1]
     merge_lora(text_model, te)
