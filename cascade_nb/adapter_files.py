@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
-from .registry import Registry
+from .registry import Registry, registry
 from .config import ConfigError
 from .typed_yaml import read_json_file
 from .core import save_safetensors_atomic, safetensors_header, atomic_dir
@@ -24,13 +24,14 @@ from .lora import (base_state_dict, to_kohya, to_reference, is_reference_lora, f
 
 
 # %% auto #0
-__all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'COMFY_FORMS', 'LAYOUTS', 'DELTA_LIMIT', 'consumer_params', 'clip_g_params',
-           'text_encoder_params', 'Target', 'split_modules', 'Layer', 'Reading', 'Family', 'comfy_weight_decompose',
-           'text_modules', 'consumer_names', 'comfy_names', 'read_comfyui', 'is_embedding_file', 'read_comfy_embedding',
-           'read_kohya', 'peft_pattern', 'peft_targets', 'read_peft', 'reference_targets', 'read_official',
-           'read_cascade_nb', 'cascade_nb_deltas', 'delta_error', 'peft_files', 'ExportContext', 'comfy_ready',
-           'export_adapter', 'AdapterSource', 'header_fields', 'read_source', 'source_layout', 'source_lora',
-           'meta_stage_c', 'run_export', 'reading_table', 'merge_reading', 'value_notes', 'run_check', 'main']
+__all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'COMFY_FORMS', 'LAYOUTS', 'DELTA_LIMIT', 'COMMANDS', 'consumer_params',
+           'clip_g_params', 'text_encoder_params', 'Target', 'split_modules', 'Layer', 'Reading', 'Family',
+           'comfy_weight_decompose', 'text_modules', 'consumer_names', 'comfy_names', 'read_comfyui',
+           'is_embedding_file', 'read_comfy_embedding', 'read_kohya', 'peft_pattern', 'peft_targets', 'read_peft',
+           'reference_targets', 'read_official', 'read_cascade_nb', 'cascade_nb_deltas', 'delta_error', 'peft_files',
+           'ExportContext', 'comfy_ready', 'export_adapter', 'AdapterSource', 'header_fields', 'read_source',
+           'source_layout', 'source_lora', 'meta_stage_c', 'run_export', 'reading_table', 'merge_reading',
+           'value_notes', 'run_check', 'main']
 
 # %% ../nbs/60b_adapter_files.ipynb #824b2f61
 def consumer_params(model: nn.Module, text_model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -1022,5 +1023,8 @@ def main(argv=None) -> int:
         rd, table = run_check(args.source, args.consumer, args.model, args.config)
     print(table)
     return 1 if rd.refused or rd.skipped or rd.warnings or not (rd.deltas or rd.embedding is not None) else 0
+
+COMMANDS = registry("command", {"lora": main}, how="registry('command').register('name', main)")
+"Commands that an earlier module runs by name: `python -m cascade_nb.lora` is this `main`."
 
 if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())

@@ -1704,7 +1704,9 @@ register_config_hook("prior", PriorHook())
 
 # %% ../nbs/60_lora.ipynb #ed47e929
 if __name__ == "__main__" and "__file__" in globals():
-    # `python -m cascade_nb.lora export|check ...` is `adapter_files.main`: that module is the next notebook and
-    # imports this one, so it is looked up by name here, only when this file runs as the command
-    import importlib, sys
-    sys.exit(importlib.import_module("cascade_nb.adapter_files").main())
+    # `python -m cascade_nb.lora export|check ...` is the command that `adapter_files` (the next notebook, one of the
+    # built-in parts) registers as "lora"
+    import sys
+    from cascade_nb.registry import registry, load_builtin_parts
+    load_builtin_parts()
+    sys.exit(registry("command")["lora"]())
