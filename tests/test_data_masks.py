@@ -155,3 +155,15 @@ def test_check_finds_masks_of_zeros(tmp_path):
     found, _ = check_config(cfg, names=["data"])
     assert [(f.level, f.key) for f in found] == [("error", "loss_mask")], found
     assert "every one of the 4 samples read has a mask of zeros" in str(found[0])
+
+def test_a_transparent_mask_counts_only_where_opaque_and_a_huge_one_is_refused_unread():
+    """Hostile cases B41/B42: a white mask whose alpha is 0 everywhere trains nothing (grey × alpha, not the colour
+    alone); a 12000×12000 mask for a 40×40 image is `bad_mask` from its header, before its pixels are decoded."""
+    import io
+    import numpy as np
+    from PIL import Image
+    from cascade_nb.data.pipeline import decode_mask, BadMask
+    buf = io.BytesIO(); Image.new("RGBA", (40, 40), (255, 255, 255, 0)).save(buf, "PNG")
+    assert int(np.asarray(decode_mask(buf.getvalue(), (40, 40))).max()) == 0
+    buf = io.BytesIO(); Image.new("1", (12000, 12000)).save(buf, "PNG")
+    with pytest.raises(BadMask, match="more than 64× the pixels of image 40x40"): decode_mask(buf.getvalue(), (40, 40))

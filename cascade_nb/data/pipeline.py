@@ -23,13 +23,13 @@ from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resiz
                                      BucketBatcher, COUNTS_ONLY, split_mask)
 
 # %% auto #0
-__all__ = ['MASK_MEMBER', 'MAX_CAPTION_CHARS', 'HFLIP_P', 'CACHE_INFO', 'as_captions_getter', 'as_dataset_filters',
-           'UnsupportedImage', 'split_alpha', 'to_rgb', 'BadMask', 'decode_mask', 'sample_mask', 'default_min_side',
-           'default_max_pixels', 'SampleDecoder', 'sample_loss_weight', 'with_caption_prefix', 'decode_sample',
-           'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform', 'SampleAugment',
-           'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder', 'ImageTextDataset',
-           'resolve_crop', 'build_dataset', 'FilterReportingLoader', 'build_dataloader', 'dataloader_from_config',
-           'default_num_workers', 'sum_skips', 'effective_mix', 'inspect_source']
+__all__ = ['MASK_MEMBER', 'MASK_PIXELS_PER_IMAGE_PIXEL', 'MAX_CAPTION_CHARS', 'HFLIP_P', 'CACHE_INFO', 'as_captions_getter',
+           'as_dataset_filters', 'UnsupportedImage', 'split_alpha', 'to_rgb', 'BadMask', 'decode_mask', 'sample_mask',
+           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'sample_loss_weight', 'with_caption_prefix',
+           'decode_sample', 'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform',
+           'SampleAugment', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder',
+           'ImageTextDataset', 'resolve_crop', 'build_dataset', 'FilterReportingLoader', 'build_dataloader',
+           'dataloader_from_config', 'default_num_workers', 'sum_skips', 'effective_mix', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -85,10 +85,26 @@ class BadMask(ValueError):
     skip_reason = "bad_mask"
 
 # %% ../../nbs/32_data.pipeline.ipynb #b4d2e8f2
+MASK_PIXELS_PER_IMAGE_PIXEL = 64
+"A mask member may have at most this many pixels per pixel of its image (8× per side): a larger one is `bad_mask`."
+
 def decode_mask(data: bytes, size: tuple[int, int]) -> Image.Image:
-    "A mask member as an `L` image of `size` (w, h), the image's decoded size; BadMask when its aspect ratio differs."
-    try: m = Image.open(io.BytesIO(data)); m.load()
+    """A mask member as an `L` image of `size` (w, h), the image's decoded size; BadMask when it is far larger than
+    the image or its aspect ratio differs. A mask with transparency counts only where it is opaque: its grey times its
+    alpha (paint on a transparent layer is the mask; what is erased is not)."""
+    try:
+        m = Image.open(io.BytesIO(data))
+        # the header says the size: a huge mask is refused before its pixels are decoded
+        if m.width * m.height > MASK_PIXELS_PER_IMAGE_PIXEL * size[0] * size[1]:
+            raise BadMask(f"mask {m.width}x{m.height} is more than {MASK_PIXELS_PER_IMAGE_PIXEL}× the pixels of "
+                          f"image {size[0]}x{size[1]}")
+        m.load()
+    except BadMask: raise
     except Exception as e: raise BadMask(f"the mask does not decode: {e}") from e
+    if m.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (m.mode == "P" and "transparency" in m.info):
+        rgba = m.convert("RGBA")
+        m = Image.fromarray((np.asarray(rgba.convert("L"), np.uint16) * np.asarray(rgba.getchannel("A")) // 255)
+                            .astype(np.uint8), "L")
     m = _deep_to_l(m) if m.mode in _DEEP_GREY else m.convert("L")
     if abs(math.log(m.width / m.height) - math.log(size[0] / size[1])) > 0.02:
         raise BadMask(f"mask {m.width}x{m.height} does not fit image {size[0]}x{size[1]}")
