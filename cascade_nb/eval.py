@@ -363,18 +363,9 @@ class InTrainingEvaluation:
                 eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path,
                           run.run_dir, run.out_dir)
 
-# %% ../nbs/43_eval.ipynb #19c64264
-def _finite(text: str) -> float:
-    "An argparse `type`: a finite number (`--cfg nan` is refused when parsed)."
-    try: v = float(text)
-    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v): raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return v
-_finite.__name__ = "finite number"
-
 # %% ../nbs/43_eval.ipynb #c4f8874a
 def _parser() -> argparse.ArgumentParser:
-    from cascade_nb.cli import at_least, add_import_option
+    from cascade_nb.cli import at_least, finite_number, add_import_option
     from cascade_nb.config import import_modules
     import_modules(METRIC_MODULES, "eval_metrics")   # so that --metrics' help names the report card's metrics too
     p = argparse.ArgumentParser(prog="python -m cascade_nb.eval",
@@ -389,10 +380,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default=None,
                    help="reference images (data source; default: the run's eval_reference or training data)")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
-    p.add_argument("--cfg", type=_finite, default=None, help="CFG scale (default: the run's sample_cfg)")
+    p.add_argument("--cfg", type=finite_number, default=None, help="CFG scale (default: the run's sample_cfg)")
     p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
                    "(default: the run's sample_sampler)")
-    p.add_argument("--seed", type=int, default=0)
+    # the seed becomes a torch generator's seed: bounded as `sample --seed` is, so 1e20 is refused when parsed
+    p.add_argument("--seed", type=at_least(0, at_most=2**32 - 1), default=0, help="0 to 2**32 - 1")
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")
