@@ -710,7 +710,7 @@ def train(cfg: Config) -> dict:
 
     Returns the run's summary and modules. In a multi-process FSDP run the returned modules are sharded: drop the result
     and `gc.collect()` before the interpreter exits, as `main` does (gloo can abort when they die during shutdown)."""
-    # first: a signal during setup still ends in a save at the first update boundary
+    # first: a signal during setup is never lost (one process stops at once; several save at the first update boundary)
     stop = StopFlag().install()
     ck, t = cfg.checkpoint, cfg.train
     acc, run_dir, out_dir, info = start_launch(cfg)
