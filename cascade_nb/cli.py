@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/cli.html.md"""
 
 # %% ../nbs/01a_cli.ipynb #5910328d
 from __future__ import annotations
-import argparse, contextlib, os, signal, sys, threading
+import argparse, contextlib, math, os, signal, sys, threading
 from pathlib import Path
 from .registry import Registry, UnknownChoice
 from .config import ConfigError
@@ -14,8 +14,8 @@ from .core import safetensors_header
 from .hub import weights_file
 
 # %% auto #0
-__all__ = ['cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'output_dir',
-           'run_dir_of', 'output_target', 'Stopped', 'stop_on_signals', 'readable_weights']
+__all__ = ['cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'finite_number',
+           'output_dir', 'run_dir_of', 'output_target', 'Stopped', 'stop_on_signals', 'readable_weights']
 
 # %% ../nbs/01a_cli.ipynb #551fe829
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +85,14 @@ def at_least(lo: int, at_most: int | None = None):
         return v
     parse.__name__ = f"integer >= {lo}" + (f" and <= {at_most}" if at_most is not None else "")
     return parse
+
+def finite_number(text: str) -> float:
+    "An argparse `type`: a finite number (`--cfg nan` or `inf` is refused when the option is parsed)."
+    try: v = float(text)
+    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v): raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return v
+finite_number.__name__ = "finite number"
 
 # %% ../nbs/01a_cli.ipynb #cf134357
 def output_dir(path, option: str = "--out") -> Path:

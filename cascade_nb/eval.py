@@ -11,16 +11,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
+from .registry import load_builtin_parts
 from .core import save_safetensors_atomic, images_to_device
 from .run_state import training_hook, ema_weights, released_ema, evaluation_view
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['METRICS', 'SELECTION_RULES', 'REPORTS', 'METRIC_MODULES', 'pixel_features', 'retrieval_ranks', 'retrieval_scores',
-           'register_metric', 'build_metric', 'FID', 'KID', 'CLIPScore', 'Retrieval', 'reference_set', 'pick_captions',
-           'sample_captions', 'Evaluator', 'EvalContext', 'evaluate_run', 'eval_step', 'read_evaluations',
-           'logged_evaluations', 'InTrainingEvaluation', 'main']
+__all__ = ['METRICS', 'SELECTION_RULES', 'REPORTS', 'pixel_features', 'retrieval_ranks', 'retrieval_scores', 'register_metric',
+           'build_metric', 'FID', 'KID', 'CLIPScore', 'Retrieval', 'reference_set', 'pick_captions', 'sample_captions',
+           'Evaluator', 'EvalContext', 'evaluate_run', 'eval_step', 'read_evaluations', 'logged_evaluations',
+           'InTrainingEvaluation', 'main']
 
 # %% ../nbs/43_eval.ipynb #826a2171
 def pixel_features(images01: torch.Tensor, size: int = 16) -> torch.Tensor:
@@ -69,8 +70,6 @@ REPORTS: dict = {}
 ("Report writers by format (`--report`; the report card registers 'markdown'): `writer.folder(run_dir, cfg, chosen, "
  "overwrite) -> folder`, checked before any sampling, then `writer(run_dir, cfg, results, folder) -> path`.")
 
-METRIC_MODULES = ("cascade_nb.report",)
-"The modules, later in the reading order, that register more metrics and selection rules (the report card)."
 
 # %% ../nbs/43_eval.ipynb #1a6ef537
 class _InceptionMetric:
@@ -195,8 +194,7 @@ class Evaluator:
     against a `TrainState`."""
     def __init__(self, cfg: Config, metrics=None, captions=None, reference=None, seed: int = 0, best_metric=None,
                  **sampling):
-        from cascade_nb.config import import_modules
-        import_modules(METRIC_MODULES, "eval_metrics")
+        load_builtin_parts()   # the report card's metrics and rules come from a later module (`BUILTIN_PARTS`)
         ck = cfg.checkpoint
         specs = metrics if metrics is not None else ck.eval_metrics
         specs = specs if isinstance(specs, dict) else dict.fromkeys(specs)
@@ -364,20 +362,10 @@ class InTrainingEvaluation:
                 eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path,
                           run.run_dir, run.out_dir)
 
-# %% ../nbs/43_eval.ipynb #19c64264
-def _finite(text: str) -> float:
-    "An argparse `type`: a finite number (`--cfg nan` is refused when parsed)."
-    try: v = float(text)
-    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v): raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return v
-_finite.__name__ = "finite number"
-
 # %% ../nbs/43_eval.ipynb #c4f8874a
 def _parser() -> argparse.ArgumentParser:
-    from cascade_nb.cli import at_least, add_import_option
-    from cascade_nb.config import import_modules
-    import_modules(METRIC_MODULES, "eval_metrics")   # so that --metrics' help names the report card's metrics too
+    from cascade_nb.cli import at_least, finite_number, add_import_option
+    load_builtin_parts()   # so that --metrics' help names the report card's metrics too
     p = argparse.ArgumentParser(prog="python -m cascade_nb.eval",
                                 description="Evaluate cascade_nb training runs: caption retrieval, FID/KID, CLIP "
                                             "score of samples for fixed captions and seeds.")
@@ -390,10 +378,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default=None,
                    help="reference images (data source; default: the run's eval_reference or training data)")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
-    p.add_argument("--cfg", type=_finite, default=None, help="CFG scale (default: the run's sample_cfg)")
+    p.add_argument("--cfg", type=finite_number, default=None, help="CFG scale (default: the run's sample_cfg)")
     p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
                    "(default: the run's sample_sampler)")
-    p.add_argument("--seed", type=int, default=0)
+    # the seed becomes a torch generator's seed: bounded as `sample --seed` is, so 1e20 is refused when parsed
+    p.add_argument("--seed", type=at_least(0, at_most=2**32 - 1), default=0, help="0 to 2**32 - 1")
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")

@@ -46,19 +46,25 @@ class HubRequestFailed(HubError, OSError): "Another answer of the hub (a 5xx, a 
 class HubBadFile(HubError, ValueError): "A malformed spec, a pickle asked for, or a cached file that is unreadable."
 
 # %% ../nbs/00d_hub.ipynb #350e0f14
+def _bad_segment(part: str | None) -> str | None:
+    "The first segment of a path in a repository (or a revision) that could leave it: '', '.' or '..'; or None."
+    return next((seg for seg in (part or "x").split("/") if seg in ("", ".", "..")), None)
+
 def parse_hub_spec(spec) -> HubSpec | None:
-    """The `HubSpec` a weights spec names, or None for a local path: `hf://owner/repo[/path][@revision]` always, a bare
-    `owner/repo/path.safetensors[@revision]` only when no such local path exists; a `Path` is always local."""
+    """The `HubSpec` an `hf://owner/repo[/path][@revision]` spec names, or None for a local path (anything else, and
+    any `Path`); a malformed `hf://` spec, or one whose path or revision has a '..', '.' or empty segment, is a
+    `HubBadFile`."""
     if isinstance(spec, HubSpec): return spec
-    if spec is None or isinstance(spec, os.PathLike): return None
+    if spec is None or isinstance(spec, os.PathLike) or not str(spec).startswith(HUB_PREFIX): return None
     s = str(spec)
-    if s.startswith(HUB_PREFIX):
-        m = _HUB_RE.fullmatch(s[len(HUB_PREFIX):])
-        if m is None: raise HubBadFile(f"{s!r} is not a hub id: expected hf://owner/repo/path/in/repo[@revision]")
-        return HubSpec(m["repo"], m["path"] or "", m["rev"])
-    m = _HUB_RE.fullmatch(s)
-    if m is None or not (m["path"] or "").endswith(".safetensors") or Path(s).exists(): return None
-    return HubSpec(m["repo"], m["path"], m["rev"])
+    m = _HUB_RE.fullmatch(s[len(HUB_PREFIX):])
+    if m is None: raise HubBadFile(f"{s!r} is not a hub id: expected hf://owner/repo/path/in/repo[@revision]")
+    for what in ("path", "rev"):
+        if (seg := _bad_segment(m[what])) is not None:
+            raise HubBadFile(f"{s!r} is not a hub id: its {'revision' if what == 'rev' else 'path'} {m[what]!r} has a "
+                             f"{seg!r} segment; expected a name inside the repository, hf://owner/repo/path/in/repo"
+                             "[@revision]")
+    return HubSpec(m["repo"], m["path"] or "", m["rev"])
 
 # %% ../nbs/00d_hub.ipynb #9fa3ac6e
 def _on(name: str) -> bool: return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
@@ -127,10 +133,14 @@ def hub_error(exc: BaseException, spec: HubSpec) -> BaseException | None:
 
 # %% ../nbs/00d_hub.ipynb #11dde4e6
 def _fetch(download, spec: HubSpec, **kw) -> Path:
-    "`download(repo_id, revision=..., **kw)` with the hub settings; huggingface_hub's errors become `hub_error`'s line."
+    """`download(repo_id, revision=..., **kw)` with the hub settings; huggingface_hub's errors become `hub_error`'s
+    line, and its `ValueError`s (a cached ref that points outside the cache, a name it refuses) a `HubBadFile`."""
     try: return Path(download(spec.repo_id, revision=spec.revision, **hub_settings(), **kw))
     except Exception as e:
         mapped = hub_error(e, spec)
+        if mapped is None and isinstance(e, ValueError):
+            mapped = HubBadFile(f"{spec}: huggingface_hub refuses it ({' '.join(str(e).split())[:200]}); check the "
+                                f"spec, and the refs/ of models--{spec.repo_id.replace('/', '--')} in the hub cache")
         if mapped is None: raise
         raise mapped from None
 
@@ -140,19 +150,25 @@ def hub_file(spec: HubSpec) -> Path:
     return _fetch(hf_hub_download, spec, filename=spec.path)
 
 # %% ../nbs/00d_hub.ipynb #6cbf9313
+def _no_local_file(spec) -> FileNotFoundError:
+    "The one-line error for a local weights path that does not exist, saying how a hub file is named instead."
+    like_hub = (m := _HUB_RE.fullmatch(str(spec))) is not None and (m["path"] or "").endswith(".safetensors")
+    how = (f"if you meant a hub file, write {HUB_PREFIX}{spec}" if like_hub
+           else f"a hub file is named {HUB_PREFIX}owner/repo/path/in/repo.safetensors")
+    return FileNotFoundError(2, f"no such file (read as a local path: {how})", str(spec))
+
 def weights_file(spec) -> Path:
-    """The local path a weights spec names: a hub id (`parse_hub_spec`) is refused unless `.safetensors`, fetched into
-    the hub cache and its header checked; a local path is returned as it is, for its loader to check."""
+    """The local path a weights spec names: an `hf://` id (`parse_hub_spec`) is refused unless `.safetensors`, fetched
+    into the hub cache and its header checked; a local path that exists is returned as it is, for its loader to
+    check; a missing one is a `FileNotFoundError` naming it."""
     hub = parse_hub_spec(spec)
-    if hub is None: return Path(spec)
+    if hub is None:
+        if not Path(spec).exists(): raise _no_local_file(spec)
+        return Path(spec)
     if not hub.path.endswith(".safetensors"):
         raise HubBadFile(f"{hub}: weights are taken from the hub only as .safetensors files (no pickle); name the "
                          f"file, e.g. {HUB_PREFIX}{hub.repo_id}/NAME.safetensors")
-    try: path = hub_file(hub)
-    except HubFileNotFound as e:
-        # a bare spec may be a mistyped local path: say that it was looked for here first
-        if str(spec).startswith(HUB_PREFIX): raise
-        raise HubFileNotFound(f"{spec}: no such local file, and as a hub id {e}") from None
+    path = hub_file(hub)
     try: safetensors_header(path)
     except ValueError as e:
         raise HubBadFile(f"{hub}: the cached file is not readable ({e}); delete it, or run "

@@ -22,11 +22,11 @@ from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 
 # %% auto #0
 __all__ = ['TRAINING_MODES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage', 'released_file',
-           'load_released_generator', 'TrainedGroups', 'TrainingMode', 'build_generator', 'check_model_overrides',
-           'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace', 'EffnetSpace', 'StageASpace',
-           'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight', 'sample_weights', 'training_mode',
-           'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries', 'resolve_mode', 'check_mode_sections',
-           'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
+           'load_released_generator', 'TrainedGroups', 'TrainingMode', 'weights_key', 'build_generator',
+           'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
+           'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight',
+           'sample_weights', 'training_mode', 'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries',
+           'resolve_mode', 'check_mode_sections', 'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 def stage_c_inputs(mode, batch, device, training=True, rng=None):
@@ -195,21 +195,28 @@ class TrainingMode(TrainedGroups):
     def released(self, accelerator, net) -> dict: return {"generator": unwrap_state_dict(accelerator, net)}
 
 # %% ../nbs/40b_modes.ipynb #a59c23d0
+@contextlib.contextmanager
+def weights_key(key: str, value):
+    """Loading the weights the config key `key` names: a file that is missing, unreadable or of another shape, or a
+    hub id that is refused, is one `ConfigError` naming the key and the value (a command's one line, exit 2)."""
+    from cascade_nb.cli import error_line
+    try: yield
+    except ConfigError: raise
+    except (OSError, ValueError) as e:
+        line = error_line(e)
+        raise ConfigError(f"key {key!r}: " + (line if str(value) in line else f"{value!r}: {line}")) from None
+
 def build_generator(cfg: Config) -> nn.Module:
     "The trainable generator the config describes, with pretrained weights when `generator_checkpoint_path` is set."
     m = cfg.model
     if m.stage == "c":
-        from cascade_nb.models.stage_c import StageC, load_stage_c
-        if m.generator_checkpoint_path:
-            model = load_stage_c(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype,
-                                 **m.model_overrides)
-        else: model = StageC.from_preset(m.model_version, **m.model_overrides)
+        from cascade_nb.models.stage_c import StageC as cls, load_stage_c as load
     else:
-        from cascade_nb.models.stage_b import StageB, load_stage_b
-        if m.generator_checkpoint_path:
-            model = load_stage_b(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype,
-                                 **m.model_overrides)
-        else: model = StageB.from_preset(m.model_version, **m.model_overrides)
+        from cascade_nb.models.stage_b import StageB as cls, load_stage_b as load
+    if m.generator_checkpoint_path:
+        with weights_key("generator_checkpoint_path", m.generator_checkpoint_path):
+            model = load(m.generator_checkpoint_path, preset=m.model_version, dtype=m.dtype, **m.model_overrides)
+    else: model = cls.from_preset(m.model_version, **m.model_overrides)
     if m.gradient_checkpointing: model.gradient_checkpointing = True
     return model.to(resolve_dtype(m.dtype))
 

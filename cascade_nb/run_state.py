@@ -23,7 +23,7 @@ from .typed_yaml import Range, coerce
 
 # %% auto #0
 __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS', 'register_optimizer', 'TRAINING_HOOKS',
-           'RESUME_KEYS', 'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay',
+           'RESUME_KEYS', 'INFO_KEYS', 'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay',
            'polynomial_decay', 'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec',
            'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
            'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups', 'group_settings',
@@ -31,12 +31,12 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'gather_ema', 'ema_weights', 'released_ema',
            'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view', 'TrainState', 'training_hook',
            'NonFiniteLossError', 'check_finite', 'NonFiniteGuard', 'NonFiniteWeightsError', 'all_finite', 'RunDirError',
-           'file_checksums', 'verify_checksums', 'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator',
-           'save_ema', 'save_training_state', 'write_weights', 'fsync_tree', 'load_ema', 'load_training_state',
-           'check_checkpoint_files', 'frozen_parameters', 'trained_tensors_only', 'state_view', 'check_saved_tensors',
-           'file_fingerprint', 'local_weights', 'base_fingerprints', 'check_base', 'save_model_state',
-           'load_model_state', 'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch', 'die_with_parent',
-           'StopAgreement']
+           'file_checksums', 'verify_checksums', 'checked_info', 'committed_states', 'RunDirRecord', 'RunDirLock',
+           'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights', 'fsync_tree', 'load_ema',
+           'load_training_state', 'check_checkpoint_files', 'frozen_parameters', 'trained_tensors_only', 'state_view',
+           'check_saved_tensors', 'file_fingerprint', 'local_weights', 'base_fingerprints', 'check_base',
+           'save_model_state', 'load_model_state', 'save_sample_grid', 'StopWaiting', 'StopFlag', 'next_batch',
+           'die_with_parent', 'StopAgreement']
 
 # %% ../nbs/40_run_state.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -785,6 +785,53 @@ def verify_checksums(folder, recorded: dict | None):
             why = "is missing" if name not in now else "changed since it was committed (a damaged disk or a hand edit)"
             raise OSError(f"{Path(folder)/name} {why}")
 
+# %% ../nbs/40_run_state.ipynb #d54b8a75
+_STATE_NAME = re.compile(r"state-\d+")
+_is_state = lambda v: isinstance(v, str) and _STATE_NAME.fullmatch(v) is not None
+_is_sums = lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())))
+_is_count = lambda lo: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+INFO_KEYS = {
+    "state_dir": (_is_state, "the name of a state folder of the run, 'state-' and digits"),
+    "previous_state_dir": (lambda v: v is None or _is_state(v), "null or a state folder's name ('state-', digits)"),
+    "checksums": (_is_sums, "null or a mapping of file names to checksums (strings)"),
+    "previous_checksums": (_is_sums, "null or a mapping of file names to checksums (strings)"),
+    "update": (_is_count(0), "an integer >= 0"),
+    "num_processes": (_is_count(1), "an integer >= 1"),
+    "config": (lambda v: isinstance(v, dict), "a mapping (the run's resolved config)"),
+}
+"""What the code reads back from a run's info.json, each with its check and what it expects: a run folder is data,
+checked like a config rather than trusted to have the types its writer gave it."""
+
+def _valid_info(key: str, info: dict) -> bool: return INFO_KEYS[key][0](info.get(key))
+
+def checked_info(info_path: Path, info) -> dict:
+    """`info` (read from `info_path`) with its `INFO_KEYS` checked: one `RunDirError` naming the key, the value and what
+    is expected; a bad `state_dir` beside a good `previous_state_dir` passes (`committed_states` falls back to it)."""
+    if not isinstance(info, dict):
+        raise RunDirError(f"{info_path}: {type(info).__name__} is not a run record; expected a JSON object written by "
+                          "cascade_nb")
+    falls_back = bool(info.get("previous_state_dir")) and _valid_info("previous_state_dir", info)
+    for k in INFO_KEYS:
+        if k in info and not _valid_info(k, info) and not (falls_back and k in ("state_dir", "checksums")):
+            raise RunDirError(f"{info_path}: key {k!r}: {info[k]!r} is not valid; expected {INFO_KEYS[k][1]}")
+    return info
+
+def committed_states(run_path: Path, info: dict | None) -> list[tuple[str, dict | None]]:
+    """(state dir name, recorded checksums) of the states a checked `info` commits, latest first; a latest one that
+    is not a state folder's name is left out, with a warning, when there is a previous one to resume from."""
+    if info is None: return []
+    states = [(info.get("state_dir"), info.get("checksums"))]
+    if info.get("previous_state_dir"):
+        states.append((info["previous_state_dir"], info.get("previous_checksums")))
+        if not _valid_info("state_dir", info):
+            warnings.warn(f"{run_path/'info.json'}: key 'state_dir': {info.get('state_dir')!r} is not a state folder's "
+                          f"name; resuming from the previous state, {run_path/info['previous_state_dir']}")
+            states = states[1:]
+    if states[0][0] is None:
+        raise RunDirError(f"{run_path/'info.json'}: key 'state_dir' is missing; expected {INFO_KEYS['state_dir'][1]}")
+    return states
+
 # %% ../nbs/40_run_state.ipynb #e675f38e
 class RunDirRecord:
     "What a run directory has committed: info.json naming the latest state dir and the one before it."
@@ -794,18 +841,21 @@ class RunDirRecord:
     def info_path(self) -> Path: return self.path/"info.json"
 
     def info(self) -> dict | None:
-        "The committed info.json, or None for a new run."
+        """The committed info.json, or None for a new run; its `INFO_KEYS` checked (one `RunDirError` naming the key,
+        the value and what is expected), except a bad `state_dir` beside a good `previous_state_dir`: `resume` falls
+        back to that one."""
         if not self.info_path.exists(): return None
-        try: return json.loads(self.info_path.read_text())
+        try: info = json.loads(self.info_path.read_text())
         except json.JSONDecodeError as e:
             raise RunDirError(f"{self.info_path} is corrupt ({e}); it is only ever replaced atomically, so something "
                               "else wrote it. Restore it or remove the run directory to start over.") from None
+        return checked_info(self.info_path, info)
 
     def latest_state(self) -> Path | None:
         "The state directory info.json points at (None for a new run); checks it exists."
-        info = self.info()
-        if info is None: return None
-        state = self.path/info["state_dir"]
+        states = committed_states(self.path, self.info())
+        if not states: return None
+        state = self.path/states[0][0]
         if not state.is_dir(): raise RunDirError(f"{self.info_path} names {state}, which does not exist")
         return state
 
@@ -813,10 +863,9 @@ class RunDirRecord:
         """Call `load(state_dir)` on the latest state; if that fails, warn and load the previous one instead (None: new
         run). `check(state_dir)` runs first, before the recorded checksums are compared: a safety check (nothing in the
         folder may run code) names what it refuses even when the file was also changed after its commit."""
-        info = self.info()
-        if info is None: return None
-        names = [info["state_dir"], *([info["previous_state_dir"]] if info.get("previous_state_dir") else [])]
-        sums = [info.get("checksums"), info.get("previous_checksums")]
+        states = committed_states(self.path, self.info())
+        if not states: return None
+        names, sums = [name for name, _ in states], [s for _, s in states]
         for i, name in enumerate(names):
             d = self.path/name
             try:

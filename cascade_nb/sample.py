@@ -10,7 +10,7 @@ import argparse, json, os, re, sys
 from pathlib import Path
 import torch
 from .config import config_from_run, ConfigError, import_modules
-from .cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights,
+from .cli import (cli_parser, parse_cli, cli_errors, at_least, finite_number, output_dir, readable_weights,
                             add_import_option, cli_choice)
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
@@ -20,7 +20,7 @@ from .gdf.samplers import SAMPLERS
 
 # %% auto #0
 __all__ = ['TEXT_CONDS', 'GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'load_run', 'negative_conds', 'sample_run',
-           'chunk_seed', 'sample_chunks', 'unused_paths', 'save_png', 'sample_parser', 'main']
+           'chunk_seed', 'sample_chunks', 'unused_paths', 'save_png', 'check_finite_weights', 'sample_parser', 'main']
 
 # %% ../nbs/42_sample.ipynb #c1881518
 def run_config(checkpoint_dir):
@@ -154,6 +154,15 @@ def save_png(img, path: Path, overwrite: bool = False):
     if isinstance(img, torch.Tensor): img = Image.fromarray(to_uint8(img).numpy())
     with atomic_write(path) as f: img.save(f, format="PNG")
 
+# %% ../nbs/42_sample.ipynb #dce9914e
+def check_finite_weights(net: torch.nn.Module, weights) -> None:
+    "A `ValueError` (one line, naming `weights`) when a floating-point tensor of `net` holds NaN or inf."
+    sd = net.state_dict()
+    bad = [k for k, t in sd.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"{weights}: {len(bad)} of {len(sd)} tensors hold NaN or inf (first: {bad[0]}), so every "
+                         "image would be black: sample other weights (--no-ema, --best, or an earlier run)")
+
 # %% ../nbs/42_sample.ipynb #4301058d
 def sample_parser() -> argparse.ArgumentParser:
     "The command line of `python -m cascade_nb.sample`."
@@ -162,7 +171,7 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", required=True, help="caption (repeat for several)")
     p.add_argument("--n", type=at_least(1), default=4, help="images per prompt")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
-    p.add_argument("--cfg", type=float, default=None,
+    p.add_argument("--cfg", type=finite_number, default=None,
                    help="classifier-free guidance scale (default: the run's sample_cfg)")
     p.add_argument("--negative-prompt", default="", help="text CFG steers away from (default: none, the empty caption)")
     p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
@@ -187,6 +196,7 @@ def main(argv=None):
         import_modules(a.imports, "--import")
         *paths, grid = unused_paths(output_dir(a.out), names, a.overwrite)
         mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema, best=a.best)
+        check_finite_weights(mode.net, mode.weights_file)
         if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
     shown = {}
     with cli_errors(OSError):   # a disk that fills up, a file that appeared meanwhile

@@ -32,7 +32,7 @@ from .data.sources import format_skips
 from fastprogress.fastprogress import progress_bar
 from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
                                   FusedBackward, evaluation_view, named_groups, optimizer_groups, describe_groups,
-                                  group_lrs, group_layout, released_ema,
+                                  group_lrs, group_layout, released_ema, StopWaiting,
                                   ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
                                   NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
                                   RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
@@ -48,8 +48,8 @@ __all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'sample_latents', 'sample_rows', 
            'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
            'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers',
            'start_logging', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
-           'run_launch_checks', 'start_launch', 'build_models', 'resume_run', 'finish_run', 'train', 'plot_metrics',
-           'main']
+           'run_launch_checks', 'start_launch', 'build_models', 'resume_run', 'finish_run', 'setup_stage', 'train',
+           'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #88f39136
 _SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
@@ -691,44 +691,69 @@ def finish_run(run: Run, stream, stop_agreed: StopAgreement) -> nn.Module:
     return net
 
 # %% ../nbs/41_train.ipynb #4b466ff3
+@contextlib.contextmanager
+def setup_stage(acc, run_dir: RunDir, info: dict | None):
+    """A run's setup, from taking the lock to the first update: on an error or a stop it releases the lock (main
+    process) and removes a new run's folder when nothing else is in it, so a failed start leaves nothing behind."""
+    try: yield
+    except BaseException:
+        if acc.is_main_process:
+            run_dir.unlock()
+            if info is None:
+                with contextlib.suppress(OSError): run_dir.path.rmdir()
+        raise
+
 def train(cfg: Config) -> dict:
     """Train what `cfg` describes; resumes from `{checkpoint_path}/{experiment_id}` when it exists.
 
     Returns the run's summary and modules. In a multi-process FSDP run the returned modules are sharded: drop the result
     and `gc.collect()` before the interpreter exits, as `main` does (gloo can abort when they die during shutdown)."""
-    # first: a signal during setup still ends in a save at the first update boundary
+    # first: a signal during setup is never lost (one process stops at once; several save at the first update boundary)
     stop = StopFlag().install()
     ck, t = cfg.checkpoint, cfg.train
     acc, run_dir, out_dir, info = start_launch(cfg)
     device, is_main = acc.device, acc.is_main_process
 
-    # --- models, optimizer and LR schedule
-    mode, net, gdf, ema = build_models(cfg, acc)
-    micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
-    scale = micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1
-    # each group of trained parameters the mode names at its own lr and weight decay (param_groups, lr_multipliers)
-    groups = optimizer_groups(named_groups(net, mode.param_group), t, scale)
-    acc.print(describe_groups(groups))
-    opt = build_optimizer(t, groups, t.lr * scale, device)
-    lr_at, base_lrs = LRSchedule.of(t), [g["lr"] for g in opt.param_groups]
+    stream = None
+    # until the loop: an error, or (one process) a stop signal, releases the lock and removes a new run's empty folder;
+    # the signal also ends a wait for data (the sample grid's batch from a source that never answers)
+    try:
+        with setup_stage(acc, run_dir, info), stop.interruptible(acc.num_processes == 1):
+            # --- models, optimizer and LR schedule
+            mode, net, gdf, ema = build_models(cfg, acc)
+            micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
+            scale = micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1
+            # each group of trained parameters the mode names at its own lr and weight decay (param_groups,
+            # lr_multipliers)
+            groups = optimizer_groups(named_groups(net, mode.param_group), t, scale)
+            acc.print(describe_groups(groups))
+            opt = build_optimizer(t, groups, t.lr * scale, device)
+            lr_at, base_lrs = LRSchedule.of(t), [g["lr"] for g in opt.param_groups]
 
-    # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
-    _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
-    net, opt = acc.prepare(net, opt)
-    # under FSDP: a copy of this process's shards only; FSDP replaces the parameters with sharded ones
-    if ema is not None: ema.attach(acc.unwrap_model(net))
-    params = [p for p in net.parameters() if p.requires_grad]
-    # a CPU generator, one stream per process: noise, timesteps, caption dropout
-    state, rng = TrainState(), training_generator(t.seed, acc.process_index)
-    run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir, opt)
-    # e.g. cascade_nb.eval's evaluation; built before training
-    hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]
-    if info is not None: resume_run(run, info)
+            # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
+            _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
+            net, opt = acc.prepare(net, opt)
+            # under FSDP: a copy of this process's shards only; FSDP replaces the parameters with sharded ones
+            if ema is not None: ema.attach(acc.unwrap_model(net))
+            params = [p for p in net.parameters() if p.requires_grad]
+            # a CPU generator, one stream per process: noise, timesteps, caption dropout
+            state, rng = TrainState(), training_generator(t.seed, acc.process_index)
+            run = Run(acc, cfg, mode, net, ema, gdf, state, rng, run_dir, out_dir, opt)
+            # e.g. cascade_nb.eval's evaluation; built before training
+            hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]
+            if info is not None: resume_run(run, info)
 
-    # --- data: this process's share of the stream, fast-forwarded to the restored data position; the grid's inputs
-    stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
-    preview = preview_batch(cfg)
-    start_logging(run, hooks)
+            # --- data: this process's share of the stream, fast-forwarded to the restored data position; the
+            # grid's inputs
+            stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
+            preview = preview_batch(cfg)
+            start_logging(run, hooks)
+    except StopWaiting:
+        if stream is not None: stream.close()
+        acc.print(f"received {stop.signal} during the run's setup, before its first update: "
+                  + ("nothing was saved" if info is None else f"the run stays at update {info.get('update')}"))
+        return {"update": (info or {}).get("update", 0), "run_dir": str(run_dir.path), "output_dir": str(out_dir),
+                "stopped": stop.signal}
     if state.update >= t.updates:
         acc.print(f"{run_dir.path} is at update {state.update}, and updates is {t.updates}: nothing to train "
                   "(raise `updates` to continue, or give a new `experiment_id` for a new run)")

@@ -131,3 +131,35 @@ def test_sample_in_batches_and_overwrite_on_request(random_run, tmp_path):
                    "0_0_red_apple.png: --out already holds this file (and 40 more of the 41")
     res = run_cli(*args, "--overwrite", env={"OMP_NUM_THREADS": "1"})
     assert (out / "0_0_red_apple.png").read_bytes() == first   # same seed, same images
+
+def in_process_error(main, argv, capsys, *needles):
+    "`main(argv)` in this process: exit status 2 and ONE line on stderr holding each of `needles`."
+    with pytest.raises(SystemExit) as e: main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "Traceback" not in "\n".join(err), (e.value.code, err)
+    assert any(all(n in line for n in needles) for line in err), err   # argparse's usage line may come first
+    return err
+
+@pytest.mark.parametrize("module, args, says", [
+    ("sample", ["--prompt", "x", "--cfg", "nan"], "argument --cfg: 'nan' is not a finite number"),
+    ("sample", ["--prompt", "x", "--cfg=-inf"], "argument --cfg: '-inf' is not a finite number"),
+    ("eval", ["--seed", "1e20"], "argument --seed: '1e20' is not an integer"),
+    ("eval", ["--seed", str(2**32)], "argument --seed: 4294967296 must be <= 4294967295"),
+    ("eval", ["--cfg", "inf"], "argument --cfg: 'inf' is not a finite number")])
+def test_sample_and_eval_share_the_option_types(fake_run, capsys, module, args, says):
+    # refused when parsed, before the run (whose weights here are garbage) is read
+    import importlib
+    in_process_error(importlib.import_module(f"cascade_nb.{module}").main, ["--checkpoint", fake_run, *args], capsys, says)
+
+def test_sample_refuses_nan_weights_and_writes_nothing(random_run, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from cascade_nb.sample import main
+    run = tmp_path / "nan_run"; run.mkdir()
+    shutil.copy(random_run / "info.json", run / "info.json")
+    sd = load_file(random_run / "generator.safetensors")
+    save_file({k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in sd.items()},
+              run / "generator.safetensors")
+    out = tmp_path / "s"
+    in_process_error(main, ["--checkpoint", run, "--prompt", "x", "--steps", "1", "--out", out], capsys,
+                     "generator.safetensors: ", "tensors hold NaN or inf", "--no-ema")
+    assert not any(out.iterdir())

@@ -53,3 +53,16 @@ def test_experiment_id_is_one_folder_name(name, message, tmp_path):
     one_line_error(res, "override: key 'experiment_id': ", message, "expected 1 to 128 letters, digits")
     # nothing written: not next to checkpoint_path, not inside it
     assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+@pytest.mark.parametrize("overrides, says", [("{c_in: 3, c_out: 3, patch_size: 0}", "patch_size=0 is out of range"),
+                                             ("{c_in: 3, c_out: 3, kernel_size: 4}", "kernel_size=4 is even")])
+def test_model_overrides_out_of_range_refused_before_the_run_folder(overrides, says, tmp_path, capsys, monkeypatch):
+    # in this process: train's start-up refuses it before the accelerator or any folder exists
+    from cascade_nb.train import main
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main([str(DEMO), f"model_overrides={overrides}", "experiment_id=c5d", "checkpoint_path=ck", "output_path=out",
+              "updates=1", "num_workers=0", "tracker=none", "eval_every=null"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "key 'model_overrides'" in err[0] and says in err[0], err
+    assert "expected" in err[0] and sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())

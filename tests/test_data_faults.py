@@ -269,3 +269,36 @@ def test_a_signal_during_a_stalled_read_ends_the_run_with_a_save(tmp_path, worke
     assert p.returncode == 0 and waited < 30, (p.returncode, waited, out[-3000:])   # before: until the read's timeout (600 s)
     assert f"received SIGTERM: saved update {done} to" in out and "while the data stream waited for a batch" in out, out[-3000:]
     assert done == logged and "Traceback" not in out, out[-3000:]   # the last finished update, nothing half done
+
+# ---- hostile case 53: the stated limit is the whole wait, and a stop during the trainer's setup is acted on
+def test_a_silent_server_costs_one_timeout_per_shard(stalled, monkeypatch):
+    "fsspec's size probe (a HEAD, then a GET when it fails) waited the limit twice before the read's own request."
+    from cascade_nb.data.sources import open_url, failure_reason
+    url, _ = stalled
+    monkeypatch.setenv("CASCADE_NB_REMOTE_TIMEOUT", "2")
+    t0 = time.time()
+    with pytest.raises(Exception) as e: open_url(f"{url}/a.tar")
+    assert 2 <= time.time() - t0 < 3.5 and failure_reason(e.value).startswith("no answer within 2 s")
+
+def test_a_signal_during_setup_stops_at_once_and_leaves_no_lock(stalled, tmp_path):
+    "SIGTERM while the setup reads the sample grid's batch from a source that never answers: exits 0 within seconds."
+    from test_train import demo_args
+    url, _ = stalled
+    args = [ROOT / "cascade_nb" / "train.py", *demo_args(tmp_path, "r", f"webdataset_path={url}/a.tar")]
+    env = {**os.environ, "CASCADE_NB_REMOTE_TIMEOUT": "600", "PYTHONUNBUFFERED": "1"}
+    env.pop("IN_TEST", None)
+    p = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        t0 = time.time()
+        while not (tmp_path / "ckpt" / "r" / "run.lock").exists():
+            assert p.poll() is None and time.time() - t0 < 120; time.sleep(0.1)
+        time.sleep(5)   # the setup now builds the models or waits for the server: both are cut short
+        p.send_signal(signal.SIGTERM); t1 = time.time()
+        out, _ = p.communicate(timeout=60)
+        waited = time.time() - t1
+    finally:
+        if p.poll() is None: os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0 and waited < 15, (p.returncode, waited, out[-3000:])   # before: the read's timeout, twice
+    assert "received SIGTERM during the run's setup, before its first update: nothing was saved" in out, out[-3000:]
+    assert not (tmp_path / "ckpt" / "r").exists() and "Traceback" not in out, out[-3000:]

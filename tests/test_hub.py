@@ -283,3 +283,41 @@ def test_a_distillation_teacher_by_hub_id(hub, tmp_path):
     teacher, tcfg = load_teacher(cfg)
     assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in model.state_dict().items())
     assert tcfg.model.generator_checkpoint_path == "hf://own/teacher/stage_c_teacher.safetensors"
+
+
+def test_a_bare_path_is_local_and_never_asks_the_hub(hub, tmp_path, monkeypatch):
+    "B38: `checkpoints/demo/generator.safetensors` missing here is not fetched from a hub repo `checkpoints/demo`."
+    hub["repos"]["checkpoints/demo"] = {"generator.safetensors": tiny_stage_c_bytes(tmp_path)[0]}
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e: weights_file("checkpoints/demo/generator.safetensors")
+    assert str(e.value) == ("[Errno 2] no such file (read as a local path: if you meant a hub file, write "
+                            "hf://checkpoints/demo/generator.safetensors): 'checkpoints/demo/generator.safetensors'")
+    assert hub["requests"] == []
+    assert weights_file("hf://checkpoints/demo/generator.safetensors").is_file()   # named as a hub file, it is one
+
+
+def test_hub_ids_that_leave_the_repository_are_one_line_naming_the_key(tmp_path, monkeypatch, capsys):
+    "B33, B34, B36: '..', an absolute path, a cached ref pointing outside the cache; nothing outside is read."
+    from cascade_nb.hub import HubBadFile
+    from cascade_nb.train import main
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    repo = cache / "models--own--rep"
+    save_safetensors_atomic({"w": torch.zeros(1)}, repo / "snapshots" / COMMIT / "a.safetensors")
+    save_safetensors_atomic({"secret": torch.ones(1)}, outside / COMMIT / "a.safetensors")
+    (repo / "refs").mkdir(); (repo / "refs" / "main").write_text(COMMIT)
+    (repo / "refs" / "evil").write_text(f"../../../outside/{COMMIT}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache)); monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    specs = {"hf://own/rep/../../../outside/a.safetensors": "its path '../../../outside/a.safetensors' has a '..'",
+             f"hf://own/rep/{outside}/a.safetensors": "has a '' segment",
+             "hf://own/rep/a.safetensors@evil": "huggingface_hub refuses it (Invalid pointer path"}
+    for spec, says in specs.items():
+        with pytest.raises(HubBadFile, match=re.escape(says)): weights_file(spec)
+    # through the trainer: one line naming the key and the value, exit status 2, no run folder
+    args = [ROOT / "configs" / "demo.yaml", "experiment_id=evil", f"checkpoint_path={tmp_path}/ckpt",
+            f"output_path={tmp_path}/out", "tracker=none", "eval_every=null", "num_workers=0",
+            "generator_checkpoint_path=hf://own/rep/a.safetensors@evil"]
+    with pytest.raises(SystemExit) as e: main([str(a) for a in args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("config error: key 'generator_checkpoint_path': "
+                                                    "hf://own/rep/a.safetensors@evil: huggingface_hub refuses it"), err
+    assert not (tmp_path / "ckpt" / "evil").exists()

@@ -4,6 +4,7 @@ that keeps the previous checkpoint and says so in one line, and a fallback to th
 is unreadable."""
 import json, os, signal, socket, subprocess, sys, time
 from pathlib import Path
+import pytest
 from conftest import ROOT, run_cli
 from test_train import demo_args, info, DRIVER
 from test_signals import start, wait_until_training, finish
@@ -82,3 +83,17 @@ def test_stale_lock_is_taken_over(tmp_path):
     (run / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start": "1", "since": 0}))
     res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "stale", "updates=1"))
     assert "removing the stale lock" in res.stderr and info(tmp_path, "stale")["update"] == 1
+
+@pytest.mark.parametrize("record, says", [
+    ({"update": 2, "state_dir": 123}, "key 'state_dir': 123 is not valid; expected the name of a state folder"),
+    ({"update": "2", "state_dir": "state-00000002"}, "key 'update': '2' is not valid; expected an integer >= 0"),
+    ({"update": 2, "state_dir": "state-00000002", "config": [1]}, "key 'config': [1] is not valid; expected a mapping")])
+def test_a_run_record_of_bad_types_is_one_line(tmp_path, capsys, record, says):
+    "info.json is validated like a config (before: `state_dir: 123` was a TypeError traceback in the resume)."
+    from cascade_nb.train import main
+    run = tmp_path / "ckpt" / "bad"; run.mkdir(parents=True)
+    (run / "state-00000002").mkdir(); (run / "info.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit) as e: main(demo_args(tmp_path, "bad", "updates=4"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err and f"{run / 'info.json'}: {says}" in err[-1], err
+    assert "Traceback" not in "\n".join(err) and not (run / "run.lock").exists()

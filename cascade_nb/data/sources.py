@@ -337,14 +337,20 @@ def failure_reason(e: BaseException) -> str:
 
 # %% ../../nbs/30_data.sources.ipynb #c25ec608
 def open_url(url: str, allow_pipe: bool = False):
-    """Open a shard for streaming reads: local paths and `file:` directly, s3/gs/http(s) through fsspec, an allowed
-    `pipe:` via `wds.gopen`."""
+    """Open a shard for streaming reads: local paths and `file:` directly, s3/gs/http(s) through fsspec (http: one
+    request, so a silent server is one `remote_timeout`), an allowed `pipe:` via `wds.gopen`."""
     if not is_remote(url): return open(local_path(url), "rb")
     check_remote(url, allow_pipe)
     scheme = urlparse(url).scheme
     if scheme == "pipe": return wds.gopen(url, "rb")
     import fsspec
-    return fsspec.open(url, "rb", **remote_options(scheme)).open()
+    if scheme not in ("http", "https"): return fsspec.open(url, "rb", **remote_options(scheme)).open()
+    # a size given, fsspec's http `_open` skips its size probe (a HEAD, then a GET when that fails): a server that
+    # never answers costs one timeout, not two; a stream (block_size 0) never uses the size
+    try: return fsspec.filesystem(scheme, **remote_options(scheme)).open(url, "rb", size=1)
+    except FileNotFoundError as e:
+        e.status = 404   # the stream raises it for a 404 only, without the status the probe's error carried
+        raise
 
 # %% ../../nbs/30_data.sources.ipynb #0a2080b7
 SHARD_END = "__shard_end__"

@@ -142,10 +142,24 @@ def stage_c_init_(model):
                 if isinstance(lin, nn.Linear): nn.init.zeros_(lin.weight)
 
 # %% ../../nbs/21_models.stage_c.ipynb #da4592d0
+_SIZE_KEYS = ('c_in', 'c_out', 'c_r', 'patch_size', 'c_cond', 'c_clip_text', 'c_clip_text_pooled', 'c_clip_img',
+              'c_clip_seq', 'kernel_size')
+"The arguments that are sizes: each an integer >= 1 (torch builds a layer of size 0 and fails only in `forward`)."
+
+def _check_sizes(name: str, sizes: dict):
+    "A `ValueError` naming the first of `sizes` out of range: not an integer >= 1, or an even `kernel_size`."
+    for k, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: {k}={v!r} is out of range; expected an integer >= 1")
+    if sizes['kernel_size'] % 2 == 0:
+        raise ValueError(f"{name}: kernel_size={sizes['kernel_size']} is even; expected an odd integer >= 1 (the "
+                         "convolutions pad kernel_size // 2 on each side, which keeps a latent's size only when odd)")
+
 def _stage_c_build(model, c_in, c_out, c_r, patch_size, c_cond, c_hidden, nhead, blocks, block_repeat,
                    level_config, c_clip_text, c_clip_text_pooled, c_clip_img, c_clip_seq, kernel_size, dropout,
                    self_attn, t_conds, switch_level, gradient_checkpointing):
     "The body of `StageC.__init__` (before `init_weights`): config, conditioning mappers, embedding, paths, head."
+    _check_sizes(type(model).__name__, {k: v for k, v in locals().items() if k in _SIZE_KEYS})
     n = len(c_hidden)
     dropout, self_attn = _per_level(dropout, n), _per_level(self_attn, n)
     model.config = dict(c_in=c_in, c_out=c_out, c_r=c_r, patch_size=patch_size, c_cond=c_cond,
