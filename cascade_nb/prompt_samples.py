@@ -361,7 +361,7 @@ class PromptSamples:
         self.prompts, self.every, self.last = read_prompts(cfg), cfg.checkpoint.sample_every, cfg.train.updates
         self.decoder = sample_decoder(cfg)
         if self.every is None: self.every = cfg.checkpoint.save_every
-        from .modes import TRAINING_MODES
+        from cascade_nb.modes import TRAINING_MODES
         # an EMA of the trained tensors only (`base_is_rebuilt`) is lent to the model on the GPU: it samples there
         lent = TRAINING_MODES.choose(cfg.train.mode).base_is_rebuilt
         if cfg.train.ema_on_cpu and torch.cuda.is_available() and not lent:
