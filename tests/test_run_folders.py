@@ -32,6 +32,17 @@ def handed_over(trained, tmp_path, **config):
     (run / "info.json").write_text(json.dumps(info))
     return run
 
+def eval_cli(capsys, monkeypatch, cwd, *args):
+    "`python -m cascade_nb.eval ARGS` run from `cwd`, in this process (a subprocess would only re-pay the imports)."
+    from subprocess import CompletedProcess
+    from cascade_nb.eval import main
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    try: main([str(a) for a in args]); code = 0
+    except SystemExit as e: code = e.code
+    out = capsys.readouterr()
+    return CompletedProcess(args, code, out.out, out.err)
+
 def test_a_run_folder_runs_no_code_it_ships(trained, tmp_path):
     """B69: info.json names a module shipped in the folder; sample and eval refuse, and it never runs (lora export:
     tests/test_lora_cli.py)."""
@@ -46,12 +57,12 @@ def test_a_run_folder_runs_no_code_it_ships(trained, tmp_path):
         assert "names module 'cnb_helpers'" in res.stderr and "--import cnb_helpers" in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1 and not marker.exists()
     # the user's own word imports it: the run samples (the module did what it does)
-    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "an apple", "--n", "1", "--steps", "1", "--out",
-                  tmp_path / "samples", "--import", "cnb_helpers", cwd=run.parent,
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "an apple", "--n", "1", "--steps", "1",
+                  "--out", tmp_path / "samples", "--import", "cnb_helpers", cwd=run.parent,
                   env={"PYTHONPATH": str(run)})
     assert "wrote 1 images" in res.stdout and marker.read_text() == "ran"
 
-def test_a_report_chain_from_a_shared_folder_touches_nothing_outside(trained, tmp_path):
+def test_a_report_chain_from_a_shared_folder_touches_nothing_outside(trained, tmp_path, capsys, monkeypatch):
     """B65 + B63: a relative link out/good/report.md -> ~/.bashrc and an eval_features holding shell code: the bad
     name is refused in one line; with a valid name the link is replaced by the page, ~/.bashrc is untouched."""
     run = handed_over(trained, tmp_path, eval_features="pixels`; echo PWNED > pwned; echo `")
@@ -61,8 +72,8 @@ def test_a_report_chain_from_a_shared_folder_touches_nothing_outside(trained, tm
     os.symlink("../../../../.bashrc", out / "report.md")
     os.symlink("../../../../victim.png", out / "report_curves.png")
     (home / "victim.png").write_bytes(b"mine")
-    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
-                  "--report", cwd=run.parent, check=False)
+    res = eval_cli(capsys, monkeypatch, run.parent, "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
+                   "--report")
     # refused before any sampling, in one line
     assert res.returncode == 2 and "key 'eval_features'" in res.stderr and "is not a feature space" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
@@ -71,29 +82,29 @@ def test_a_report_chain_from_a_shared_folder_touches_nothing_outside(trained, tm
     info["config"]["eval_features"] = "pixels"
     (run / "info.json").write_text(json.dumps(info))
     # the planted link counts as a report already there: replaced (not followed) only when the user says so
-    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
-                  "--report", cwd=run.parent, check=False)
+    res = eval_cli(capsys, monkeypatch, run.parent, "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
+                   "--report")
     assert res.returncode == 2 and "a report card is there already; pass --overwrite" in res.stderr, res.stderr
-    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
-                  "--report", "--overwrite", cwd=run.parent)
+    res = eval_cli(capsys, monkeypatch, run.parent, "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
+                   "--report", "--overwrite")
     assert f"report: {Path('shared_run/out/good/report.md')}" in res.stdout
     assert (home / ".bashrc").read_text() == "# my shell\n" and (home / "victim.png").read_bytes() == b"mine"
     assert not (out / "report.md").is_symlink() and "# Report card: good" in (out / "report.md").read_text()
     assert not (out / "report_curves.png").is_symlink()
 
-def test_a_report_goes_where_the_user_says_not_where_info_json_says(trained, tmp_path):
+def test_a_report_goes_where_the_user_says_not_where_info_json_says(trained, tmp_path, capsys, monkeypatch):
     "B64: an output_path outside the run folder and the current folder is refused; --report-dir chooses."
     outside = tmp_path / "outside"
     shutil.copytree(trained / "out" / "good", outside / "good")
     run = handed_over(trained, tmp_path, output_path=str(outside))
     before = sorted(p.name for p in (outside / "good").iterdir())
-    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", run, "--captions", "2", "--steps", "1", "--report",
-                  cwd=run.parent, check=False)
+    res = eval_cli(capsys, monkeypatch, run.parent, "--checkpoint", run, "--captions", "2", "--steps", "1",
+                   "--report")
     assert res.returncode == 2 and "is outside the run folder and the current folder" in res.stderr
     assert "--report-dir" in res.stderr and sorted(p.name for p in (outside / "good").iterdir()) == before
     mine = tmp_path / "my_reports"
-    res = run_cli("-m", "cascade_nb.eval", "--checkpoint", run, "--captions", "2", "--steps", "1", "--report",
-                  "--report-dir", mine, cwd=run.parent, check=False)
+    res = eval_cli(capsys, monkeypatch, run.parent, "--checkpoint", run, "--captions", "2", "--steps", "1",
+                   "--report", "--report-dir", mine)
     # the chosen folder has no metrics.jsonl: a page of the numbers scored now
     assert res.returncode == 0, res.stderr[-2000:]
     assert "## The released weights, scored now" in (mine / "report.md").read_text()
