@@ -98,7 +98,9 @@ def atomic_dir(path: str | os.PathLike):
         if path.is_dir() and not path.is_symlink():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
             os.replace(path, old / "x")
-            os.rename(tmp, path)
+            # the old folder goes back where it was if the new one cannot take its place
+            try: os.rename(tmp, path)
+            except BaseException: os.rename(old / "x", path); old.rmdir(); raise
             shutil.rmtree(old)
         else: os.rename(tmp, path)
         _fsync_dir(path.parent)
