@@ -293,7 +293,9 @@ def _save(run: Run):
     # without the frozen parameters (a LoRA's base): a resume rebuilds them from their files
     save_model_state(acc, run.net, staging, run.cfg.to_yaml_dict(), run.mode.base_is_rebuilt)
     save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema, run.fused)
-    # accelerate's files are not fsynced: on disk before info.json names them (each process, its node)
+    # accelerate's files are not fsynced: on disk before info.json names them (each process, its node), once every
+    # process has written (an fsync walk beside another process's write-then-rename would meet a vanished temp file)
+    acc.wait_for_everyone()
     fsync_tree(staging)
     acc.wait_for_everyone()
     if is_main: run_dir.commit(staging, run_info(run))          # from here a SIGKILL resumes from this update
