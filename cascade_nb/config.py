@@ -21,14 +21,13 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
          "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
 
 # %% auto #0
-__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SOURCE_KEYS', 'SOURCE_WEIGHT', 'SOURCE_REPEATS',
-           'SOURCE_LOSS_WEIGHT', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES', 'NULL_TURNS_OFF', 'BUILTIN_SECTIONS',
-           'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS', 'ModelConfig', 'GDFConfig',
-           'DataConfig', 'SourceEntry', 'source_entry', 'source_entries', 'TrainConfig', 'CheckpointConfig',
-           'check_experiment_id', 'LogConfig', 'check_range', 'config_section', 'Config', 'config_from_dict',
-           'load_config', 'import_modules', 'ConfigHook', 'config_from_run', 'dump_config', 'save_config',
-           'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce',
-           'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
+__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES', 'NULL_TURNS_OFF',
+           'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS', 'ModelConfig',
+           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig',
+           'check_range', 'config_section', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook',
+           'need', 'config_from_run', 'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE',
+           'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES',
+           'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"
@@ -60,6 +59,10 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute each block in backward (less memory, ~30% slower)
     compile: bool = False                 # torch.compile the generator
 
+    def __post_init__(self):
+        # resolved once, when the section is made: a config does not change after it is built
+        if self.stage is None: self.stage = "b" if self.model_version in STAGE_B_PRESETS[:2] else "c"
+
 # %% ../nbs/01_config.ipynb #e28697fb
 @dataclass
 class GDFConfig:
@@ -78,6 +81,10 @@ class GDFConfig:
     sample_cfg: float = 5.0               # CFG scale of the in-training sample grids (reference: 5 for C, 1.5 for B)
     sample_steps: int = 20                # sampler steps of the in-training sample grids
     sample_sampler: Choice["sampler"] = "ddpm"
+
+    def __post_init__(self):
+        if self.offset_noise is None: self.offset_noise = 0.0
+        if self.loss_weight is None: self.loss_weight = "adaptive" if self.adaptive_loss_weight else "p2"
 
 # %% ../nbs/01_config.ipynb #ed3a8de0
 @dataclass
@@ -121,80 +128,8 @@ class DataConfig:
     val_webdataset_path: Optional[Union[str, list[str]]] = None  # held-out data for the validation loss
     val_batches: int = 4                  # batches of held-out data per validation
 
-# %% ../nbs/01_config.ipynb #623d12e2
-@dataclass(frozen=True)
-class SourceEntry:
-    "One entry of `webdataset_path`: a source, how often an epoch visits it, its loss weight and its caption prefix."
-    path: str
-    weight: float = 1.0         # each sample is seen `weight` times an epoch, on average; 0: the entry is off
-    loss_weight: float = 1.0    # multiplies the loss of its samples
-    caption_prefix: str = ""    # put before each of its captions
-    # regularisation samples (prior preservation): their target is the frozen base's own prediction (nbs/60_lora)
-    prior: bool = False
-    hflip: Optional[bool] = None   # mirror its samples (true/false); None: the data section's `hflip`
-    # every sample's caption instead of its own, e.g. the class prompt of regularisation samples (prior: true) read
-    # from the instance images, so that prior preservation needs no class images; None: the sample's own caption
-    caption: Optional[str] = None
-
-SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior", "hflip", "caption")
-"The keys of a mapping entry of `webdataset_path`."
-
-SOURCE_WEIGHT, SOURCE_REPEATS, SOURCE_LOSS_WEIGHT = Range(0, 1000), Range(1, 1000), Range(0, 1000)
-"The ranges of an entry's `weight`, `repeats` and `loss_weight` (see the table above for why they end at 1000)."
-
-# %% ../nbs/01_config.ipynb #397834c0
-def _entry_value(entry: dict, name: str, tp, rng: Range | None, key: str, default):
-    "`entry[name]` coerced to `tp` and inside `rng`, or `default`; a ConfigError names `key.name`."
-    if name not in entry: return default
-    v = coerce(entry[name], tp, f"{key}.{name}")
-    if rng is not None and v not in rng:
-        raise ConfigError(f"key '{key}.{name}': {entry[name]!r} is out of range; expected {rng}")
-    return v
-
-def _entry_caption(entry: dict, key: str) -> str | None:
-    "An entry's `caption`: None, or text that is not blank."
-    caption = _entry_value(entry, "caption", str, None, key, None)
-    if caption is not None and not caption.strip():
-        raise ConfigError(f"key '{key}.caption': {caption!r} is blank; expected the text every sample of it is "
-                          "captioned with, or no caption key (each sample's own caption)")
-    return caption
-
-def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
-    "One `webdataset_path` entry, a path or a mapping of `SOURCE_KEYS`, as a `SourceEntry`; ConfigError naming the key."
-    if isinstance(entry, (str, os.PathLike)): return SourceEntry(os.fspath(entry))
-    if not isinstance(entry, dict):
-        raise ConfigError(f"key '{key}': {entry!r} is not a source; expected a path or a mapping of {SOURCE_KEYS}")
-    for k in entry:
-        if k in SOURCE_KEYS: continue
-        close = difflib.get_close_matches(str(k), SOURCE_KEYS, n=1, cutoff=0.5)
-        raise ConfigError(f"key '{key}.{k}' is unknown; " + (f"did you mean '{close[0]}'?" if close
-                                                              else f"expected one of {', '.join(SOURCE_KEYS)}"))
-    if "path" not in entry: raise ConfigError(f"key '{key}.path' is missing (the folder, tar(s) or URL to read)")
-    if "weight" in entry and "repeats" in entry:
-        raise ConfigError(f"key '{key}': give 'weight' or 'repeats', not both ('repeats: N' is 'weight: N')")
-    weight = _entry_value(entry, "weight", float, SOURCE_WEIGHT, key, None)
-    repeats = _entry_value(entry, "repeats", int, SOURCE_REPEATS, key, 1)
-    return SourceEntry(_entry_value(entry, "path", str, None, key, ""),
-                       float(repeats) if weight is None else weight,
-                       _entry_value(entry, "loss_weight", float, SOURCE_LOSS_WEIGHT, key, 1.0),
-                       _entry_value(entry, "caption_prefix", str, None, key, ""),
-                       _entry_value(entry, "prior", bool, None, key, False),
-                       _entry_value(entry, "hflip", bool, None, key, None), _entry_caption(entry, key))
-
-
-# %% ../nbs/01_config.ipynb #a5cf2721
-def source_entries(value, key: str = "webdataset_path") -> list[SourceEntry]:
-    "The `SourceEntry`s of a `webdataset_path` value (a path, or a list of paths and mappings); one has weight > 0."
-    if isinstance(value, (str, os.PathLike, dict)): return [source_entry(value, key)]
-    entries = [source_entry(e, f"{key}[{i}]") for i, e in enumerate(value)]
-    if not entries: raise ConfigError(f"key '{key}': [] names no source")
-    if not any(e.weight > 0 for e in entries):
-        raise ConfigError(f"key '{key}': every entry has weight 0, so nothing is left to train on; "
-                          "give at least one a weight > 0")
-    if all(e.prior for e in entries if e.weight > 0):
-        raise ConfigError(f"key '{key}': every entry with weight > 0 is prior: true, whose target is the frozen base's "
-                          "own prediction, so nothing is left to learn; add an entry of the images to learn (no prior)")
-    return entries
+    def __post_init__(self):
+        if self.captions_getter is None: self.captions_getter = CaptionsGetter()
 
 # %% ../nbs/01_config.ipynb #b2d2bb91
 @dataclass
@@ -545,54 +480,6 @@ register_config_hook = CONFIG_HOOKS.register
 ("`register_config_hook('name', hook)`: run `hook.before`/`hook.after` in every `load_config` "
  "(re-registering replaces).")
 
-# %% ../nbs/01_config.ipynb #34de7e48
-def _check_resolution_schedule(cfg: Config, need):
-    """`resolution_schedule`: [update, side] entries from update 0 on, strictly increasing, within the run, largest
-    side = image_size."""
-    s, d, key, eg = cfg.data.resolution_schedule, cfg.data, "key 'resolution_schedule'", "e.g. [[0, 256], [10000, 512]]"
-    need(s, f"{key}: [] is empty; expected [[0, side], [update, side], ...] ({eg}) or null")
-    need(s[0][0] == 0, f"{key}: the first entry {list(s[0])} starts at update {s[0][0]}; expected 0 "
-                       f"(the side of the first updates), {eg}")
-    for prev, cur in zip(s, s[1:]):
-        need(cur[0] > prev[0], f"{key}: entry {list(cur)} does not start after {list(prev)}; "
-                               f"expected strictly increasing updates, {eg}")
-    need(s[-1][0] < cfg.train.updates, f"{key}: entry {list(s[-1])} would never train: the run's updates are 0 to "
-                                       f"{cfg.train.updates - 1} (updates: {cfg.train.updates})")
-    big = max(side for _, side in s)
-    need(big == d.image_size, f"{key}: its largest side {big} must equal image_size ({d.image_size}), the side "
-                              "the data pipeline crops and buckets at and validation, evaluation and the memory "
-                              f"plan use; set image_size: {big}")
-    need(cfg.model.latent_space != "cached",
-         f"{key} needs images: latents cached by `python -m cascade_nb.data cache` have one "
-         "fixed size (latent_space: cached); train from the images (latent_space: effnet)")
-
-# %% ../nbs/01_config.ipynb #0409078b
-def _check_sources(cfg: Config, need):
-    "`webdataset_path`'s entries are well formed; a caption prefix needs captions, which cached latents have encoded."
-    try: entries = source_entries(cfg.data.webdataset_path)
-    except ConfigError as e: need(False, str(e))
-    for i, e in enumerate(entries):
-        for name in ("caption_prefix", "caption"):
-            need(not (getattr(e, name) and cfg.model.latent_space == "cached"),
-                 f"key 'webdataset_path[{i}].{name}' changes captions, but latent_space: cached trains on text "
-                 "embeddings encoded by `python -m cascade_nb.data cache`; put it into the captions before caching")
-        need(not (e.hflip and cfg.model.latent_space == "cached"),
-             f"key 'webdataset_path[{i}].hflip' mirrors images, but latent_space: cached trains on latents encoded "
-             "once; cache mirrored copies, or train from the images (latent_space: effnet)")
-
-# %% ../nbs/01_config.ipynb #5e1a0c3f
-def _check_augment_and_mask(cfg: Config, need):
-    "Flips and crop jitter need images (cached latents are cropped once); the mask's options need a mask."
-    d = cfg.data
-    for key in ("hflip", "crop_jitter"):
-        need(not (getattr(d, key) and cfg.model.latent_space == "cached"),
-             f"key '{key}' changes the crop per sample and epoch, but latent_space: cached trains on latents encoded "
-             "once; turn it off, or train from the images (latent_space: effnet)")
-    for key, off in (("unmasked_weight", 0.0), ("normalize_masked_area", False)):
-        need(d.loss_mask != "off" or getattr(d, key) == off,
-             f"key '{key}' weights the loss by a mask, but loss_mask is off; set loss_mask: alpha, member or auto")
-
-
 # %% ../nbs/01_config.ipynb #pg05873d
 GROUP_KEYS = {"lr": POSITIVE, "weight_decay": AT_LEAST_0}
 "What a `param_groups` entry may set, and each one's range."
@@ -609,49 +496,38 @@ def _check_param_groups(t, need):
                               "(0 freezes the parameters it matches)")
 
 # %% ../nbs/01_config.ipynb #8dddb117
+def need(ok, where: str, message: str):
+    "Raise `ConfigError(f'{where}: {message}')` unless `ok`: the one-line form of a rule that spans keys."
+    if not ok: raise ConfigError(f"{where}: {message}")
+
 def _check(cfg: Config, where: str, training: bool):
-    def need(cond, msg):
-        if not cond: raise ConfigError(f"{where}: {msg}")
     if training:
         for sec in SECTIONS:
             for f in fields(SECTIONS[sec]):
-                need(getattr(getattr(cfg, sec), f.name) is not REQUIRED,
+                need(getattr(getattr(cfg, sec), f.name) is not REQUIRED, where,
                      f"required key '{f.name}' is missing"
                      + {"experiment_id": " (the run's name; checkpoints go to {checkpoint_path}/{experiment_id}/)",
                         "webdataset_path": " (a folder of images + .txt captions, .tar shards, a brace pattern "
                                            "or a URL)"}.get(f.name, ""))
-    m, t, d = cfg.model, cfg.train, cfg.data
-    if m.dtype == "float16":
-        raise ConfigError(f"{where}: key 'dtype': 'float16' is not supported: Stable Cascade overflows fp16 "
-                          "(max 65504); use bfloat16 or float32")
-    if m.stage is None: m.stage = "b" if m.model_version in ("3B", "700M") else "c"
+    m, t = cfg.model, cfg.train
+    need(m.dtype != "float16", where, "key 'dtype': 'float16' is not supported: Stable Cascade overflows fp16 "
+                                      "(max 65504); use bfloat16 or float32")
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
-    need(m.model_version in presets, f"key 'model_version': {m.model_version!r} is not a Stage {m.stage.upper()} "
-                                     f"preset; expected one of {presets}")
-    # what later modules check (the training mode, `ConfigHook`), then the rules that need several keys
+    need(m.model_version in presets, where, f"key 'model_version': {m.model_version!r} is not a Stage "
+                                            f"{m.stage.upper()} preset; expected one of {presets}")
+    # the rules of later modules' keys (the training mode, data, optimizers: `ConfigHook`), in reading order
     for hook in list(CONFIG_HOOKS.values()): hook.after(cfg, where)
-    if d.resolution_schedule is not None: _check_resolution_schedule(cfg, need)
-    if d.webdataset_path is not REQUIRED: _check_sources(cfg, need)
     if t.stochastic_rounding:
-        need(t.fused_backward, "key 'stochastic_rounding' needs fused_backward: true (each weight's step runs on an "
-                               "fp32 copy of that one tensor, inside backward)")
-        need(m.dtype == "bfloat16", f"key 'stochastic_rounding' rounds into bf16 weights, but dtype is "
-                                    f"{m.dtype or 'float32'}; set dtype: bfloat16")
-    need(not t.fused_backward or t.grad_accum_steps == 1,
+        need(t.fused_backward, where, "key 'stochastic_rounding' needs fused_backward: true (each weight's step runs "
+                                      "on an fp32 copy of that one tensor, inside backward)")
+        need(m.dtype == "bfloat16", where, f"key 'stochastic_rounding' rounds into bf16 weights, but dtype is "
+                                           f"{m.dtype or 'float32'}; set dtype: bfloat16")
+    need(not t.fused_backward or t.grad_accum_steps == 1, where,
          f"key 'fused_backward' updates each weight inside backward, so gradients cannot be accumulated over "
          f"grad_accum_steps: {t.grad_accum_steps}; set grad_accum_steps: 1")
-    need(t.min_lr < t.lr, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends at must be "
-                          "lower than the LR it starts from")
-    _check_augment_and_mask(cfg, need)
-    _check_param_groups(t, need)
-    if cfg.gdf.offset_noise is None: cfg.gdf.offset_noise = 0.0
-    if cfg.gdf.loss_weight is None: cfg.gdf.loss_weight = "adaptive" if cfg.gdf.adaptive_loss_weight else "p2"
-    if d.captions_getter is None: d.captions_getter = CaptionsGetter()
-    changing = CaptionRecipe.from_config(d).keys_in_use()
-    need(m.latent_space != "cached" or not changing,
-         f"key(s) {', '.join(changing)} change the captions per sample and epoch, but latent_space: cached trains on "
-         "the text embeddings of the captions as they were cached; turn them off, or train from the images "
-         "(latent_space: effnet)")
+    need(t.min_lr < t.lr, where, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends at "
+                                 "must be lower than the LR it starts from")
+    _check_param_groups(t, lambda ok, msg: need(ok, where, msg))
 
 # %% ../nbs/01_config.ipynb #711247d1
 def config_from_run(info_path: str | os.PathLike, overrides=(), training: bool = True) -> Config:

@@ -223,7 +223,7 @@ def copy_matching(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
 def _teacher_rows(self, batch, n: int = 8) -> dict:
     ("The teacher's samples (its own sampler, steps and CFG) on the grid's captions and initial noise, above the "
      "student's.")
-    from cascade_nb.train import sample_latents
+    from cascade_nb.run_data import sample_latents
     device = next(self.text_model.parameters()).device
     x0, conds = self.encode(batch, device, training=False)
     x0, conds = x0[:n], {k: v[:n] for k, v in conds.items()}

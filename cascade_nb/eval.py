@@ -159,7 +159,7 @@ class Retrieval:
 def reference_set(cfg: Config, source=None, max_images: int = 4096) -> tuple[torch.Tensor, list[str]]:
     """(images in [0, 1], captions) of `source` (default: the run's training data), read once in order, centre-cropped,
     whole on every process (`whole_source`): the same reference set on 1 or N processes."""
-    from cascade_nb.train import whole_source
+    from cascade_nb.run_data import whole_source
     source = source or cfg.data.webdataset_path
     square = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, multi_aspect_ratio=None))
     images, captions = [], []

@@ -18,7 +18,8 @@ from .hub import weights_file, parse_hub_spec
 from dataclasses import dataclass
 from typing import Literal, Optional
 from .registry import registry
-from .config import ConfigError, ConfigHook, config_section, register_config_hook, source_entries, REQUIRED
+from .config import ConfigError, ConfigHook, config_section, register_config_hook, REQUIRED
+from .data.sources import source_entries
 from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY, Choice, Range
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights, TRAINING_MODES
 from .run_state import first_match

@@ -302,7 +302,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     """Estimate the peak memory per GPU of `train(cfg)` on `world_size` GPUs (FSDP sharding if `fsdp`), without
     allocating the model. HSDP: `shard_size` GPUs (a node) share one sharded copy, replicated across the
     `world_size / shard_size` groups."""
-    from cascade_nb.train import per_process_batch
+    from cascade_nb.run_data import per_process_batch
     m, t, d = cfg.model, cfg.train, cfg.data
     if fsdp and (why := fsdp_refusal(t.optimizer)): raise ConfigError(why)
     if t.fused_backward and world_size > 1:
@@ -433,7 +433,7 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
     does. An option that would not lower the peak is skipped; FSDP steps switch to plain AdamW (8-bit AdamW cannot
     run under FSDP)."""
     from cascade_nb.config import config_from_dict
-    from cascade_nb.train import per_process_batch
+    from cascade_nb.run_data import per_process_batch
     micro = per_process_batch(cfg.data.batch_size, world_size, cfg.train.grad_accum_steps)
     base, steps = cfg.to_yaml_dict(), []
     overrides, ws, fs = {}, world_size, fsdp

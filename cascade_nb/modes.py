@@ -15,7 +15,8 @@ from torch import nn
 from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, images_to_device
 from typing import NamedTuple
 from .config import (Config, ConfigError, ConfigHook, SECTIONS, SECTION_MODES, import_modules,
-    register_config_hook, REQUIRED, source_entries)
+    register_config_hook, REQUIRED)
+from .data.sources import source_entries
 from .registry import registry, UnknownChoice, load_builtin_parts
 from .gdf.presets import training_shift
 from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise

@@ -14,8 +14,8 @@ from .cli import (cli_parser, parse_cli, cli_errors, at_least, finite_number, ou
                             add_import_option, cli_choice)
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
-from .train import (build_text_encoder, build_latent_space, build_training_mode,
-                              sample_latents)
+from .modes import build_text_encoder, build_latent_space
+from .run_data import sample_latents
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0

@@ -16,19 +16,17 @@ if __name__ == "__main__" and not __package__ and "__file__" in globals():
     __package__ = "cascade_nb"
 import torch
 from torch import nn
-from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, seeded_randn, enable_tf32
+from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, enable_tf32
 from .models.blocks import compile_blocks, compile_seconds
 from .config import Config, load_config, save_config, ConfigError
 from .registry import registry, load_builtin_parts
 from .cli import cli_parser, parse_cli, cli_errors, error_line
-# the modes' names are also `cascade_nb.train.X` (they lived here before `cascade_nb.modes`): some are re-exports only
-from .modes import (build_generator, build_text_encoder, build_image_encoder, conditions, PixelSpace,
-                              EffnetSpace, StageASpace, load_frozen, build_latent_space, diffusion_loss, TrainingMode,
-                              FullTraining, StageBTraining, training_mode, build_training_mode, check_model_overrides)
+from .modes import (build_generator, build_text_encoder, build_image_encoder, build_latent_space,
+                              TrainingMode, build_training_mode, check_model_overrides)
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.recipe import schedule_at_update
-from .gdf.samplers import SAMPLERS
 from .data.sources import format_skips
+from .run_data import sample_rows, validation_loss, per_process_batch, training_data, preview_batch
 from fastprogress.fastprogress import progress_bar
 from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
                                   FusedBackward, evaluation_view, named_groups, optimizer_groups, describe_groups,
@@ -38,158 +36,15 @@ from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LR
                                   RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
                                   load_training_state, check_checkpoint_files, save_sample_grid,
                                   save_model_state, load_model_state)
-from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover, LATENT_COMPRESSION,
-                                     size_rule, check_resolution_schedule, at_resolution)
+from .data.buckets import resolution_at, check_resolution_schedule, at_resolution
 
 # %% auto #0
-__all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'sample_latents', 'sample_rows', 'validation_noise', 'validation_loss',
-           'per_process_batch', 'batch_stream', 'whole_source', 'training_data', 'preview_batch', 'Run',
-           'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint', 'stop_message', 'weights_finite',
-           'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume', 'resume_changes', 'run_info',
-           'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics', 'validate', 'init_trackers',
-           'start_logging', 'duration', 'Clock', 'report_partial_states', 'run_summary', 'check_optimizer',
-           'run_launch_checks', 'start_launch', 'build_models', 'resume_run', 'finish_run', 'setup_stage', 'train',
-           'plot_metrics', 'main']
-
-# %% ../nbs/41_train.ipynb #88f39136
-_SAMPLERS = SAMPLERS   # old name of the registry in cascade_nb.gdf.samplers, kept for users' imports
-
-# %% ../nbs/41_train.ipynb #34872506
-@torch.no_grad()
-def sample_latents(generator, gdf, conds: dict, uncond: dict, shape, cfg: Config, seed: int = 0, device="cpu"):
-    "A full sample with the config's in-training sampler, CFG and steps, from fixed noise."
-    rng = torch.Generator().manual_seed(seed)   # on the CPU: the same noise on every device
-    # CFG 1 is the conditional prediction: one pass, not two
-    scale = None if cfg.gdf.sample_cfg == 1 else cfg.gdf.sample_cfg
-    *_, last = gdf.sample(generator, conds, shape, unconditional_inputs=uncond,
-                          sampler=SAMPLERS[cfg.gdf.sample_sampler](), timesteps=cfg.gdf.sample_steps, cfg=scale,
-                          shift=training_shift(cfg), device=device, generator=rng)
-    return last.x0
-
-# %% ../nbs/41_train.ipynb #d4713aee
-def _to(conds: dict, device) -> dict: return {k: v.to(device) for k, v in conds.items()}
-
-@torch.no_grad()
-def sample_rows(generator, ema, gdf, space, x0, conds, uncond, cfg: Config, n: int = 8) -> dict:
-    "The rows of the sample grid (name → images in [0, 1]) for the first `n` samples of a batch."
-    n = min(n, len(x0))
-    x0, conds, uncond = x0[:n], {k: v[:n] for k, v in conds.items()}, {k: v[:n] for k, v in uncond.items()}
-    rng = torch.Generator().manual_seed(1)
-    d = gdf.diffuse(x0.float(), generator=rng)
-    pred = generator(d.noised.to(x0.dtype), d.noise_cond, **conds)
-    one_step, _ = gdf.undiffuse(d.noised.float(), d.logsnr, pred.float())
-    rows = {"original": x0, "noised": d.noised, "one-step x0": one_step,
-            "sampled": sample_latents(generator, gdf, conds, uncond, x0.shape, cfg, device=x0.device)}
-    # an `EMA`: its module, or under FSDP `generator` with the EMA's shards swapped in (all processes)
-    if ema is not None:
-        # it may live elsewhere (`ema_on_cpu`): inputs go to its device, the sample comes back
-        with ema_weights(ema, generator) as m:
-            dev = next(m.parameters()).device
-            rows["sampled (EMA)"] = sample_latents(m, gdf, _to(conds, dev), _to(uncond, dev), x0.shape, cfg,
-                                                   device=dev).to(x0.device)
-    decoded = {k: space.decode(v.float()) for k, v in rows.items()}
-    return {k: v for k, v in decoded.items() if v is not None}
-
-# %% ../nbs/41_train.ipynb #0f7befc1
-def validation_noise(mode, x0, seed: int, level: int, first: int) -> torch.Tensor:
-    """The mode's noise for each sample of `x0` (sample `first` + i), from its own stream: the same however the set
-    is batched."""
-    eps = []
-    for i in range(len(x0)):
-        g = torch.Generator().manual_seed(((seed * 1009 + level) << 32) + first + i)
-        e = mode.epsilon(x0[i:i + 1], g)
-        eps.append(e if e is not None else seeded_randn(x0[i:i + 1].shape, g, x0.device))
-    return torch.cat(eps)
-
-# %% ../nbs/41_train.ipynb #19d42537
-@torch.no_grad()
-def validation_loss(mode, net, gdf, chunks, levels: int = 8, seed: int = 0) -> float:
-    """Mean of the mode's raw loss over held-out `chunks` of (first sample index, x0, conds[, extras]), each sample
-    at `levels` fixed noise levels with its own fixed noise (a mode that draws its own levels, like a distillation,
-    draws them from a fixed stream)."""
-    total, count = 0.0, 0
-    for level, t in enumerate(torch.linspace(0.05, 0.95, levels)):
-        for first, x0, conds, *extras in chunks:
-            eps = validation_noise(mode, x0, seed, level, first)
-            rng = torch.Generator().manual_seed(((seed * 1009 + level) << 32) + first)
-            _, raw, _ = mode.loss(net, gdf, x0.float(), conds, rng=rng, epsilon=eps,
-                                  t=torch.full((len(x0),), float(t)), **(extras[0] if extras else {}))
-            total, count = total + raw.float().sum().item(), count + len(raw)
-    return total / max(count, 1)
-
-# %% ../nbs/41_train.ipynb #4123f432
-def per_process_batch(global_batch: int, processes: int, accum: int) -> int:
-    "The micro-batch of one process: global batch / (processes × accumulation steps), which must divide evenly."
-    b, rem = divmod(global_batch, processes * accum)
-    if b == 0 or rem:
-        raise ConfigError(f"batch_size {global_batch} is not divisible by processes ({processes}) × grad_accum_steps "
-                          f"({accum}); use a multiple of {processes * accum}")
-    return b
-
-
-# %% ../nbs/41_train.ipynb #1644821e
-def batch_stream(loader, skip: int = 0):
-    """Yield batches from `loader` forever (epoch after epoch), after skipping the first `skip` (the data position).
-    Skipped batches come undecoded (`fast_forward`); should one come after the skip (readers out of turn at the end
-    of a finite epoch), that epoch is read again without fast-forward, which gives the same batches."""
-    epoch, drawn, ds = 0, 0, loader.dataset
-    while True:
-        if hasattr(ds, "set_epoch"): ds.set_epoch(epoch)
-        if hasattr(ds, "fast_forward"): ds.fast_forward(max(0, skip - drawn))
-        got, start = 0, drawn
-        for batch in loader:
-            got += 1; drawn += 1
-            if batch.get("fast_forwarded") and drawn > skip:   # out of turn: read this epoch again, decoding
-                ds.set_epoch(epoch); ds.fast_forward(0); got, drawn = 0, start
-                for batch in loader:
-                    got += 1; drawn += 1
-                    if drawn > skip: yield batch
-                break
-            if drawn > skip: yield batch
-        if got == 0:
-            raise RuntimeError("the training data yielded no batch in a whole epoch: check `webdataset_path` "
-                               "(run `python -m cascade_nb.data inspect SOURCE`) and that batch_size fits the data")
-        epoch += 1
-
-# %% ../nbs/41_train.ipynb #4c6f4d0a
-def whole_source(cfg: Config, source, batch_size: int, **overrides):
-    """A loader over all of `source`, read once, in order, centre-cropped, the same on every process (not this process's
-    share of the shards; a mixture's entries once each, unweighted): for everything read outside the training stream
-    (validation, sample grids, evaluation)."""
-    import dataclasses
-    from cascade_nb.data.pipeline import dataloader_from_config
-    # the trigger word and the list's pick stay (seeded, epoch 0); tags are neither shuffled nor dropped there
-    data = dataclasses.replace(cfg.data, webdataset_path=source, resampled=False, shuffle_buffer=0, crop="center",
-                               num_workers=0, bucketeer_random_ratio=0., shuffle_tags=False, tag_dropout=0.)
-    # no flip and no jitter (`augment`): the same batches every time they are read
-    return dataloader_from_config(data, batch_size, **{"split_by_node": False, "pin_memory": False, "weighted": False,
-                                                       "augment": False, **overrides})
-
-# %% ../nbs/41_train.ipynb #3c93d0ce
-def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):
-    "(this process's endless batch stream, fast-forwarded past `skip` batches; the fixed validation batches or None)."
-    from cascade_nb.data.pipeline import dataloader_from_config
-    check = {}
-    # refuse latents cached with another encoder / size / bucket set
-    if cfg.model.latent_space == "cached":
-        from cascade_nb.data.cache import cache_fingerprint, config_cache_parts
-        check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
-    loader = dataloader_from_config(cfg.data, micro_batch, seed=cfg.train.seed,
-                                    pin_memory=cfg.data.pin_memory and device.type == "cuda", **check)
-    val = None
-    if cfg.data.val_webdataset_path and cfg.checkpoint.val_every:
-        # `val_batches` global batches of the held-out source, whole on every process, in micro-batches
-        n = cfg.data.val_batches * cfg.data.batch_size // micro_batch
-        val = [b for _, b in zip(range(n), batch_stream(whole_source(cfg, cfg.data.val_webdataset_path, micro_batch)))]
-    return batch_stream(loader, skip=skip), val
-
-# %% ../nbs/41_train.ipynb #5f4bb163
-def preview_batch(cfg: Config, n: int = 8) -> dict:
-    "The first `n` samples of the held-out source (else of the training data): the sample grid's fixed inputs."
-    source = cfg.data.val_webdataset_path or cfg.data.webdataset_path
-    batch = next(iter(whole_source(cfg, source, n, drop_last=False)), None)
-    if batch is None: raise ConfigError(f"data: {source!r} yielded no sample for the sample grid")
-    return batch
+__all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'Run', 'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint',
+           'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume',
+           'resume_changes', 'run_info', 'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics',
+           'validate', 'init_trackers', 'start_logging', 'duration', 'Clock', 'report_partial_states', 'run_summary',
+           'check_optimizer', 'run_launch_checks', 'start_launch', 'build_models', 'resume_run', 'finish_run',
+           'setup_stage', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #6f3c84c3
 @dataclass

@@ -52,7 +52,7 @@ def test_two_ranks_two_workers_see_the_captions_of_one_process(tagged):
 def test_a_resumed_stream_sees_the_same_captions(tagged, resampled):
     from cascade_nb.data.pipeline import build_dataloader
     from cascade_nb.filters import CaptionRecipe
-    from cascade_nb.train import batch_stream
+    from cascade_nb.run_data import batch_stream
     def stream(skip):
         dl = build_dataloader(tagged, 2, num_workers=0, image_size=32, seed=3, resampled=resampled,
                               caption_recipe=CaptionRecipe(shuffle_tags=True, tag_dropout=0.2))
@@ -72,7 +72,7 @@ def test_a_resumed_stream_sees_the_same_captions(tagged, resampled):
 def test_the_config_keys_reach_the_loader(tagged):
     from cascade_nb.config import config_from_dict
     from cascade_nb.data.pipeline import dataloader_from_config
-    from cascade_nb.train import whole_source
+    from cascade_nb.run_data import whole_source
     cfg = config_from_dict(dict(webdataset_path=str(tagged), image_size=32, num_workers=0, shuffle_buffer=0,
                                 resampled=False),
                            ["caption_prefix=sks", "keep_tokens=2", "shuffle_tags=true", "tag_dropout=0.5"],

@@ -28,7 +28,7 @@ def sources(tmp_path_factory):
     return make_source(root, "a", 12, 1), make_source(root, "b", 12, 1), make_source(root, "c", 3, 4)
 
 def stream_keys(source, batches, **kw):
-    from cascade_nb.train import batch_stream
+    from cascade_nb.run_data import batch_stream
     loader = build_dataloader(source, 4, image_size=32, seed=1, num_workers=0, **kw)
     return [b["keys"] for _, b in zip(range(batches), batch_stream(loader))]
 
@@ -57,7 +57,7 @@ def test_repeats_4_is_weight_4(sources, resampled):
 @pytest.mark.parametrize("resampled", [True, False])
 def test_resumed_mid_mix_meets_the_same_batches(sources, resampled):
     "Fast-forwarded past 13 batches (over an epoch's end when finite), with 2 workers: the next keys are the same."
-    from cascade_nb.train import batch_stream
+    from cascade_nb.run_data import batch_stream
     a, b, c = sources
     mix = [{"path": a, "weight": 1.5, "caption_prefix": "a, "}, {"path": b, "weight": 0}, {"path": c, "repeats": 2}]
     load = lambda: build_dataloader(mix, 4, image_size=32, seed=2, num_workers=2, resampled=resampled)

@@ -9,7 +9,7 @@ EMOJI = ROOT / "data_samples" / "emoji"
 
 def stream(skip, **kw):
     from cascade_nb.data.pipeline import build_dataloader
-    from cascade_nb.train import batch_stream
+    from cascade_nb.run_data import batch_stream
     return batch_stream(build_dataloader(EMOJI, 4, seed=3, **{"image_size": 32, **kw}), skip=skip)
 
 def same(a, b):

@@ -63,7 +63,7 @@ def test_no_host_sync_between_logging_steps(tmp_path):
 
 def test_batches_leave_the_loader_as_uint8_and_train_as_floats(tmp_path):
     "4× fewer bytes through the workers, the same loss: uint8 becomes float in [0, 1] on the device, as the float batches did."
-    from cascade_nb.train import training_data
+    from cascade_nb.run_data import training_data
     from cascade_nb.modes import build_generator, build_text_encoder, build_image_encoder, build_latent_space, build_training_mode
     from cascade_nb.gdf.presets import gdf_from_config
     from cascade_nb.data.buckets import images_to_float

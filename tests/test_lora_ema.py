@@ -68,7 +68,8 @@ def test_sampling_with_the_lora_ema_restores_the_live_adapters():
     import copy
     from types import SimpleNamespace
     from cascade_nb.config import config_from_dict
-    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace, sample_rows
+    from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace
+    from cascade_nb.run_data import sample_rows
     from cascade_nb.gdf.presets import gdf_from_config
     from cascade_nb.lora import LoraTraining
     from cascade_nb.run_state import EMA

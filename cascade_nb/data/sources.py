@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.sources.html.md"""
 
 # %% ../../nbs/30_data.sources.ipynb #2067da0c
 from __future__ import annotations
-import errno, io, itertools, os, re, json, random, shutil, socket, tarfile, warnings
+import difflib, errno, io, itertools, os, re, json, random, shutil, socket, tarfile, warnings
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
@@ -14,15 +14,20 @@ import webdataset as wds
 from webdataset.shardlists import expand_urls
 from webdataset.utils import pytorch_worker_info
 from ..registry import ConfigError
-from ..config import source_entries
+from dataclasses import dataclass
+from typing import Optional
+from ..config import Config, ConfigHook, REQUIRED, need, register_config_hook
+from ..typed_yaml import Range, coerce
 from ..typed_yaml import read_yaml
 
 # %% auto #0
 __all__ = ['SKIP_REASONS', 'KEPT_REASONS', 'FILTER_COUNTS', 'IMAGE_EXTS', 'OTHER_IMAGE_EXTS', 'SAMPLE_EXTS', 'REMOTE_CLIENTS',
-           'REMOTE_TIMEOUT_S', 'SHARD_END', 'SkipCounter', 'format_skips', 'DataError', 'SourceNotFoundError',
-           'split_key', 'folder_split', 'is_remote', 'local_path', 'folder_keys', 'resolve_shards', 'check_remote',
-           'resolve_sources', 'epoch_visits', 'ShardList', 'ResampledShardList', 'remote_timeout', 'remote_options',
-           'is_timeout', 'failure_reason', 'open_url', 'ShardReader', 'safe_key', 'write_shards', 'pack_folder']
+           'SOURCE_KEYS', 'SOURCE_WEIGHT', 'SOURCE_REPEATS', 'SOURCE_LOSS_WEIGHT', 'REMOTE_TIMEOUT_S', 'SHARD_END',
+           'SkipCounter', 'format_skips', 'DataError', 'SourceNotFoundError', 'split_key', 'folder_split', 'is_remote',
+           'local_path', 'folder_keys', 'resolve_shards', 'check_remote', 'SourceEntry', 'source_entry',
+           'source_entries', 'SourcesHook', 'resolve_sources', 'epoch_visits', 'ShardList', 'ResampledShardList',
+           'remote_timeout', 'remote_options', 'is_timeout', 'failure_reason', 'open_url', 'ShardReader', 'safe_key',
+           'write_shards', 'pack_folder']
 
 # %% ../../nbs/30_data.sources.ipynb #175a818d
 SKIP_REASONS = {
@@ -220,6 +225,101 @@ def check_remote(url: str, allow_pipe: bool = False):
     except ImportError as e:
         extra = '"cascade_nb[remote]"' if scheme != "gs" and scheme != "gcs" else "gcsfs"
         raise ConfigError(f"data source {url!r} needs the {REMOTE_CLIENTS[scheme]} package: pip install {extra}") from e
+
+# %% ../../nbs/30_data.sources.ipynb #623d12e2
+@dataclass(frozen=True)
+class SourceEntry:
+    "One entry of `webdataset_path`: a source, how often an epoch visits it, its loss weight and its caption prefix."
+    path: str
+    weight: float = 1.0         # each sample is seen `weight` times an epoch, on average; 0: the entry is off
+    loss_weight: float = 1.0    # multiplies the loss of its samples
+    caption_prefix: str = ""    # put before each of its captions
+    # regularisation samples (prior preservation): their target is the frozen base's own prediction (nbs/60_lora)
+    prior: bool = False
+    hflip: Optional[bool] = None   # mirror its samples (true/false); None: the data section's `hflip`
+    # every sample's caption instead of its own, e.g. the class prompt of regularisation samples (prior: true) read
+    # from the instance images, so that prior preservation needs no class images; None: the sample's own caption
+    caption: Optional[str] = None
+
+SOURCE_KEYS = ("path", "weight", "repeats", "loss_weight", "caption_prefix", "prior", "hflip", "caption")
+"The keys of a mapping entry of `webdataset_path`."
+
+SOURCE_WEIGHT, SOURCE_REPEATS, SOURCE_LOSS_WEIGHT = Range(0, 1000), Range(1, 1000), Range(0, 1000)
+"The ranges of an entry's `weight`, `repeats` and `loss_weight` (see the table above for why they end at 1000)."
+
+# %% ../../nbs/30_data.sources.ipynb #397834c0
+def _entry_value(entry: dict, name: str, tp, rng: Range | None, key: str, default):
+    "`entry[name]` coerced to `tp` and inside `rng`, or `default`; a ConfigError names `key.name`."
+    if name not in entry: return default
+    v = coerce(entry[name], tp, f"{key}.{name}")
+    if rng is not None and v not in rng:
+        raise ConfigError(f"key '{key}.{name}': {entry[name]!r} is out of range; expected {rng}")
+    return v
+
+def _entry_caption(entry: dict, key: str) -> str | None:
+    "An entry's `caption`: None, or text that is not blank."
+    caption = _entry_value(entry, "caption", str, None, key, None)
+    if caption is not None and not caption.strip():
+        raise ConfigError(f"key '{key}.caption': {caption!r} is blank; expected the text every sample of it is "
+                          "captioned with, or no caption key (each sample's own caption)")
+    return caption
+
+def source_entry(entry, key: str = "webdataset_path") -> SourceEntry:
+    "One `webdataset_path` entry, a path or a mapping of `SOURCE_KEYS`, as a `SourceEntry`; ConfigError naming the key."
+    if isinstance(entry, (str, os.PathLike)): return SourceEntry(os.fspath(entry))
+    if not isinstance(entry, dict):
+        raise ConfigError(f"key '{key}': {entry!r} is not a source; expected a path or a mapping of {SOURCE_KEYS}")
+    for k in entry:
+        if k in SOURCE_KEYS: continue
+        close = difflib.get_close_matches(str(k), SOURCE_KEYS, n=1, cutoff=0.5)
+        raise ConfigError(f"key '{key}.{k}' is unknown; " + (f"did you mean '{close[0]}'?" if close
+                                                              else f"expected one of {', '.join(SOURCE_KEYS)}"))
+    if "path" not in entry: raise ConfigError(f"key '{key}.path' is missing (the folder, tar(s) or URL to read)")
+    if "weight" in entry and "repeats" in entry:
+        raise ConfigError(f"key '{key}': give 'weight' or 'repeats', not both ('repeats: N' is 'weight: N')")
+    weight = _entry_value(entry, "weight", float, SOURCE_WEIGHT, key, None)
+    repeats = _entry_value(entry, "repeats", int, SOURCE_REPEATS, key, 1)
+    return SourceEntry(_entry_value(entry, "path", str, None, key, ""),
+                       float(repeats) if weight is None else weight,
+                       _entry_value(entry, "loss_weight", float, SOURCE_LOSS_WEIGHT, key, 1.0),
+                       _entry_value(entry, "caption_prefix", str, None, key, ""),
+                       _entry_value(entry, "prior", bool, None, key, False),
+                       _entry_value(entry, "hflip", bool, None, key, None), _entry_caption(entry, key))
+
+
+# %% ../../nbs/30_data.sources.ipynb #a5cf2721
+def source_entries(value, key: str = "webdataset_path") -> list[SourceEntry]:
+    "The `SourceEntry`s of a `webdataset_path` value (a path, or a list of paths and mappings); one has weight > 0."
+    if isinstance(value, (str, os.PathLike, dict)): return [source_entry(value, key)]
+    entries = [source_entry(e, f"{key}[{i}]") for i, e in enumerate(value)]
+    if not entries: raise ConfigError(f"key '{key}': [] names no source")
+    if not any(e.weight > 0 for e in entries):
+        raise ConfigError(f"key '{key}': every entry has weight 0, so nothing is left to train on; "
+                          "give at least one a weight > 0")
+    if all(e.prior for e in entries if e.weight > 0):
+        raise ConfigError(f"key '{key}': every entry with weight > 0 is prior: true, whose target is the frozen base's "
+                          "own prediction, so nothing is left to learn; add an entry of the images to learn (no prior)")
+    return entries
+
+# %% ../../nbs/30_data.sources.ipynb #f9c7e928
+class SourcesHook(ConfigHook):
+    "`webdataset_path`'s entries are well formed; what changes a sample (caption prefix, caption, flip) needs images."
+    def after(self, cfg: Config, where: str):
+        if cfg.data.webdataset_path is REQUIRED: return
+        try: entries = source_entries(cfg.data.webdataset_path)
+        except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
+        cached = cfg.model.latent_space == "cached"
+        for i, e in enumerate(entries):
+            for name in ("caption_prefix", "caption"):
+                need(not (getattr(e, name) and cached), where,
+                     f"key 'webdataset_path[{i}].{name}' changes captions, but latent_space: cached trains on text "
+                     "embeddings encoded by `python -m cascade_nb.data cache`; put it into the captions before caching")
+            need(not (e.hflip and cached), where,
+                 f"key 'webdataset_path[{i}].hflip' mirrors images, but latent_space: cached trains on latents "
+                 "encoded once; cache mirrored copies, or train from the images (latent_space: effnet)")
+
+register_config_hook("sources", SourcesHook())
+
 
 # %% ../../nbs/30_data.sources.ipynb #6c431281
 def resolve_sources(source, folder_chunk: int = 64, allow_pipe: bool = False) -> tuple[list, list[dict]]:
