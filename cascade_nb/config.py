@@ -21,10 +21,10 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
          "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
 
 # %% auto #0
-__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'RUN_NAME', 'SECTIONS', 'KEY_SECTION', 'RANGES', 'NULL_TURNS_OFF',
-           'BUILTIN_SECTIONS', 'SECTION_MODES', 'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS', 'ModelConfig',
+__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SECTIONS', 'BUILTIN_SECTIONS', 'RUN_NAME', 'NULL_TURNS_OFF',
+           'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS', 'key_sections', 'config_section', 'ModelConfig',
            'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig',
-           'check_range', 'config_section', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook',
+           'key_range', 'check_range', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook',
            'need', 'config_from_run', 'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE',
            'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES',
            'MAX_YAML_VALUES']
@@ -37,7 +37,43 @@ STAGE_C_PRESETS = ("3.6B", "1B", "tiny")
 STAGE_B_PRESETS = ("3B", "700M", "tiny")
 
 
+# %% ../nbs/01_config.ipynb #f1f8bc2e
+SECTIONS = Registry("config_section", how="@config_section('name', ranges={...}) on a dataclass in a module the "
+                                          "config lists in 'imports'")
+"Every config section by name (this module's own registry): the built-in six, then those of modes and users."
+BUILTIN_SECTIONS = ("model", "gdf", "data", "train", "checkpoint", "log")
+"The sections every config has (`Config`'s fields)."
+
+def key_sections() -> dict[str, str]:
+    "The section that owns each key, over every registered section."
+    return {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
+
+def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
+    """Class decorator: register dataclass `cls` as config section `name`; it keeps its `ranges` (a numeric key's
+    range; a tuple of ranges: one per field of each entry) and `modes` (the modes that use it; empty: any)."""
+    def register(cls):
+        hints, rs, owners = typing.get_type_hints(cls), dict(ranges or {}), key_sections()
+        keys = {f.name for f in fields(cls)}
+        taken = SECTIONS.get(name) is not None and SECTIONS[name].__qualname__ != cls.__qualname__
+        if name in owners or (name in BUILTIN_SECTIONS and taken) or keys & {"ranges", "modes"}:
+            raise ValueError(f"config section {name!r}: the name, or a key 'ranges'/'modes', is taken")
+        for f in fields(cls):
+            if owners.get(f.name, name) != name:
+                raise ValueError(f"config section {name!r}: key {f.name!r} already belongs to section "
+                                 f"{owners[f.name]!r}")
+            if f.default is REQUIRED and name not in BUILTIN_SECTIONS:
+                raise ValueError(f"config section {name!r}: key {f.name!r} cannot be REQUIRED "
+                                 "(check it in the mode's check_config)")
+            if _numeric(hints[f.name]) and f.name not in rs:
+                raise ValueError(f"config section {name!r}: numeric key {f.name!r} needs a range")
+        if set(rs) - keys:
+            raise ValueError(f"config section {name!r}: ranges for unknown keys {sorted(set(rs) - keys)}")
+        cls.ranges, cls.modes = rs, tuple(modes)
+        return SECTIONS.register(name, cls)      # re-registration replaces
+    return register
+
 # %% ../nbs/01_config.ipynb #44eec9e4
+@config_section("model")
 @dataclass
 class ModelConfig:
     "Which networks to build and where their weights come from."
@@ -64,6 +100,8 @@ class ModelConfig:
         if self.stage is None: self.stage = "b" if self.model_version in STAGE_B_PRESETS[:2] else "c"
 
 # %% ../nbs/01_config.ipynb #e28697fb
+@config_section("gdf", ranges=dict(shift=POSITIVE, offset_noise=AT_LEAST_0, sample_cfg=AT_LEAST_0,
+                                   sample_steps=AT_LEAST_1))
 @dataclass
 class GDFConfig:
     "The diffusion recipe (see the GDF notebooks)."
@@ -87,6 +125,11 @@ class GDFConfig:
         if self.loss_weight is None: self.loss_weight = "adaptive" if self.adaptive_loss_weight else "p2"
 
 # %% ../nbs/01_config.ipynb #ed3a8de0
+@config_section("data", ranges=dict(
+    image_size=Range(8), batch_size=AT_LEAST_1, caption_dropout=PROBABILITY, image_embed_prob=PROBABILITY,
+    bucketeer_random_ratio=PROBABILITY, shuffle_buffer=AT_LEAST_0, num_workers=AT_LEAST_0, prefetch_factor=AT_LEAST_1,
+    val_batches=AT_LEAST_1, resolution_schedule=(AT_LEAST_0, Range(8)), keep_tokens=AT_LEAST_0,
+    tag_dropout=PROBABILITY, crop_jitter=Range(0, 0.5), unmasked_weight=PROBABILITY))
 @dataclass
 class DataConfig:
     "Where images and captions come from and how they are batched."
@@ -132,6 +175,11 @@ class DataConfig:
         if self.captions_getter is None: self.captions_getter = CaptionsGetter()
 
 # %% ../nbs/01_config.ipynb #b2d2bb91
+@config_section("train", ranges=dict(
+    lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1, min_lr=AT_LEAST_0,
+    lr_cycles=AT_LEAST_1, lr_power=POSITIVE, weight_decay=AT_LEAST_0, adam_betas=DECAY, adam_eps=POSITIVE,
+    grad_clip=POSITIVE, seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0, ema_iters=AT_LEAST_1,
+    ema_beta=DECAY, max_nan_steps=AT_LEAST_1))
 @dataclass
 class TrainConfig:
     "Optimisation, EMA and numerics."
@@ -178,6 +226,10 @@ class TrainConfig:
     frozen_dropout: Literal["off", "reference"] = "off"
 
 # %% ../nbs/01_config.ipynb #9ed27111
+@config_section("checkpoint", ranges=dict(
+    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,
+    eval_captions=AT_LEAST_1, sample_every=AT_LEAST_1, eval_seeds=Range(2, 64), sample_stage_b_steps=AT_LEAST_1,
+    sample_stage_b_cfg=AT_LEAST_0))
 @dataclass
 class CheckpointConfig:
     "Where the run writes and how often."
@@ -229,6 +281,7 @@ def check_experiment_id(value):
                       "{checkpoint_path}/{experiment_id}/")
 
 # %% ../nbs/01_config.ipynb #58880a53
+@config_section("log", ranges=dict(log_every=AT_LEAST_1))
 @dataclass
 class LogConfig:
     "Experiment tracking."
@@ -237,35 +290,11 @@ class LogConfig:
     wandb_entity: Optional[str] = None
     log_every: int = 10                   # updates between metric logs
 
-# %% ../nbs/01_config.ipynb #87654bac
-SECTIONS = {"model": ModelConfig, "gdf": GDFConfig, "data": DataConfig, "train": TrainConfig,
-            "checkpoint": CheckpointConfig, "log": LogConfig}
-
-# %% ../nbs/01_config.ipynb #7717b293
-KEY_SECTION: dict[str, str] = {}
-for _sec, _cls in SECTIONS.items():
-    for _f in fields(_cls):
-        assert _f.name not in KEY_SECTION and _f.name not in SECTIONS, f"duplicate config key {_f.name}"
-        KEY_SECTION[_f.name] = _sec
-
-# %% ../nbs/01_config.ipynb #a15f5c1c
-RANGES: dict[str, Range] = dict(
-    shift=POSITIVE, offset_noise=AT_LEAST_0, sample_cfg=AT_LEAST_0, sample_steps=AT_LEAST_1,       # gdf
-    image_size=Range(8), batch_size=AT_LEAST_1, caption_dropout=PROBABILITY, image_embed_prob=PROBABILITY,  # data
-    bucketeer_random_ratio=PROBABILITY, shuffle_buffer=AT_LEAST_0, num_workers=AT_LEAST_0, prefetch_factor=AT_LEAST_1,
-    val_batches=AT_LEAST_1, resolution_schedule=(AT_LEAST_0, Range(8)), keep_tokens=AT_LEAST_0,
-    tag_dropout=PROBABILITY, crop_jitter=Range(0, 0.5), unmasked_weight=PROBABILITY,
-    lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1,        # train
-    min_lr=AT_LEAST_0, lr_cycles=AT_LEAST_1, lr_power=POSITIVE,
-    weight_decay=AT_LEAST_0, adam_betas=DECAY, adam_eps=POSITIVE, grad_clip=POSITIVE,
-    seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0, ema_iters=AT_LEAST_1, ema_beta=DECAY,
-    max_nan_steps=AT_LEAST_1,
-    save_every=AT_LEAST_1, backup_every=AT_LEAST_1, val_every=AT_LEAST_1, eval_every=AT_LEAST_1,    # checkpoint
-    eval_captions=AT_LEAST_1, sample_every=AT_LEAST_1, eval_seeds=Range(2, 64), sample_stage_b_steps=AT_LEAST_1,
-    sample_stage_b_cfg=AT_LEAST_0,
-    log_every=AT_LEAST_1)                                                                           # log
-("The valid range of every numeric config key (list/tuple keys: of each element; a tuple of ranges: one per field "
- "of each entry).")
+# %% ../nbs/01_config.ipynb #ead55273
+def key_range(key: str) -> Range | tuple | None:
+    "The range of config key `key`, as its section declares it; None for a key without one."
+    section = key_sections().get(key)
+    return SECTIONS[section].ranges.get(key) if section else None
 
 # keys whose null means "never": a 0 there is refused with the way to say it
 NULL_TURNS_OFF = {"eval_every": "evaluation", "val_every": "validation"}
@@ -273,8 +302,8 @@ NULL_TURNS_OFF = {"eval_every": "evaluation", "val_every": "validation"}
 # %% ../nbs/01_config.ipynb #5c671070
 def check_range(key: str, value):
     """Raise `ConfigError` naming key, value and expected range when `value` (or an element of it) is outside
-    `RANGES[key]`."""
-    r = RANGES.get(key)
+    `key_range(key)`."""
+    r = key_range(key)
     if r is None or value is None: return
     for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
         if isinstance(v, str): continue   # e.g. eval_captions: a count, or the captions themselves
@@ -285,38 +314,6 @@ def check_range(key: str, value):
             off = f" (null turns {NULL_TURNS_OFF[key]} off)" if key in NULL_TURNS_OFF else ""
             raise ConfigError(f"key '{name if j is None else f'{name}[{j}]'}': {x!r} is out of range; "
                               f"expected {rj}{off}")
-
-# %% ../nbs/01_config.ipynb #fa44a1ec
-# the sections every config has; those after them in `SECTIONS` were registered by modes
-BUILTIN_SECTIONS = tuple(SECTIONS)
-# the modes that use each registered section (empty: any mode)
-SECTION_MODES: dict[str, tuple[str, ...]] = {}
-
-# %% ../nbs/01_config.ipynb #2b124150
-def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
-    "Class decorator: register dataclass `cls` as config section `name`, its numeric keys checked against `ranges`."
-    def register(cls):
-        if name in BUILTIN_SECTIONS or name in KEY_SECTION:
-            raise ValueError(f"config section {name!r}: the name is taken")
-        hints, rs = typing.get_type_hints(cls), dict(ranges or {})
-        for f in fields(cls):
-            owner = KEY_SECTION.get(f.name, name)
-            if owner != name:
-                raise ValueError(f"config section {name!r}: key {f.name!r} already belongs to section {owner!r}")
-            if f.default is REQUIRED:
-                raise ValueError(f"config section {name!r}: key {f.name!r} cannot be REQUIRED "
-                                 "(check it in the mode's check_config)")
-            if _numeric(hints[f.name]) and f.name not in rs:
-                raise ValueError(f"config section {name!r}: numeric key {f.name!r} needs a range")
-        if set(rs) - {f.name for f in fields(cls)}:
-            raise ValueError(f"config section {name!r}: ranges for unknown keys "
-                             f"{sorted(set(rs) - {f.name for f in fields(cls)})}")
-        # re-registration replaces
-        for k in [k for k, s in KEY_SECTION.items() if s == name]: del KEY_SECTION[k]; RANGES.pop(k, None)
-        SECTIONS[name], SECTION_MODES[name] = cls, tuple(modes)
-        KEY_SECTION.update({f.name: name for f in fields(cls)}); RANGES.update(rs)
-        return cls
-    return register
 
 # %% ../nbs/01_config.ipynb #4208e7f7
 @dataclass
@@ -376,7 +373,7 @@ _ALIASES = {"learning_rate": "lr", "train_batch_size": "batch_size", "max_train_
 
 # %% ../nbs/01_config.ipynb #d9ad9619
 def _suggest(key: str) -> str:
-    matches = difflib.get_close_matches(key, [*KEY_SECTION, *_ALIASES], n=3, cutoff=0.6)
+    matches = difflib.get_close_matches(key, [*key_sections(), *_ALIASES], n=3, cutoff=0.6)
     close = list(dict.fromkeys(_ALIASES.get(m, m) for m in matches))
     return (f"; did you mean {', '.join(repr(c) for c in close)}?" if close
             else "; see the key list in cascade_nb.config")
@@ -394,11 +391,11 @@ def _parse_override(item: str, where: str = "override") -> tuple[str, Any]:
 # %% ../nbs/01_config.ipynb #b09131b8
 def _flatten(raw: dict, where: str) -> dict[str, Any]:
     "Accept flat official keys and nested `section: {key: value}` blocks."
-    out, at = {}, {}
+    out, at, owners = {}, {}, key_sections()
     for k, v in raw.items():
         for k2, v2 in v.items() if k in SECTIONS and isinstance(v, dict) else [(k, v)]:
-            if k2 != k and KEY_SECTION.get(k2, k) != k:
-                raise ConfigError(f"{where}: key '{k2}' belongs to section '{KEY_SECTION[k2]}', not '{k}'")
+            if k2 != k and owners.get(k2, k) != k:
+                raise ConfigError(f"{where}: key '{k2}' belongs to section '{owners[k2]}', not '{k}'")
             # the same key at the top level and in its section's block: which one was meant?
             here = "the top level" if k2 == k else f"section '{k}'"
             if k2 in out: raise ConfigError(f"{where}: key '{k2}' is given twice, at {at[k2]} and in {here}; keep one")
@@ -424,14 +421,14 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     search = Path(source).parent if source else None
     import_modules(imports, where, search)
     for hook in list(CONFIG_HOOKS.values()): hook.before(where, search)
-    sections = {s: {} for s in SECTIONS}
+    sections, owners = {s: {} for s in SECTIONS}, key_sections()
     for k, (v, src) in values.items():
-        if k not in KEY_SECTION: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
-        tp = typing.get_type_hints(SECTIONS[KEY_SECTION[k]])[k]
+        if k not in owners: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
+        tp = typing.get_type_hints(SECTIONS[owners[k]])[k]
         try:
             if k == "experiment_id": check_experiment_id(v)
-            sections[KEY_SECTION[k]][k] = coerce(v, tp, k)
-            check_range(k, sections[KEY_SECTION[k]][k])
+            sections[owners[k]][k] = coerce(v, tp, k)
+            check_range(k, sections[owners[k]][k])
         except ConfigError as e: raise ConfigError(f"{src}: {e}") from None
     built = {s: SECTIONS[s](**kw) for s, kw in sections.items()}
     cfg = Config(**{s: built.pop(s) for s in BUILTIN_SECTIONS}, mode_sections=built, source=source)
@@ -558,7 +555,7 @@ def dump_config(cfg: Config) -> str:
     d, parts = cfg.to_yaml_dict(), []
     for sec, cls in SECTIONS.items():
         # another mode's keys: all defaults
-        if SECTION_MODES.get(sec) and cfg.train.mode not in SECTION_MODES[sec]: continue
+        if cls.modes and cfg.train.mode not in cls.modes: continue
         block = {f.name: d[f.name] for f in fields(cls)}
         parts.append(f"# --- {sec}: {cls.__doc__}\n"
                      + yaml.dump(block, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120))

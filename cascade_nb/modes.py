@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, images_to_device
 from typing import NamedTuple
-from .config import (Config, ConfigError, ConfigHook, SECTIONS, SECTION_MODES, import_modules,
+from .config import (Config, ConfigError, ConfigHook, SECTIONS, import_modules,
     register_config_hook, REQUIRED)
 from .data.sources import source_entries
 from .registry import registry, UnknownChoice, load_builtin_parts
@@ -450,9 +450,10 @@ def resolve_mode(cfg: Config, where: str = "config") -> type:
 # %% ../nbs/40b_modes.ipynb #efc9791d
 def check_mode_sections(cfg: Config, where: str = "config"):
     "A key of a section registered for other modes (`config_section(..., modes=...)`) must keep its default."
-    for sec, modes in SECTION_MODES.items():
+    for sec, section in SECTIONS.items():
+        modes = section.modes
         if not modes or cfg.train.mode in modes: continue
-        default = SECTIONS[sec]()
+        default = section()
         for f in fields(default):
             if getattr(getattr(cfg, sec), f.name) != getattr(default, f.name):
                 raise ConfigError(f"{where}: key '{f.name}' belongs to section '{sec}', which mode '{cfg.train.mode}' "

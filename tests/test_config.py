@@ -1,14 +1,14 @@
 "Config loading: every official key and file, overrides, and the error messages users see."
 from fractions import Fraction
 import pytest
-from cascade_nb.config import ConfigError, KEY_SECTION, load_config, save_config
+from cascade_nb.config import ConfigError, key_sections, load_config, save_config
 from conftest import run_cli
 from official_configs import OFFICIAL_CONFIGS, OFFICIAL_KEYS
 
 def test_every_official_key_is_known():
     "Known to every process that loads configs: the LoRA and ControlNet keys too (`BUILTIN_PARTS`)."
     load_config(None, training=False)   # loading imports the modules of the built-in parts
-    missing = [k for k in OFFICIAL_KEYS if k not in KEY_SECTION]
+    missing = [k for k in OFFICIAL_KEYS if k not in key_sections()]
     assert not missing, missing
 
 @pytest.mark.parametrize("name", sorted(OFFICIAL_CONFIGS))
