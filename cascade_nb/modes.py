@@ -19,6 +19,8 @@ from .config import (Config, ConfigError, ConfigHook, SECTIONS, SECTION_MODES, i
 from .registry import registry, UnknownChoice, load_builtin_parts
 from .gdf.presets import training_shift
 from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
+# the `recipe` section the modes' loss reads (`cfg.recipe`): registered whenever the modes are
+import cascade_nb.recipe_config
 
 # %% auto #0
 __all__ = ['TRAINING_MODES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage', 'released_file',
