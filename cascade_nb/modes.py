@@ -230,7 +230,12 @@ def check_model_overrides(cfg: Config):
     m = cfg.model
     if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls
     else: from cascade_nb.models.stage_c import StageC as cls
-    args = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+    from cascade_nb.models.stage_c import StageCConfig
+    # StageC takes its architecture's fields by keyword (`StageCConfig`); StageB names its own arguments
+    params = inspect.signature(cls.__init__).parameters
+    takes_config = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    args = ([f.name for f in fields(StageCConfig)] if takes_config else []) + [
+        k for k, p in params.items() if k not in ("self", "config") and p.kind is not p.VAR_KEYWORD]
     for k in m.model_overrides:
         if k in args: continue
         close = difflib.get_close_matches(k, args, n=3)

@@ -44,7 +44,8 @@ class Diffuser:
     def __repr__(self):
         parts = ", ".join(type(getattr(self, k)).__name__
                           for k in ("schedule", "input_scaler", "target", "noise_cond", "loss_weight"))
-        return f"{type(self).__name__}({parts}, offset_noise={self.offset_noise}, input_perturbation={self.input_perturbation})"
+        return (f"{type(self).__name__}({parts}, offset_noise={self.offset_noise}, "
+                f"input_perturbation={self.input_perturbation})")
 
     def setup_limits(self, stretch_max: bool = True, stretch_min: bool = True, shift: float = 1.):
         "Stretch the scaler so the schedule's ends are exactly clean / pure noise (see `BaseScaler.setup_limits`)."
