@@ -141,6 +141,7 @@ class TeacherMode(FullTraining):
      "sampling defaults.")
     student_from_teacher = True   # the student starts as an exact copy of the teacher (lcm, progressive)
     takes_loss_weights = False    # the loss matches the teacher: no per-sample loss_weight
+    student_kind = FullTraining   # whose memory terms the student has (LCM-LoRA's: LoraTraining's)
 
     @classmethod
     def student_sampling(cls, cfg: Config) -> dict: return {}   # sample_* defaults of the student
@@ -164,7 +165,11 @@ class TeacherMode(FullTraining):
         return FullTraining(cfg, *models, **kw)   # a student is a plain Stage C
     @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
-        return _teacher_memory_terms(cls, cfg, generator, batch, side, prec)
+        "The student's terms (`student_kind`'s), plus the frozen teacher in its dtype and the `extra_memory` rows."
+        base = cls.student_kind.memory_terms.__func__(cls, cfg, generator, batch, side, prec)
+        teacher = f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})"
+        rows = {teacher: _teacher_params(cfg) * teacher_dtype(cfg).itemsize, **cls.extra_memory(cfg, generator)}
+        return base._replace(rows={**(base.rows or {}), **rows})
     @classmethod
     def extra_memory(cls, cfg: Config, generator: nn.Module) -> dict: return {}   # more rows: lcm's target network
 
@@ -225,16 +230,6 @@ def copy_matching(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
     same = {k: v for k, v in tsd.items() if k in sd and sd[k].shape == v.shape}
     student.load_state_dict(same, strict=False)
     return len(same), len(sd)
-
-# %% ../nbs/62_distill.ipynb #dc8b7bfe
-def _teacher_memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None,
-                          student: type = FullTraining) -> MemoryTerms:
-    ("The student's terms (`student`'s: full fine-tuning's, LoRA's for LCM-LoRA), plus the frozen teacher in its dtype "
-     "and the mode's `extra_memory` rows.")
-    base = student.memory_terms.__func__(cls, cfg, generator, batch, side, prec)
-    teacher = f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})"
-    rows = {teacher: _teacher_params(cfg) * teacher_dtype(cfg).itemsize, **cls.extra_memory(cfg, generator)}
-    return base._replace(rows={**(base.rows or {}), **rows})
 
 # %% ../nbs/62_distill.ipynb #59dcac98
 # diffusers' LCM scalings: s = 10 * integer timestep (0..999), sigma_data = 0.5
@@ -425,14 +420,11 @@ class LCMTraining(ConsistencyLoss, TeacherMode):
 class LCMLoraTraining(LCMTraining):
     ("LCM-LoRA (Luo et al. 2023b): `mode: lcm` with `module_filters` trains LoRA adapters on the student; the adapted "
      "student is its own target.")
+    student_kind = LoraTraining   # its memory terms: LoRA's (adapters train, the base is frozen), plus the teacher
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
         LoraTraining.check_config(cfg)   # the LoRA keys' own rules (rank default 4)
-    @classmethod
-    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
-        "LoRA's terms (adapters train, the base is frozen), plus the frozen teacher."
-        return _teacher_memory_terms(cls, cfg, generator, batch, side, prec, student=LoraTraining)
     @classmethod
     def extra_memory(cls, cfg, generator): return {}   # the student is its own target
     @classmethod
