@@ -24,7 +24,7 @@ torch.set_num_threads(args.threads)
 from accelerate import Accelerator
 from cascade_nb.models.stage_c import StageC
 from cascade_nb.gdf.presets import stage_c_gdf
-from cascade_nb.train import diffusion_loss
+from cascade_nb.modes import diffusion_loss
 from cascade_nb.run_state import LRSchedule, ema_update_
 
 torch.manual_seed(0)

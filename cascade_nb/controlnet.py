@@ -24,7 +24,8 @@ from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
 __all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet', 'controlnet_config',
            'load_controlnet', 'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter',
            'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'make_filter', 'ControlNetConfig', 'meta_controlnet',
-           'control_points', 'ControlNetNet', 'merge_base_lora', 'controlnet_param_group', 'ControlNetTraining']
+           'control_points', 'ControlNetNet', 'merge_base_lora', 'trained_controlnet', 'controlnet_param_group',
+           'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -375,18 +376,11 @@ def _controlnet_released_generator(cls, cfg, run, ema):
     return ControlNetNet(base, load_controlnet(path, cfg.controlnet.controlnet_blocks)), path
 
 # %% ../nbs/61_controlnet.ipynb #cc7183a9
-def _controlnet_build(training, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype):
-    "`ControlNetTraining.__init__`: freeze the generator, make the filter, build (or load) the ControlNet, `net`."
+def trained_controlnet(cfg, generator: nn.Module, control_filter, effnet=None, released=None) -> ControlNet:
+    """The ControlNet that trains beside the frozen `generator`: `released` (a finished run's), else loaded from
+    `controlnet_checkpoint_path`, else new (for the channels of `control_filter`); fp32, never-injected projections
+    frozen."""
     c = cfg.controlnet
-    # a released run (`released_generator`): the base and the trained ControlNet come loaded
-    released = generator.controlnet if isinstance(generator, ControlNetNet) else None
-    if released is not None: generator = generator.generator
-    training.cfg, training.space, training.compute_dtype = cfg, space, compute_dtype
-    training.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-    generator.requires_grad_(False)
-    if released is None: merge_base_lora(cfg, generator, tokenizer, text_model)   # a released base has it merged
-    effnet = getattr(space, "effnet", None)
-    training.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
     widths = set(generator.config["c_hidden"])
     if len(widths) != 1: raise ValueError(f"ControlNet: Stage C levels have different widths {widths}")
     # hints a forward takes: one per ResBlock call (block_repeat runs a block more than once)
@@ -406,12 +400,12 @@ def _controlnet_build(training, cfg, generator, tokenizer, text_model, image_mod
     elif c.controlnet_checkpoint_path:
         controlnet = load_controlnet(c.controlnet_checkpoint_path, c.controlnet_blocks)
     else:
-        controlnet = ControlNet(training.filter.num_channels, widths.pop(), c.controlnet_blocks, mode, backbone_state)
+        controlnet = ControlNet(control_filter.num_channels, widths.pop(), c.controlnet_blocks, mode, backbone_state)
     controlnet.float().requires_grad_(True)
     for idx, proj in zip(controlnet.proj_blocks, controlnet.projections):
         # never injected: no gradient (and DDP must not wait for one)
         if idx >= n_hints: proj.requires_grad_(False)
-    training.net = ControlNetNet(generator, controlnet)
+    return controlnet
 
 # %% ../nbs/61_controlnet.ipynb #pg8aecbb
 CONTROLNET_PARAM_GROUPS = ("backbone", "projections")
@@ -424,8 +418,7 @@ def controlnet_param_group(name: str) -> str:
 # %% ../nbs/61_controlnet.ipynb #2da15b82
 @training_mode("controlnet")
 class ControlNetTraining(TrainingMode):
-    """ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` (official layout)
-    is released."""
+    "ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` is released."
     supports_ema = True    # of the ControlNet's trained tensors only (`base_is_rebuilt`): controlnet_ema.safetensors
     base_is_rebuilt = True   # the state holds the ControlNet, not the frozen generator
     trains_generator = False
@@ -440,14 +433,12 @@ class ControlNetTraining(TrainingMode):
         if cfg.controlnet.controlnet_blocks is None: raise ConfigError("a ControlNet run needs 'controlnet_blocks'")
     @classmethod
     def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
-        """The fp32 ControlNet trains next to the frozen generator; its EfficientNet bottleneck keeps activations per
-        pixel."""
+        "The fp32 ControlNet trains next to the frozen generator; its EfficientNet bottleneck keeps pixel activations."
         rows = {}
         if (cfg.controlnet.controlnet_bottleneck_mode or "effnet") == "effnet":
             px = (side * 32) ** 2 if cfg.model.latent_space != "pixels" else side ** 2
             rows["ControlNet backbone activations"] = batch * px * EFFNET_SAVED_PER_PIXEL * prec.compute
         return MemoryTerms(sum(p.numel() for p in meta_controlnet(cfg, generator).parameters()), 4, "none", rows)
-
     @classmethod
     def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool = True) -> list[str]:
         "The tokens and text-encoder adapters of the LoRA its base was trained with (`lora_checkpoint_path`), if any."
@@ -458,8 +449,16 @@ class ControlNetTraining(TrainingMode):
         return _controlnet_released_generator(cls, cfg=cfg, run=run, ema=ema)
 
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
-        _controlnet_build(self, cfg=cfg, generator=generator, tokenizer=tokenizer, text_model=text_model,
-                          image_model=image_model, space=space, compute_dtype=compute_dtype)
+        "Freeze the generator (a released run's comes with its ControlNet), make the filter, attach the ControlNet."
+        released = generator.controlnet if isinstance(generator, ControlNetNet) else None
+        generator = generator if released is None else generator.generator
+        self.cfg, self.space, self.compute_dtype = cfg, space, compute_dtype
+        self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
+        generator.requires_grad_(False)
+        if released is None: merge_base_lora(cfg, generator, tokenizer, text_model)   # a released base has it merged
+        c, effnet = cfg.controlnet, getattr(space, "effnet", None)
+        self.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
+        self.net = ControlNetNet(generator, trained_controlnet(cfg, generator, self.filter, effnet, released))
 
     def _control(self, batch, device, training, rng):
         if "images" not in batch:

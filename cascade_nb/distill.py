@@ -25,8 +25,8 @@ from .lora import LoraTraining, merged_lora_run
 # %% auto #0
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',
            'guided_prediction', 'ddim_step', 'TeacherMode', 'copy_matching', 'consistency_scalings', 'consistency_fn',
-           'clean_end', 'phase_edge', 'student_states', 'StudentTarget', 'grid_index', 'distance', 'LCMTraining',
-           'LCMLoraTraining', 'ProgressiveTraining', 'DistillTraining']
+           'clean_end', 'phase_edge', 'student_states', 'StudentTarget', 'grid_index', 'distance', 'ConsistencyLoss',
+           'LCMTraining', 'LCMLoraTraining', 'ProgressiveTraining', 'DistillTraining']
 
 # %% ../nbs/62_distill.ipynb #5574d344
 @config_section("distill", modes=("lcm", "progressive", "distill"), ranges=dict(
@@ -141,6 +141,7 @@ class TeacherMode(FullTraining):
      "sampling defaults.")
     student_from_teacher = True   # the student starts as an exact copy of the teacher (lcm, progressive)
     takes_loss_weights = False    # the loss matches the teacher: no per-sample loss_weight
+    student_kind = FullTraining   # whose memory terms the student has (LCM-LoRA's: LoraTraining's)
 
     @classmethod
     def student_sampling(cls, cfg: Config) -> dict: return {}   # sample_* defaults of the student
@@ -164,13 +165,28 @@ class TeacherMode(FullTraining):
         return FullTraining(cfg, *models, **kw)   # a student is a plain Stage C
     @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
-        return _teacher_memory_terms(cls, cfg, generator, batch, side, prec)
+        "The student's terms (`student_kind`'s), plus the frozen teacher in its dtype and the `extra_memory` rows."
+        base = cls.student_kind.memory_terms.__func__(cls, cfg, generator, batch, side, prec)
+        teacher = f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})"
+        rows = {teacher: _teacher_params(cfg) * teacher_dtype(cfg).itemsize, **cls.extra_memory(cfg, generator)}
+        return base._replace(rows={**(base.rows or {}), **rows})
     @classmethod
     def extra_memory(cls, cfg: Config, generator: nn.Module) -> dict: return {}   # more rows: lcm's target network
 
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         FullTraining.__init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
-        _load_teacher_into(self, cfg, generator, device=next(text_model.parameters()).device)
+        # the frozen teacher (and its config and GDF); the student starts from it as the mode says
+        device = next(text_model.parameters()).device
+        teacher, self.teacher_cfg = load_teacher(cfg, device)
+        if self.student_from_teacher:
+            try: generator.load_state_dict(teacher.state_dict(), strict=True)
+            except RuntimeError as e:
+                raise ConfigError(f"mode {self.name!r} starts the student from the teacher, whose architecture "
+                                  f"differs: set model_version/model_overrides to the teacher's (its config: "
+                                  f"{getattr(teacher, 'config', '?')}); {str(e).splitlines()[0]}") from None
+        elif cfg.distill.init_from_teacher: self.copied = copy_matching(generator, teacher)
+        self.teacher = FrozenTeacher(teacher, teacher_dtype(cfg)).to(device)
+        self.teacher_gdf, self._empty = gdf_from_config(self.teacher_cfg.gdf), None
     def uncond(self, conds: dict) -> dict:
         "The empty caption's conditions, encoded once and repeated (the teacher's CFG needs them every step)."
         if self._empty is None: self._empty = FullTraining.uncond(self, {k: v[:1] for k, v in conds.items()})
@@ -181,7 +197,18 @@ class TeacherMode(FullTraining):
         w = self.cfg.distill.cfg_scale
         if not isinstance(w, tuple): return torch.full((n,), float(w), device=device)
         return w[0] + (w[1] - w[0]) * seeded_rand(n, rng, device)
-    def preview_rows(self, batch, n: int = 8, size=None) -> dict: return _teacher_rows(self, batch, n)
+    @torch.no_grad()
+    def preview_rows(self, batch, n: int = 8, size=None) -> dict:
+        ("The teacher's samples (its own sampler, steps and CFG) on the grid's captions and initial noise, above the "
+         "student's.")
+        from cascade_nb.run_data import sample_latents
+        device = next(self.text_model.parameters()).device
+        x0, conds = self.encode(batch, device, training=False)
+        x0, conds = x0[:n], {k: v[:n] for k, v in conds.items()}
+        g = self.teacher_cfg.gdf
+        x = sample_latents(self.teacher, self.teacher_gdf, conds, self.uncond(conds), x0.shape, self.teacher_cfg,
+                           device=device)
+        return {f"teacher ({g.sample_sampler}@{g.sample_steps})": self.space.decode(x.float())}
 
 # %% ../nbs/62_distill.ipynb #86d89b04
 def _teacher_params(cfg: Config) -> int:
@@ -196,20 +223,6 @@ def _teacher_params(cfg: Config) -> int:
     with torch.device("meta"):
         return sum(p.numel() for p in StageC.from_preset(m.model_version, **m.model_overrides).parameters())
 
-# %% ../nbs/62_distill.ipynb #eb1215f1
-def _load_teacher_into(self, cfg, generator, device):
-    "Load the frozen teacher (and its config and GDF) into the mode `self`; start the student from it as the mode says."
-    teacher, self.teacher_cfg = load_teacher(cfg, device)
-    if self.student_from_teacher:
-        try: generator.load_state_dict(teacher.state_dict(), strict=True)
-        except RuntimeError as e:
-            raise ConfigError(f"mode {self.name!r} starts the student from the teacher, whose architecture differs: "
-                              f"set model_version/model_overrides to the teacher's (its config: "
-                              f"{getattr(teacher, 'config', '?')}); {str(e).splitlines()[0]}") from None
-    elif cfg.distill.init_from_teacher: self.copied = copy_matching(generator, teacher)
-    self.teacher = FrozenTeacher(teacher, teacher_dtype(cfg)).to(device)
-    self.teacher_gdf, self._empty = gdf_from_config(self.teacher_cfg.gdf), None
-
 # %% ../nbs/62_distill.ipynb #3393b62d
 def copy_matching(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
     "Copy every teacher tensor whose name and shape the student has; (copied, student's tensors)."
@@ -217,30 +230,6 @@ def copy_matching(student: nn.Module, teacher: nn.Module) -> tuple[int, int]:
     same = {k: v for k, v in tsd.items() if k in sd and sd[k].shape == v.shape}
     student.load_state_dict(same, strict=False)
     return len(same), len(sd)
-
-# %% ../nbs/62_distill.ipynb #f724de2a
-@torch.no_grad()
-def _teacher_rows(self, batch, n: int = 8) -> dict:
-    ("The teacher's samples (its own sampler, steps and CFG) on the grid's captions and initial noise, above the "
-     "student's.")
-    from cascade_nb.run_data import sample_latents
-    device = next(self.text_model.parameters()).device
-    x0, conds = self.encode(batch, device, training=False)
-    x0, conds = x0[:n], {k: v[:n] for k, v in conds.items()}
-    g = self.teacher_cfg.gdf
-    x = sample_latents(self.teacher, self.teacher_gdf, conds, self.uncond(conds), x0.shape, self.teacher_cfg,
-                       device=device)
-    return {f"teacher ({g.sample_sampler}@{g.sample_steps})": self.space.decode(x.float())}
-
-# %% ../nbs/62_distill.ipynb #dc8b7bfe
-def _teacher_memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None,
-                          student: type = FullTraining) -> MemoryTerms:
-    ("The student's terms (`student`'s: full fine-tuning's, LoRA's for LCM-LoRA), plus the frozen teacher in its dtype "
-     "and the mode's `extra_memory` rows.")
-    base = student.memory_terms.__func__(cls, cfg, generator, batch, side, prec)
-    teacher = f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})"
-    rows = {teacher: _teacher_params(cfg) * teacher_dtype(cfg).itemsize, **cls.extra_memory(cfg, generator)}
-    return base._replace(rows={**(base.rows or {}), **rows})
 
 # %% ../nbs/62_distill.ipynb #59dcac98
 # diffusers' LCM scalings: s = 10 * integer timestep (0..999), sigma_data = 0.5
@@ -322,9 +311,38 @@ def distance(a: torch.Tensor, b: torch.Tensor, kind: str = "l2", c: float = 1e-3
     d = (a.float() - b.float()) ** 2
     return (d if kind == "l2" else (d + c * c).sqrt() - c).flatten(1).mean(1)   # (B,)
 
+# %% ../nbs/62_distill.ipynb #17e2da87
+class ConsistencyLoss:
+    """LCM's objective, the `loss` of the `lcm` modes: it reads the mode's `cfg`, `guidance`, `uncond`, `teacher`,
+    `teacher_gdf` and `target` (a base of `LCMTraining`)."""
+    def loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
+        "(mean distance, per-sample distance, Diffused at t_n) of one micro-batch."
+        dc, shift, B = self.cfg.distill, training_shift(self.cfg), len(x0)
+        N, m = dc.solver_steps, dc.solver_substeps
+        n = grid_index(B, N, rng, x0.device).float()
+        d = gdf.diffuse(x0, t=n / N, shift=shift, loss_shift=shift, generator=rng)   # x at t_n
+        w, r_min = self.guidance(B, rng, x0.device), clean_end(gdf, shift)
+        edge = None if dc.phases == 1 else gdf.schedule(phase_edge(n, N, dc.phases), shift=shift).to(x0.device)
+        # the last h inputs: where the student's own sampler takes fresh pure noise
+        if h := round(dc.student_rollout * B):
+            z, tail = seeded_randn((h, *x0.shape[1:]), rng, x0.device), {k: v[B - h:] for k, v in conds.items()}
+            own = student_states(net, gdf, z, n[B - h:] / N, dc.phases, tail, shift)
+            d = d._replace(noised=torch.cat([d.noised[:B - h], own.to(d.noised.dtype)]))
+        # the teacher's m guided DDIM steps from t_n to t_{n-1}, then the target network's f there
+        with torch.no_grad():
+            x, logsnr, uncond = d.noised.float(), d.logsnr, self.uncond(conds)
+            for j in range(1, m + 1):
+                logsnr_next = gdf.schedule((n - j / m) / N, shift=shift).to(x0.device)   # j = m: lambda(t_{n-1})
+                x, logsnr = (ddim_step(self.teacher_gdf, self.teacher, x, logsnr, logsnr_next, conds, uncond, w,
+                                       dc.cfg_rho), logsnr_next)
+            target = consistency_fn(self.target(net), gdf, x, logsnr, conds, r_min, edge)
+        raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min, edge), target, dc.distill_loss,
+                       dc.huber_c)
+        return raw.mean(), raw, d
+
 # %% ../nbs/62_distill.ipynb #3482d3ec
 @training_mode("lcm")
-class LCMTraining(TeacherMode):
+class LCMTraining(ConsistencyLoss, TeacherMode):
     ("Latent consistency distillation (Luo et al. 2023): the student becomes a consistency model of the guided "
      "teacher's ODE.")
     supports_ema = False   # the target network is the student's EMA, released as generator_ema
@@ -397,44 +415,16 @@ class LCMTraining(TeacherMode):
         sd = unwrap_state_dict(accelerator, net)
         return {name: {k.removeprefix(f"{part}."): v for k, v in sd.items() if k.startswith(f"{part}.")}
                 for name, part in (("generator", "student"), ("generator_ema", "target"))}
-    def loss(self, net, gdf, x0, conds: dict, rng=None, **kw): return _lcm_loss(self, net, gdf, x0, conds, rng, **kw)
-
-# %% ../nbs/62_distill.ipynb #17e2da87
-def _lcm_loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
-    "(mean distance, per-sample distance, Diffused at t_n) of one micro-batch."
-    dc, shift, B = self.cfg.distill, training_shift(self.cfg), len(x0)
-    N, m = dc.solver_steps, dc.solver_substeps
-    n = grid_index(B, N, rng, x0.device).float()
-    d = gdf.diffuse(x0, t=n / N, shift=shift, loss_shift=shift, generator=rng)   # x at t_n
-    w, r_min = self.guidance(B, rng, x0.device), clean_end(gdf, shift)
-    edge = None if dc.phases == 1 else gdf.schedule(phase_edge(n, N, dc.phases), shift=shift).to(x0.device)
-    if h := round(dc.student_rollout * B):   # the last h inputs: where the student's own sampler takes fresh pure noise
-        z, tail = seeded_randn((h, *x0.shape[1:]), rng, x0.device), {k: v[B - h:] for k, v in conds.items()}
-        own = student_states(net, gdf, z, n[B - h:] / N, dc.phases, tail, shift)
-        d = d._replace(noised=torch.cat([d.noised[:B - h], own.to(d.noised.dtype)]))
-    with torch.no_grad():   # the teacher's m guided DDIM steps from t_n to t_{n-1}, then the target network's f there
-        x, logsnr, uncond = d.noised.float(), d.logsnr, self.uncond(conds)
-        for j in range(1, m + 1):
-            logsnr_next = gdf.schedule((n - j / m) / N, shift=shift).to(x0.device)   # j = m: lambda(t_{n-1})
-            x, logsnr = (ddim_step(self.teacher_gdf, self.teacher, x, logsnr, logsnr_next, conds, uncond, w,
-                                   dc.cfg_rho), logsnr_next)
-        target = consistency_fn(self.target(net), gdf, x, logsnr, conds, r_min, edge)
-    raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min, edge), target, dc.distill_loss,
-                   dc.huber_c)
-    return raw.mean(), raw, d
 
 # %% ../nbs/62_distill.ipynb #e3c6163d
 class LCMLoraTraining(LCMTraining):
     ("LCM-LoRA (Luo et al. 2023b): `mode: lcm` with `module_filters` trains LoRA adapters on the student; the adapted "
      "student is its own target.")
+    student_kind = LoraTraining   # its memory terms: LoRA's (adapters train, the base is frozen), plus the teacher
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
         LoraTraining.check_config(cfg)   # the LoRA keys' own rules (rank default 4)
-    @classmethod
-    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
-        "LoRA's terms (adapters train, the base is frozen), plus the frozen teacher."
-        return _teacher_memory_terms(cls, cfg, generator, batch, side, prec, student=LoraTraining)
     @classmethod
     def extra_memory(cls, cfg, generator): return {}   # the student is its own target
     @classmethod

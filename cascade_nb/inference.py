@@ -25,7 +25,7 @@ from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode
 
 # %% auto #0
 __all__ = ['COMPRESSION_C', 'COMPRESSION_A', 'latent_sizes', 'pipeline_dtype', 'to_tensor01', 'to_pil', 'CascadeOutput',
-           'stage_c_weights_loader', 'run_text_loader', 'dir_sources', 'expand_prompts', 'ModelStore',
+           'stage_c_weights_loader', 'run_text_loader', 'dir_sources', 'expand_prompts', 'ModelStore', 'CascadeStages',
            'CascadePipeline', 'img2img_start', 'write_tiny_checkpoints']
 
 # %% ../nbs/50_inference.ipynb #263bdaf2
@@ -211,84 +211,14 @@ class ModelStore:
         sources[name] = src()     # materialise a loader once so changes to the module stick
         return sources[name]
 
-# %% ../nbs/50_inference.ipynb #97692511
-def _pipeline_from_dir(cls, models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype, offload,
-                       stage_c_weights):
-    "`CascadePipeline.from_dir`: the models of `models_dir` (its Stage C replaced by `stage_c_weights` if given)."
-    device = torch.device(device) if device is not None else default_device()
-    dtype = pipeline_dtype(device, dtype)
-    sources = dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype)
-    if stage_c_weights is not None:
-        sources["stage_c"] = stage_c_weights_loader(stage_c_weights, stage_c, dtype, device)
-        sources["text_model"] = run_text_loader(stage_c_weights, sources["tokenizer"], sources["text_model"])
-    return cls(**sources, device=device, dtype=dtype, offload=offload)
-
 # %% ../nbs/50_inference.ipynb #264c15a3
-def _pipeline_sample_c(pipe, text, text_u, size, steps, cfg, shift, generator, clip_img, t_start, x_init, cnet,
-                       sampler):
-    "`CascadePipeline.sample_c`: CFG conditions (text + CLIP image, negative text + zero image) and Stage C's sampling."
-    B = text['clip_text'].shape[0]
-    with pipe.use('stage_c') as stage_c:
-        config = getattr(stage_c, 'config', {})
-        zeros_img = torch.zeros(B, 1, config.get('c_clip_img', 768), device=pipe.device)
-        cond = dict(text, clip_img=zeros_img if clip_img is None else clip_img)
-        uncond = dict(text_u, clip_img=zeros_img)
-        if cnet is not None: cond['cnet'] = uncond['cnet'] = list(cnet)   # the same hints in both CFG branches
-        return pipe._sample(pipe.gdf_c, stage_c, cond, uncond, (B, config.get('c_out', 16), *size), steps, cfg,
-                            shift, generator, t_start, x_init, sampler)
-
-# %% ../nbs/50_inference.ipynb #4099455b
-def _pipeline_run(pipe, prompts, negative_prompt, height, width, steps_c, cfg_c, shift_c, steps_b, cfg_b, shift_b, seed,
-                  images_per_prompt, image, init_image, t_start, cnet, previews, sampler_c):
-    "`CascadePipeline.run`: prompts → conditions → Stage C (img2img, image variation) → preview → Stage B → Stage A."
-    prompts, negs = expand_prompts(prompts, negative_prompt, images_per_prompt)
-    B = len(prompts)
-    if not 0 < t_start <= 1: raise ValueError(f"CascadePipeline: t_start must be in (0, 1], got {t_start}")
-    if t_start < 1 and init_image is None:
-        raise ValueError("CascadePipeline: t_start < 1 needs an init_image (img2img)")
-    seed = int(torch.randint(0, 2 ** 31 - 1, ()).item()) if seed is None else int(seed)
-    g = torch.Generator().manual_seed(seed)                         # on the CPU: the same noise on every device
-    size_c, size_b = latent_sizes(height, width)
-    text, text_u = pipe.encode_prompts(prompts, negs)
-    clip_img = None
-    if image is not None:                                           # image variation
-        with pipe.use('image_model') as image_model:
-            clip_img = encode_image(image_model, to_tensor01(image)).float().expand(B, -1, -1)  # (B, 1, c)
-    x_init, steps = None, steps_c
-    if init_image is not None:                                      # img2img
-        x_init, steps = img2img_start(pipe, init_image, B, size_c, t_start, shift_c, steps_c, g)
-    latent_c = pipe.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet,
-                             sampler_c)
-    preview = None
-    if previews and pipe.has('previewer'):
-        with pipe.use('previewer') as previewer: preview = previewer(latent_c).clamp(0, 1).cpu()
-    latent_b = pipe.sample_b(latent_c, text['clip_text_pooled'], text_u['clip_text_pooled'], size_b, steps_b, cfg_b,
-                             shift_b, g)
-    with pipe.use('stage_a') as stage_a:
-        images = stage_a.decode(latent_b.float()).clamp(0, 1)[..., :height, :width]
-    return CascadeOutput(images.cpu(), preview, latent_c.cpu(), latent_b.cpu(), seed)
-
-# %% ../nbs/50_inference.ipynb #67d7b917
-class CascadePipeline(ModelStore):
-    """Text → image with Stable Cascade: Stage C prior → Stage B decoder → Stage A VQGAN, the reference's sampling
-    recipe."""
+class CascadeStages(ModelStore):
+    "Stable Cascade's models and one sampling call per stage: prompts → CLIP conditions, Stage C, Stage B."
     def __init__(self, stage_c, stage_b, stage_a, tokenizer, text_model, image_model=None, previewer=None, effnet=None,
                  device=None, dtype=None, offload: bool = False):
         super().__init__(dict(stage_c=stage_c, stage_b=stage_b, stage_a=stage_a, text_model=text_model,
                               image_model=image_model, previewer=previewer, effnet=effnet), device, dtype, offload)
         self.tokenizer, self.gdf_c, self.gdf_b = tokenizer, stage_c_gdf(), stage_b_gdf()
-
-    @classmethod
-    def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
-                 image_encoder=None, device=None, dtype=None, offload: bool = False,
-                 stage_c_weights=None) -> CascadePipeline:
-        """Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders
-        (prior/, decoder/, vqgan/);
-        `stage_c_weights` (a file or a training run directory, e.g. a distilled student or a LoRA run with its tokens)
-        replaces the directory's Stage C."""
-        return _pipeline_from_dir(cls, models_dir=models_dir, stage_c=stage_c, stage_b=stage_b,
-                                  text_encoder=text_encoder, image_encoder=image_encoder, device=device, dtype=dtype,
-                                  offload=offload, stage_c_weights=stage_c_weights)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[dict, dict]:
@@ -313,9 +243,15 @@ class CascadePipeline(ModelStore):
                  sampler: str = "ddpm") -> torch.Tensor:
         """Stage C: (B, 16, h_c, w_c) latents for CLIP text conditions `text` (unconditional: `text_u`, zero image);
         `sampler` from SAMPLERS."""
-        return _pipeline_sample_c(self, text=text, text_u=text_u, size=size, steps=steps, cfg=cfg, shift=shift,
-                                  generator=generator, clip_img=clip_img, t_start=t_start, x_init=x_init, cnet=cnet,
-                                  sampler=sampler)
+        B = text['clip_text'].shape[0]
+        with self.use('stage_c') as stage_c:
+            config = getattr(stage_c, 'config', {})
+            zeros_img = torch.zeros(B, 1, config.get('c_clip_img', 768), device=self.device)
+            cond = dict(text, clip_img=zeros_img if clip_img is None else clip_img)
+            uncond = dict(text_u, clip_img=zeros_img)
+            if cnet is not None: cond['cnet'] = uncond['cnet'] = list(cnet)   # the same hints in both CFG branches
+            return self._sample(self.gdf_c, stage_c, cond, uncond, (B, config.get('c_out', 16), *size), steps, cfg,
+                                shift, generator, t_start, x_init, sampler)
 
     @torch.no_grad()
     def sample_b(self, latent_c: torch.Tensor, clip: torch.Tensor, clip_u: torch.Tensor, size: tuple[int, int],
@@ -326,16 +262,58 @@ class CascadePipeline(ModelStore):
             return stage_b_latents(_in_dtype(stage_b, self.dtype), latent_c, clip, clip_u, size, steps, cfg, shift,
                                    generator, c_out=getattr(stage_b, 'config', {}).get('c_out', 4), gdf=self.gdf_b)
 
+# %% ../nbs/50_inference.ipynb #67d7b917
+class CascadePipeline(CascadeStages):
+    """Text → image with Stable Cascade: Stage C prior → Stage B decoder → Stage A VQGAN, the reference's sampling
+    recipe."""
+    @classmethod
+    def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
+                 image_encoder=None, device=None, dtype=None, offload: bool = False,
+                 stage_c_weights=None) -> CascadePipeline:
+        """Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders
+        (prior/, decoder/, vqgan/);
+        `stage_c_weights` (a file or a training run directory, e.g. a distilled student or a LoRA run with its tokens)
+        replaces the directory's Stage C."""
+        device = torch.device(device) if device is not None else default_device()
+        dtype = pipeline_dtype(device, dtype)
+        sources = dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype)
+        if stage_c_weights is not None:
+            sources["stage_c"] = stage_c_weights_loader(stage_c_weights, stage_c, dtype, device)
+            sources["text_model"] = run_text_loader(stage_c_weights, sources["tokenizer"], sources["text_model"])
+        return cls(**sources, device=device, dtype=dtype, offload=offload)
+
     @torch.no_grad()
     def run(self, prompts, negative_prompt="", height: int = 1024, width: int = 1024, steps_c: int = 20,
             cfg_c: float | None = 4.0, shift_c: float = 2.0, steps_b: int = 10, cfg_b: float | None = 1.1,
             shift_b: float = 1.0, seed: int | None = None, images_per_prompt: int = 1, image=None, init_image=None,
             t_start: float = 1.0, cnet=None, previews: bool = True, sampler_c: str = "ddpm") -> CascadeOutput:
         "Generate images for `prompts` (a string or a list); see the notebook for every option."
-        return _pipeline_run(self, prompts=prompts, negative_prompt=negative_prompt, height=height, width=width,
-                             steps_c=steps_c, cfg_c=cfg_c, shift_c=shift_c, steps_b=steps_b, cfg_b=cfg_b,
-                             shift_b=shift_b, seed=seed, images_per_prompt=images_per_prompt, image=image,
-                             init_image=init_image, t_start=t_start, cnet=cnet, previews=previews, sampler_c=sampler_c)
+        prompts, negs = expand_prompts(prompts, negative_prompt, images_per_prompt)
+        B = len(prompts)
+        if not 0 < t_start <= 1: raise ValueError(f"CascadePipeline: t_start must be in (0, 1], got {t_start}")
+        if t_start < 1 and init_image is None:
+            raise ValueError("CascadePipeline: t_start < 1 needs an init_image (img2img)")
+        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item()) if seed is None else int(seed)
+        g = torch.Generator().manual_seed(seed)                         # on the CPU: the same noise on every device
+        size_c, size_b = latent_sizes(height, width)
+        text, text_u = self.encode_prompts(prompts, negs)
+        clip_img = None
+        if image is not None:                                           # image variation
+            with self.use('image_model') as image_model:
+                clip_img = encode_image(image_model, to_tensor01(image)).float().expand(B, -1, -1)  # (B, 1, c)
+        x_init, steps = None, steps_c
+        if init_image is not None:                                      # img2img
+            x_init, steps = img2img_start(self, init_image, B, size_c, t_start, shift_c, steps_c, g)
+        latent_c = self.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet,
+                                 sampler_c)
+        preview = None
+        if previews and self.has('previewer'):
+            with self.use('previewer') as previewer: preview = previewer(latent_c).clamp(0, 1).cpu()
+        latent_b = self.sample_b(latent_c, text['clip_text_pooled'], text_u['clip_text_pooled'], size_b, steps_b, cfg_b,
+                                 shift_b, g)
+        with self.use('stage_a') as stage_a:
+            images = stage_a.decode(latent_b.float()).clamp(0, 1)[..., :height, :width]
+        return CascadeOutput(images.cpu(), preview, latent_c.cpu(), latent_b.cpu(), seed)
 
     def __call__(self, prompts, **kwargs) -> list:
         "PIL images for `prompts` (`run`'s options)."

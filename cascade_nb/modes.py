@@ -20,9 +20,11 @@ from .data.sources import source_entries
 from .registry import registry, UnknownChoice, load_builtin_parts
 from .gdf.presets import training_shift
 from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
+# the `recipe` section the modes' loss reads (`cfg.recipe`): registered whenever the modes are
+import cascade_nb.recipe_config
 
 # %% auto #0
-__all__ = ['TRAINING_MODES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage', 'released_file',
+__all__ = ['TRAINING_MODES', 'BatchInputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage', 'released_file',
            'load_released_generator', 'TrainedGroups', 'TrainingMode', 'weights_key', 'build_generator',
            'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
            'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight',
@@ -30,33 +32,48 @@ __all__ = ['TRAINING_MODES', 'stage_c_inputs', 'unwrap_state_dict', 'MemoryTerms
            'resolve_mode', 'check_mode_sections', 'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
-def stage_c_inputs(mode, batch, device, training=True, rng=None):
-    "Batch → (x0 in the generator's space, CLIP conditions); caption dropout and image embeddings only when training."
-    d = mode.cfg.data
-    images = images_to_device(batch["images"], device) if "images" in batch else None   # uint8 → float on the device
-    with torch.no_grad():
-        x0 = (batch["latents"].to(device).float() if "latents" in batch
-              else mode.space.encode(images.to(mode.compute_dtype)).float())
-    # only training draws from the run's random stream, so sampling/validation never shift it (exact resume)
-    if "text" in batch:   # cached text embeddings: dropped captions get the embedding of ""
-        conds = {k: batch["text"][k].to(device).float() for k in ("clip_text", "clip_text_pooled")}
-        if training and d.caption_dropout:
-            drop = seeded_rand(len(x0), rng, device) < d.caption_dropout
-            empty = conditions([""], mode.tokenizer, mode.text_model, mode.c_clip_img)
-            # no boolean index: no host sync
-            for k in conds: conds[k] = torch.where(drop.view(-1, 1, 1), empty[k].to(conds[k]), conds[k])
-        conds["clip_img"] = x0.new_zeros(len(x0), 1, mode.c_clip_img)
-        # cached CLIP image embeddings, as `conditions` samples them
-        if training and d.image_embed_prob and "clip_img" in batch["text"]:
-            keep = seeded_rand(len(x0), rng, device) < d.image_embed_prob
-            conds["clip_img"] = torch.where(keep.view(-1, 1, 1),
-                                            batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1),
-                                            conds["clip_img"])
+class BatchInputs:
+    """The data hooks of the training-mode protocol, with Stage C's defaults: a batch → the network's inputs (`encode`),
+    per-sample extras for `loss` (`extras`), unconditional inputs for CFG (`uncond`). Reads the mode's `cfg`, `space`,
+    `tokenizer`, `text_model`, `image_model`, `c_clip_img` and `compute_dtype`."""
+    def encode(self, batch, device, training=True, rng=None):
+        "Batch → (x0 in the generator's space, CLIP conditions); caption dropout and image embeddings when training."
+        d = self.cfg.data
+        # uint8 → float on the device
+        images = images_to_device(batch["images"], device) if "images" in batch else None
+        with torch.no_grad():
+            x0 = (batch["latents"].to(device).float() if "latents" in batch
+                  else self.space.encode(images.to(self.compute_dtype)).float())
+        # only training draws from the run's random stream, so sampling/validation never shift it (exact resume)
+        if "text" in batch:   # cached text embeddings: dropped captions get the embedding of ""
+            conds = {k: batch["text"][k].to(device).float() for k in ("clip_text", "clip_text_pooled")}
+            if training and d.caption_dropout:
+                drop = seeded_rand(len(x0), rng, device) < d.caption_dropout
+                empty = conditions([""], self.tokenizer, self.text_model, self.c_clip_img)
+                # no boolean index: no host sync
+                for k in conds: conds[k] = torch.where(drop.view(-1, 1, 1), empty[k].to(conds[k]), conds[k])
+            conds["clip_img"] = x0.new_zeros(len(x0), 1, self.c_clip_img)
+            # cached CLIP image embeddings, as `conditions` samples them
+            if training and d.image_embed_prob and "clip_img" in batch["text"]:
+                keep = seeded_rand(len(x0), rng, device) < d.image_embed_prob
+                conds["clip_img"] = torch.where(keep.view(-1, 1, 1),
+                                                batch["text"]["clip_img"].to(device).float().view(len(x0), 1, -1),
+                                                conds["clip_img"])
+            return x0, conds
+        conds = conditions(batch["captions"], self.tokenizer, self.text_model, self.c_clip_img,
+                           self.image_model if training else None, images, d.caption_dropout if training else 0.,
+                           d.image_embed_prob, rng if training else None)
         return x0, conds
-    conds = conditions(batch["captions"], mode.tokenizer, mode.text_model, mode.c_clip_img,
-                       mode.image_model if training else None, images, d.caption_dropout if training else 0.,
-                       d.image_embed_prob, rng if training else None)
-    return x0, conds
+
+    def extras(self, batch, x0) -> dict:
+        """`{weight}` from the batch's loss weights and masks; a ConfigError for a mode that does not weight its loss.
+        It stays `sample_weights`, a function: LoRA's `prior_extras` and the data tests call it too (the latter with no
+        mode)."""
+        return sample_weights(batch, x0, self)
+
+    def uncond(self, conds: dict) -> dict:
+        "Unconditional inputs for CFG: empty captions, zero image embedding."
+        return conditions([""] * len(next(iter(conds.values()))), self.tokenizer, self.text_model, self.c_clip_img)
 
 # %% ../nbs/40b_modes.ipynb #2e51aa6f
 def unwrap_state_dict(accelerator, model) -> dict:
@@ -114,7 +131,7 @@ class TrainedGroups:
         return self.param_group_names[0]
 
 # %% ../nbs/40b_modes.ipynb #619e7e79
-class TrainingMode(TrainedGroups):
+class TrainingMode(TrainedGroups, BatchInputs):
     "The training-mode protocol; every hook has a default (Stage C full fine-tuning). See the table above."
     supports_ema = True          # keep an EMA (ema_* keys): of `net`, or with `base_is_rebuilt` of its trained tensors
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
@@ -160,12 +177,7 @@ class TrainingMode(TrainedGroups):
         itemsize = resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize
         return MemoryTerms(sum(p.numel() for p in generator.parameters()), itemsize)
 
-    # --- the data: a batch → the network's inputs, and per-sample extras for `loss` (e.g. `weight`: a loss mask)
-    def encode(self, batch, device, training=True, rng=None): return stage_c_inputs(self, batch, device, training, rng)
-    def extras(self, batch, x0) -> dict: return sample_weights(batch, x0, self)
-    def uncond(self, conds: dict) -> dict:
-        "Unconditional inputs for CFG: empty captions, zero image embedding."
-        return conditions([""] * len(next(iter(conds.values()))), self.tokenizer, self.text_model, self.c_clip_img)
+    # --- the data: `encode`, `extras`, `uncond` (`BatchInputs`, above)
 
     # --- the step
     def epsilon(self, x0, rng=None): return recipe_noise(self.cfg.recipe, x0, rng)   # None: GDF draws Gaussian noise
@@ -229,7 +241,12 @@ def check_model_overrides(cfg: Config):
     m = cfg.model
     if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls
     else: from cascade_nb.models.stage_c import StageC as cls
-    args = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+    from cascade_nb.models.stage_c import StageCConfig
+    # StageC takes its architecture's fields by keyword (`StageCConfig`); StageB names its own arguments
+    params = inspect.signature(cls.__init__).parameters
+    takes_config = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    args = ([f.name for f in fields(StageCConfig)] if takes_config else []) + [
+        k for k, p in params.items() if k not in ("self", "config") and p.kind is not p.VAR_KEYWORD]
     for k in m.model_overrides:
         if k in args: continue
         close = difflib.get_close_matches(k, args, n=3)

@@ -28,6 +28,32 @@ def test_figures_count_what_they_say(tmp_path):
         assert any("cell 3: a line over 120" in m for m in missed) and lines[0].startswith("export cells: 4,")
     finally: shape.ONLY = None
 
+WHOLE = """
+from dataclasses import asdict
+from .helpers import helper
+def _body(model, x): return x
+class Model:
+    def forward(self, x):
+        "Forwards."
+        return _body(self, x)
+    def also(self, x): helper(x, model=self)
+    def normal(self, x): return _body(None, x) + 1
+    def stdlib(self): return asdict(self)
+    @classmethod
+    def make(cls): return _body(cls, 1)
+def _extra(self): return 1
+Model.extra = _extra
+setattr(Model, "more", _extra)
+@patch
+def third(self: Model): pass
+"""
+
+def test_forwarders_and_patches_are_found():
+    import ast
+    tree = ast.parse(WHOLE)
+    assert shape.forwarders(tree) == ["Model.forward -> _body", "Model.also -> helper"]
+    assert [p.split(" ")[0] for p in shape.patches(tree)] == ["Model.extra", "setattr(Model,", "@patch"]
+
 def test_the_project_meets_its_code_shape_targets():
     res = subprocess.run([sys.executable, ROOT / "tools" / "code_shape.py", "--check"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -78,7 +78,7 @@ def test_controlnet_two_process_ddp_and_its_ema(tmp_path):
 
 def test_controlnet_step_leaves_the_generator_frozen():
     from cascade_nb.config import config_from_dict
-    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace, diffusion_loss
+    from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace, diffusion_loss
     from cascade_nb.gdf.presets import gdf_from_config
     from cascade_nb.controlnet import ControlNetTraining
     cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
@@ -109,7 +109,7 @@ def test_official_identity_config_explains_the_missing_face_models(tmp_path):
 def _repeat_mode(blocks):
     "A ControlNet mode on the tiny pixel model whose deeper level runs twice (block_repeat): 6 ResBlocks, 10 calls."
     from cascade_nb.config import config_from_dict
-    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace
+    from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace
     from cascade_nb.controlnet import ControlNetTraining
     cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
                                 model_overrides={"c_in": 3, "c_out": 3, "patch_size": 2,
@@ -127,7 +127,7 @@ def _repeat_mode(blocks):
     return cfg, mode, [str(x.message) for x in w if "never injected" in str(x.message)]
 
 def test_block_repeat_counts_every_call_as_an_injection_point():
-    from cascade_nb.train import diffusion_loss
+    from cascade_nb.modes import diffusion_loss
     from cascade_nb.gdf.presets import gdf_from_config
     from cascade_nb.models.blocks import ResBlock
     cfg, mode, warned = _repeat_mode(list(range(10)))

@@ -91,7 +91,7 @@ def test_cached_latents_keep_clip_image_embeddings_and_skip_corrupt_samples(tmp_
     assert config_cache_parts(cfg)["image_model"] == "tiny"   # the fingerprint covers the image embedder
     batch = next(iter(build_dataset(tmp_path / "cache", 8, cache_fingerprint=fp, shuffle_buffer=0)))
     assert batch["text"]["clip_img"].shape == (8, 1, 64)
-    from cascade_nb.train import build_generator, build_text_encoder, build_latent_space, build_training_mode
+    from cascade_nb.modes import build_generator, build_text_encoder, build_latent_space, build_training_mode
     tok, text_model = build_text_encoder(cfg)
     mode = build_training_mode(cfg, build_generator(cfg), tok, text_model, None, build_latent_space(cfg))
     _, conds = mode.encode(batch, torch.device("cpu"), training=True, rng=torch.Generator().manual_seed(0))

@@ -106,3 +106,18 @@ def GRAPH_CLOSURE(roots):
         if m in seen or m not in GRAPH: continue
         seen.add(m); todo += GRAPH[m]
     return seen
+
+# the diffusion maths' own helpers: seeded draws and broadcasting (core), the registries (registry: also ConfigError,
+# the one error a bad name raises), the typed values a knob's range is written in (typed_yaml: Range, Choice)
+GDF_MAY_IMPORT = {"cascade_nb.core", "cascade_nb.registry", "cascade_nb.typed_yaml"}
+
+def test_gdf_imports_nothing_of_the_trainer():
+    """`cascade_nb.gdf` is the diffusion maths (issue 45): it imports only itself and the helpers above, never the
+    trainer's config, modes or loop. The trainer's side of its knobs (the `recipe` section) is `recipe_config`."""
+    gdf = [m for m in GRAPH if m == "cascade_nb.gdf" or m.startswith("cascade_nb.gdf.")]
+    assert len(gdf) >= 9, gdf
+    out = {m: sorted(n for n in GRAPH[m] if not n.startswith("cascade_nb.gdf") and n not in GDF_MAY_IMPORT)
+           for m in gdf}
+    assert not any(out.values()), {m: n for m, n in out.items() if n}
+    # and what they may import leans on nothing else of the package either
+    assert all(GRAPH[m] <= GDF_MAY_IMPORT for m in GDF_MAY_IMPORT), {m: GRAPH[m] for m in GDF_MAY_IMPORT}

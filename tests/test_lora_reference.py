@@ -8,7 +8,7 @@ from torch.nn.utils import parametrize
 from safetensors.torch import save_file, load_file
 from cascade_nb.config import config_from_dict, ConfigError
 from cascade_nb.models.stage_c import StageC
-from cascade_nb.train import build_text_encoder, PixelSpace
+from cascade_nb.modes import build_text_encoder, PixelSpace
 from cascade_nb.lora import (LoraTraining, lora_layers, lora_state_dict, token_state_dict, to_reference, load_lora_file,
                              TokenDeltas, is_reference_lora)
 

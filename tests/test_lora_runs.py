@@ -94,7 +94,7 @@ def test_trained_adapters_lower_the_loss_export_and_sample(one):
     from cascade_nb.lora import split_text_encoder, lora_entries, lora_delta, base_state_dict
     from cascade_nb.models.stage_c import StageC
     from cascade_nb.sample import run_config, load_run
-    from cascade_nb.train import build_text_encoder
+    from cascade_nb.modes import build_text_encoder
     tmp, run, *_ = one
     lora = load_file(str(run / "lora.safetensors"))
     gen_part, te_part = split_text_encoder({k: v for k, v in lora.items() if not k.startswith("tokens.")})

@@ -133,7 +133,7 @@ def test_prior_samples_reach_the_loss_and_other_modes_refuse_them(tmp_path):
     import pytest
     from cascade_nb.config import config_from_dict, ConfigError
     from cascade_nb.data.pipeline import build_dataset
-    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace
+    from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace
     from cascade_nb.gdf.presets import gdf_from_config
     from cascade_nb.lora import LoraTraining
     src = [{"path": f"{EMOJI}/shard-000000.tar", "caption_prefix": "[fernando] "},
@@ -163,7 +163,7 @@ def test_prior_samples_reach_the_loss_and_other_modes_refuse_them(tmp_path):
 def test_lora_step_leaves_the_base_frozen():
     "After optimizer steps of the mode's net, no base parameter has a gradient or moved; adapters and token rows did."
     from cascade_nb.config import config_from_dict
-    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace, diffusion_loss
+    from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace, diffusion_loss
     from cascade_nb.gdf.presets import gdf_from_config
     from cascade_nb.lora import LoraTraining, base_state_dict
     cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
@@ -206,7 +206,7 @@ def token_captions(folder: Path, n: int = 8) -> Path:
 def test_lora_with_tokens_samples_from_the_cli(tmp_path):
     "Tutorial 02's last step: `python -m cascade_nb.sample` takes a LoRA run with train_tokens and uses its trained token."
     from cascade_nb.sample import load_run, sample_run
-    from cascade_nb.train import build_text_encoder
+    from cascade_nb.modes import build_text_encoder
     from cascade_nb.lora import add_train_tokens
     run_cli("-m", "cascade_nb.train", *lora_args(tmp_path, "tok", "updates=2", "save_every=2", "lr=1e-2",
                                                  f"webdataset_path={token_captions(tmp_path / 'data')}"), env={"OMP_NUM_THREADS": "1"})

@@ -52,7 +52,7 @@ def test_lora_with_the_recommended_memory_options(tmp_path):
 
 def test_the_trainer_builds_a_checkpointing_generator_that_keeps_less():
     from cascade_nb.config import load_config
-    from cascade_nb.train import build_generator
+    from cascade_nb.modes import build_generator
     from cascade_nb.memory import measure_saved_bytes
     cfg = load_config(ROOT / "configs" / "demo.yaml", ["gradient_checkpointing=true"], training=False)
     gen = build_generator(cfg)

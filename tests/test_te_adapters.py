@@ -36,7 +36,7 @@ def fixed_batch(folder: Path) -> dict:
 
 def loss_on(cfg, base, batch, lora_file=None) -> float:
     "The LoRA mode's loss on `batch` at fixed noise, on the generator `base`, with fresh adapters or `lora_file`'s."
-    from cascade_nb.train import build_generator, build_text_encoder, PixelSpace, diffusion_loss
+    from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace, diffusion_loss
     from cascade_nb.gdf.presets import gdf_from_config
     from cascade_nb.lora import LoraTraining
     cfg = copy.deepcopy(cfg)

@@ -14,6 +14,13 @@ an export cell has at most MEDIAN_CELL lines at the median and at most MAX_CELL,
 characters (the limit `ruff` checks in the notebooks, configured in pyproject.toml), the two things nbdev writes
 long in every module aside (its docstring, a notebook's description, and `__all__`). Lines count without nbdev's `#|`
 directives.
+
+Classes stay whole (issue 45): the cell gate must not be met by moving a method's body out of its class. So the
+package's *forwarding methods* are counted (at most MAX_FORWARDERS, each justified in its notebook's prose): a method
+whose body, docstring aside, is one call (or `return` of one) of a function of this package (defined in the module or
+imported from `cascade_nb`) that gets `self` as an argument; a method calling the standard library or torch with
+`self` (`asdict(self)`) is not one. And *patches* (target 0): a top-level assignment to an attribute of a class
+(`SomeClass.attr = ...`), `setattr(SomeClass, ...)` at top level, or fastcore's `@patch`.
 """
 from __future__ import annotations
 import argparse, ast, json, statistics, sys
@@ -21,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIAN_CELL, MAX_CELL, MAX_LINE = 12, 80, 120
+MAX_FORWARDERS, MAX_PATCHES = 3, 0
 LONG_CELL_ALLOWED = ("def train(",)          # cells that may be longer than MAX_CELL (their first definition)
 
 ONLY: list[Path] | None = None              # set by the command line: these notebooks only, no package files
@@ -91,6 +99,63 @@ def long_lines(root: Path = ROOT) -> tuple[list[str], int, int]:
             where += [f"{rel(p, root)} cell {i}" for l in s.splitlines() if len(l) > MAX_LINE]
     return where, over100, total
 
+def package_functions(tree: ast.Module) -> set[str]:
+    "The names of the package's functions a module can call: its own top-level ones and those it imports from the package."
+    out = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("cascade_nb")):
+            out.update(a.asname or a.name for a in node.names)
+    return out
+
+def _body(fn) -> list[ast.stmt]:
+    "A function's statements, its docstring aside."
+    doc = fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+        and isinstance(fn.body[0].value.value, str)
+    return fn.body[1:] if doc else fn.body
+
+def forwarders(tree: ast.Module) -> list[str]:
+    "`Class.method -> function` for each method that only passes `self` on to a function of the package."
+    funcs, out = package_functions(tree), []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args: continue
+            if any(getattr(d, "id", None) in ("staticmethod", "classmethod") for d in fn.decorator_list): continue
+            body, me = _body(fn), fn.args.args[0].arg
+            call = body[0].value if len(body) == 1 and isinstance(body[0], (ast.Return, ast.Expr)) else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in funcs): continue
+            passed = list(call.args) + [k.value for k in call.keywords]
+            if any(isinstance(a, ast.Name) and a.id == me for a in passed):
+                out.append(f"{cls.name}.{fn.name} -> {call.func.id}")
+    return out
+
+def patches(tree: ast.Module) -> list[str]:
+    "Each top-level patch: `Class.attr = ...` (a capitalised name), `setattr(Class, ...)`, fastcore's `@patch`."
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in (t for tgt in targets for t in ast.walk(tgt)):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id[:1].isupper():
+                    out.append(f"{t.value.id}.{t.attr} = (line {node.lineno})")
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and \
+                getattr(node.value.func, "id", None) == "setattr" and node.value.args:
+            out.append(f"setattr({ast.unparse(node.value.args[0])}, ...) (line {node.lineno})")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                getattr(d.func if isinstance(d, ast.Call) else d, "id", None) == "patch" for d in node.decorator_list):
+            out.append(f"@patch {node.name} (line {node.lineno})")
+    return out
+
+def classes_whole(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    "(forwarding methods, patches) of the package's modules, each as 'module: what'."
+    if ONLY is not None: return [], []
+    fwd, pat = [], []
+    for p in sorted((root / "cascade_nb").rglob("*.py")):
+        if p.name == "_modidx.py": continue
+        tree, name = ast.parse(p.read_text(encoding="utf-8")), p.relative_to(root).as_posix()
+        fwd += [f"{name}: {f}" for f in forwarders(tree)]
+        pat += [f"{name}: {f}" for f in patches(tree)]
+    return fwd, pat
+
 def figures(root: Path = ROOT) -> tuple[list[str], list[str]]:
     "The printed figures and the targets missed."
     cells = export_cells(root)
@@ -104,14 +169,20 @@ def figures(root: Path = ROOT) -> tuple[list[str], list[str]]:
              f"export cells defining four or more names: {many}",
              f"lines over {MAX_LINE} characters (package and notebook code): {len(where)} (target 0)",
              f"package lines over 100 characters: {over100} of {total} ({100 * over100 / max(total, 1):.1f}%)"]
+    fwd, pat = classes_whole(root)
+    if ONLY is None:
+        lines += [f"forwarding methods: {len(fwd)} (target <= {MAX_FORWARDERS})", f"patches: {len(pat)} (target 0)"]
     missed = ([f"median export cell {median:g} lines > {MEDIAN_CELL}"] if median > MEDIAN_CELL else []) + \
              [f"{c}: over {MAX_CELL} lines" for c in too_long] + [f"{w}: a line over {MAX_LINE} characters" for w in where]
+    missed += [f"{f}: a forwarding method (at most {MAX_FORWARDERS})" for f in fwd if len(fwd) > MAX_FORWARDERS]
+    missed += [f"{f}: a patch" for f in pat if len(pat) > MAX_PATCHES]
     return lines, missed
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 when a figure misses its target")
     p.add_argument("--cells", type=int, metavar="N", help="list the export cells of more than N lines")
+    p.add_argument("--whole", action="store_true", help="list the forwarding methods and the patches")
     p.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     p.add_argument("notebooks", nargs="*", type=Path, help="only these notebooks (default: all, and the package)")
     a = p.parse_args(argv)
@@ -122,6 +193,9 @@ def main(argv=None):
     if a.cells is not None:
         for nb, i, k, s in sorted(export_cells(a.root), key=lambda c: -c[2]):
             if k > a.cells: print(f"  {k:4d} {nb} cell {i}: {body_lines(s)[0][:60]}")
+    if a.whole:
+        fwd, pat = classes_whole(a.root)
+        print("\n".join(f"  forwarder {f}" for f in fwd) + ("\n" if fwd else "") + "\n".join(f"  patch {f}" for f in pat))
     if a.check and missed:
         print(f"{len(missed)} misses:\n  " + "\n  ".join(missed[:40]) + ("\n  ..." if len(missed) > 40 else ""))
         return 1

@@ -26,8 +26,8 @@ from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resiz
 # %% auto #0
 __all__ = ['MASK_MEMBER', 'MASK_PIXELS_PER_IMAGE_PIXEL', 'MAX_CAPTION_CHARS', 'HFLIP_P', 'CACHE_INFO', 'as_captions_getter',
            'as_dataset_filters', 'UnsupportedImage', 'split_alpha', 'to_rgb', 'BadMask', 'decode_mask', 'sample_mask',
-           'default_min_side', 'default_max_pixels', 'SampleDecoder', 'sample_loss_weight', 'with_caption_prefix',
-           'decode_sample', 'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform',
+           'default_min_side', 'default_max_pixels', 'sample_loss_weight', 'with_caption_prefix', 'SampleDecoding',
+           'SampleDecoder', 'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform',
            'SampleAugment', 'AugmentHook', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError',
            'CachedDecoder', 'ImageTextDataset', 'resolve_crop', 'build_dataset', 'FilterReportingLoader',
            'build_dataloader', 'dataloader_from_config', 'default_num_workers', 'sum_skips', 'effective_mix',
@@ -138,8 +138,73 @@ MAX_CAPTION_CHARS = 4096
 _FILTERED_SHARDS: set = set()
 "Shards this process has said `dataset_filters` empty (said once per run, not every epoch or every loader)."
 
+# %% ../../nbs/32_data.pipeline.ipynb #0795a263
+def sample_loss_weight(entry_weight: float, meta: dict) -> float | None:
+    """A sample's loss weight: its entry's `loss_weight` × its metadata's `loss_weight` (default 1); None when the
+    metadata's is not a number >= 0."""
+    w = meta.get("loss_weight", 1.0)
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0: return None
+    return entry_weight * float(w)
+
+def with_caption_prefix(caption: str, prefix: str = "") -> str:
+    "The caption with its source entry's `caption_prefix` before it (the last step, after the caption transforms)."
+    return prefix + caption if prefix else caption
+
+# %% ../../nbs/32_data.pipeline.ipynb #99a377e1
+class SampleDecoding:
+    """How `SampleDecoder` decodes one raw sample: with its settings (`filters`, `getter`, `sources`, `min_side`,
+    `max_pixels`, `buckets`, `p_random_ratio`, `lazy`, `loss_mask`) and its bucket draws (`_rng`)."""
+    def decode(self, s: dict) -> tuple[dict | None, str | None]:
+        "One raw sample → (decoded sample, None) or (None, skip reason)."
+        meta = {}
+        if "json" in s:
+            try: meta = json.loads(s["json"].decode("utf-8"))
+            except (ValueError, UnicodeDecodeError): return None, "bad_json"
+            if not isinstance(meta, dict): return None, "bad_json"
+        if not all(f(meta) for f in self.filters): return None, "filtered"
+        source = s.get("__source__", 0)
+        entry = self.sources[source]
+        if (loss_weight := sample_loss_weight(entry.loss_weight, meta)) is None: return None, "bad_json"
+        # an entry's caption replaces its own
+        try: caption = self.getter(s) if entry.caption is None else entry.caption
+        except KeyError: return None, "missing_caption"
+        except UnicodeDecodeError: return None, "bad_text"
+        except ValueError: return None, "bad_json"
+        if not isinstance(caption, str) or not caption.strip(): return None, "empty_caption"
+        ext = next((e for e in IMAGE_EXTS if e in s), None)
+        if ext is None: return None, "missing_image"
+        out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(),
+               "meta": meta, "source": source, "loss_weight": loss_weight, "prior": entry.prior,
+               "__caption_prefix__": entry.caption_prefix, "__hflip__": entry.hflip}
+        # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
+        if len(out["caption"]) > MAX_CAPTION_CHARS:
+            out["caption"], out["caption_cut"] = out["caption"][:MAX_CAPTION_CHARS], True
+        try:
+            img, draft = Image.open(io.BytesIO(s[ext])), None   # reads the header only
+            h, w = img.height, img.width
+            if min(h, w) < self.min_side: return None, "too_small"
+            if self.buckets:   # choose the bucket now, so a JPEG can be decoded at reduced size (DCT scaling)
+                out["bucket"] = bucket = pick_bucket(h, w, self.buckets, self.p_random_ratio, self._rng)
+                scale = max(bucket[0] / h, bucket[1] / w)
+                if scale < 0.5 and img.format == "JPEG":
+                    img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
+            # before decoding
+            if self.max_pixels and img.width * img.height > self.max_pixels: return None, "too_large"
+            member = s.get(MASK_MEMBER)
+            if self.lazy and self.buckets:
+                out["image"] = LazyImage(s[ext], draft, img.height, img.width, member, self.loss_mask)
+                out["original_size"] = (h, w)
+                return out, None
+            img.load()
+            out["image"], alpha = split_alpha(img)
+            out["original_size"] = (h, w)
+            if self.loss_mask != "off": out["mask"] = sample_mask(self.loss_mask, member, alpha, out["image"].size)
+        except (UnsupportedImage, BadMask) as e: return None, e.skip_reason
+        except Exception: return None, "bad_image"
+        return out, None
+
 # %% ../../nbs/32_data.pipeline.ipynb #4baaae01
-class SampleDecoder:
+class SampleDecoder(SampleDecoding):
     """Pipeline stage: raw samples → `{image (PIL), caption, meta, bucket}`; counts skips; fails on a shard with
     nothing usable."""
     def __init__(self, counter: SkipCounter, captions_getter=None, dataset_filters=None, min_side: int = 16,
@@ -156,10 +221,6 @@ class SampleDecoder:
         self._rng, self._pass = random.Random(seed), 0
         # the mixture's entries (`SourceEntry`), by the index `ShardReader` tags samples with
         self.sources = list(sources) if sources else [SourceEntry("")]
-
-    def decode(self, s: dict) -> tuple[dict | None, str | None]:
-        "One raw sample → (decoded sample, None) or (None, skip reason) (`decode_sample`)."
-        return decode_sample(self, s)
 
     def _end_of_shard(self, marker, stats):
         "A shard is done: forget past failures if it gave something, else count it and stop only when no shard can."
@@ -210,68 +271,6 @@ class SampleDecoder:
         if self.strict and seen and not usable_total and self.counter.total:
             warnings.warn(f"data: the {seen} shard(s) read by this worker yielded no usable sample; skipped: "
                           f"{dict(self.counter.total)}")
-
-# %% ../../nbs/32_data.pipeline.ipynb #0795a263
-def sample_loss_weight(entry_weight: float, meta: dict) -> float | None:
-    """A sample's loss weight: its entry's `loss_weight` × its metadata's `loss_weight` (default 1); None when the
-    metadata's is not a number >= 0."""
-    w = meta.get("loss_weight", 1.0)
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0: return None
-    return entry_weight * float(w)
-
-def with_caption_prefix(caption: str, prefix: str = "") -> str:
-    "The caption with its source entry's `caption_prefix` before it (the last step, after the caption transforms)."
-    return prefix + caption if prefix else caption
-
-# %% ../../nbs/32_data.pipeline.ipynb #99a377e1
-def decode_sample(dec: SampleDecoder, s: dict) -> tuple[dict | None, str | None]:
-    "One raw sample → (decoded sample, None) or (None, skip reason), with the settings of the decoder `dec`."
-    meta = {}
-    if "json" in s:
-        try: meta = json.loads(s["json"].decode("utf-8"))
-        except (ValueError, UnicodeDecodeError): return None, "bad_json"
-        if not isinstance(meta, dict): return None, "bad_json"
-    if not all(f(meta) for f in dec.filters): return None, "filtered"
-    source = s.get("__source__", 0)
-    entry = dec.sources[source]
-    if (loss_weight := sample_loss_weight(entry.loss_weight, meta)) is None: return None, "bad_json"
-    try: caption = dec.getter(s) if entry.caption is None else entry.caption   # an entry's caption replaces its own
-    except KeyError: return None, "missing_caption"
-    except UnicodeDecodeError: return None, "bad_text"
-    except ValueError: return None, "bad_json"
-    if not isinstance(caption, str) or not caption.strip(): return None, "empty_caption"
-    ext = next((e for e in IMAGE_EXTS if e in s), None)
-    if ext is None: return None, "missing_image"
-    out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(),
-           "meta": meta, "source": source, "loss_weight": loss_weight, "prior": entry.prior,
-           "__caption_prefix__": entry.caption_prefix, "__hflip__": entry.hflip}
-    # a 10 MB caption would cost seconds in the tokenizer at every draw; CLIP reads 77 tokens
-    if len(out["caption"]) > MAX_CAPTION_CHARS:
-        out["caption"], out["caption_cut"] = out["caption"][:MAX_CAPTION_CHARS], True
-    try:
-        img, draft = Image.open(io.BytesIO(s[ext])), None   # reads the header only
-        h, w = img.height, img.width
-        if min(h, w) < dec.min_side: return None, "too_small"
-        if dec.buckets:   # choose the bucket now, so a JPEG can be decoded at reduced size (DCT scaling)
-            out["bucket"] = bucket = pick_bucket(h, w, dec.buckets, dec.p_random_ratio, dec._rng)
-            scale = max(bucket[0] / h, bucket[1] / w)
-            if scale < 0.5 and img.format == "JPEG":
-                img.draft("RGB", draft := (math.ceil(w * scale), math.ceil(h * scale)))
-        # before decoding
-        if dec.max_pixels and img.width * img.height > dec.max_pixels: return None, "too_large"
-        member = s.get(MASK_MEMBER)
-        if dec.lazy and dec.buckets:
-            out["image"] = LazyImage(s[ext], draft, img.height, img.width, member, dec.loss_mask)
-            out["original_size"] = (h, w)
-            return out, None
-        img.load()
-        out["image"], alpha = split_alpha(img)
-        out["original_size"] = (h, w)
-        if dec.loss_mask != "off": out["mask"] = sample_mask(dec.loss_mask, member, alpha, out["image"].size)
-    except (UnsupportedImage, BadMask) as e: return None, e.skip_reason
-    except Exception: return None, "bad_image"
-    return out, None
-
 
 # %% ../../nbs/32_data.pipeline.ipynb #2dada9c7
 def no_usable_shard_error(dec: SampleDecoder, only_filtered: bool) -> DataError:

@@ -23,11 +23,11 @@ from .loss_weights import (BaseLossWeight, ConstantLossWeight, SNRLossWeight, P2
 from cascade_nb.gdf.samplers import (BaseSampler, DDIMSampler, DDPMSampler, LCMSampler, SAMPLERS, register_sampler,
     renoise, seeded_randn)
 from .recipe import (LogSNRDensity, UniformTDensity, NormalDensity, CosmapDensity, ModeDensity,
-    TimeDensity, SigmoidTDensity, ParabolaTDensity, DensitySchedule, schedule_at_update, check_range,
-    check_moving_range, check_density, LOSS_TYPES, register_loss_type, pseudo_huber, huber_schedule, pyramid_noise,
+    TimeDensity, SigmoidTDensity, ParabolaTDensity, DensitySchedule, schedule_at_update,
+    LOSS_TYPES, register_loss_type, pseudo_huber, huber_schedule, pyramid_noise,
     recipe_noise,
-    RecipeConfig, RecipeHook, LOGSNR_DENSITIES, density_schedule, draws_as_registered, DRAW_KEYS, MODE_SCALE)
-from .core import GDF, Diffused, SampleStep, cfg_batch, cfg_scale, guide
+    RecipeConfig, RECIPE_RANGES, LOGSNR_DENSITIES, density_schedule, draws_as_registered, DRAW_KEYS, MODE_SCALE)
+from .core import GDF, Diffuser, Diffused, SampleStep, cfg_batch, cfg_scale, guide
 from .presets import (LOSS_WEIGHTS, TARGETS, SAMPLING_DEFAULTS, make_loss_weight, make_gdf,
     stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift, TIMESTEP_SAMPLINGS, register_loss_weight,
     register_timestep_sampling)
@@ -51,14 +51,13 @@ __all__ = [
     "ComposedLossWeight", "AdaptiveLossWeight",
     # recipe knobs
     "LogSNRDensity", "UniformTDensity", "NormalDensity", "CosmapDensity", "ModeDensity", "TimeDensity",
-    "SigmoidTDensity", "ParabolaTDensity", "DensitySchedule", "schedule_at_update", "check_range",
-    "check_moving_range", "check_density",
+    "SigmoidTDensity", "ParabolaTDensity", "DensitySchedule", "schedule_at_update",
     "LOSS_TYPES", "register_loss_type", "pseudo_huber", "huber_schedule", "pyramid_noise", "recipe_noise",
-    "RecipeConfig", "RecipeHook", "LOGSNR_DENSITIES", "density_schedule", "draws_as_registered", "DRAW_KEYS",
+    "RecipeConfig", "RECIPE_RANGES", "LOGSNR_DENSITIES", "density_schedule", "draws_as_registered", "DRAW_KEYS",
     "MODE_SCALE",
     # samplers, GDF, presets
     "BaseSampler", "DDIMSampler", "DDPMSampler", "LCMSampler", "SAMPLERS", "register_sampler", "renoise",
-    "GDF", "Diffused", "SampleStep", "cfg_batch", "cfg_scale", "guide",
+    "GDF", "Diffuser", "Diffused", "SampleStep", "cfg_batch", "cfg_scale", "guide",
     "LOSS_WEIGHTS", "TARGETS", "SAMPLING_DEFAULTS", "make_loss_weight", "make_gdf", "stage_c_gdf", "stage_b_gdf",
     "gdf_from_config", "training_shift", "TIMESTEP_SAMPLINGS", "register_loss_weight", "register_timestep_sampling",
 ]

@@ -18,7 +18,7 @@ from .loss_weights import BaseLossWeight
 from .samplers import BaseSampler, DDPMSampler, seeded_randn
 
 # %% auto #0
-__all__ = ['Diffused', 'GDF', 'cfg_batch', 'cfg_scale', 'guide', 'SampleStep']
+__all__ = ['Diffused', 'Diffuser', 'cfg_batch', 'cfg_scale', 'guide', 'SampleStep', 'GDF']
 
 # %% ../../nbs/16_gdf.core.ipynb #517a61a3
 class Diffused(NamedTuple):
@@ -31,8 +31,8 @@ class Diffused(NamedTuple):
     loss_weight: torch.Tensor # (B,)
 
 # %% ../../nbs/16_gdf.core.ipynb #6e731cd3
-class GDF:
-    "Generic Diffusion Framework (Stable Cascade): five roles over logSNR wired into diffuse / undiffuse / sample."
+class Diffuser:
+    "GDF's forward half: five roles over logSNR wired into diffuse / undiffuse, and the adaptive parts' state."
     def __init__(self, schedule: BaseSchedule, input_scaler: BaseScaler, target: BaseTarget, noise_cond: BaseNoiseCond,
                  loss_weight: BaseLossWeight, offset_noise: float = 0., input_perturbation: float = 0.,
                  loss_type: str = "mse", huber_c: float = 0.1):
@@ -44,7 +44,8 @@ class GDF:
     def __repr__(self):
         parts = ", ".join(type(getattr(self, k)).__name__
                           for k in ("schedule", "input_scaler", "target", "noise_cond", "loss_weight"))
-        return f"GDF({parts}, offset_noise={self.offset_noise}, input_perturbation={self.input_perturbation})"
+        return (f"{type(self).__name__}({parts}, offset_noise={self.offset_noise}, "
+                f"input_perturbation={self.input_perturbation})")
 
     def setup_limits(self, stretch_max: bool = True, stretch_min: bool = True, shift: float = 1.):
         "Stretch the scaler so the schedule's ends are exactly clean / pure noise (see `BaseScaler.setup_limits`)."
@@ -147,40 +148,41 @@ class SampleStep(NamedTuple):
     pred: torch.Tensor
 
 # %% ../../nbs/16_gdf.core.ipynb #7e4bcfb1
-def _sample(self: GDF, model: Callable, model_inputs: dict, shape, unconditional_inputs: dict | None = None,
-            sampler: BaseSampler | None = None, schedule: BaseSchedule | None = None, t_start: float = 1.0,
-            t_end: float = 0.0, timesteps: int = 20, x_init: torch.Tensor | None = None, cfg=3.0,
-            cfg_t_stop: float | None = None, cfg_t_start: float | None = None, cfg_rho: float = 0.7,
-            sampler_params: dict | None = None, shift: float = 1., device="cpu",
-            generator: torch.Generator | None = None) -> Iterator[SampleStep]:
-    "Generate from `model(x, r, **model_inputs)`, yielding a `SampleStep` per step (see the notebook for every option)."
-    sampler = DDPMSampler() if sampler is None else sampler
-    sampler_params = dict(sampler_params or {})
-    t_range = torch.linspace(t_start, t_end, timesteps + 1)
-    logsnr_range = (self.schedule if schedule is None else schedule)(t_range, shift=shift).to(device, torch.float32)
-    x = sampler.init_x(shape, generator=generator, device=device) if x_init is None else x_init.clone().to(device)
-    batched_inputs = cfg_batch(model_inputs, unconditional_inputs) if cfg is not None else None
-    for i in range(timesteps):
-        t = t_range[i].item()
-        # both (B,)
-        logsnr, logsnr_next = logsnr_range[i].expand(x.shape[0]), logsnr_range[i + 1].expand(x.shape[0])
-        r = self.noise_cond(logsnr)
-        scale = cfg_scale(cfg, t, cfg_t_start, cfg_t_stop)
-        if scale is not None:
-            pred_cond, pred_uncond = model(torch.cat([x, x]), torch.cat([r, r]), **batched_inputs).chunk(2)
-            pred = guide(pred_cond, pred_uncond, scale, cfg_rho)
-        else:
-            pred = model(x, r, **model_inputs)
-        x0, eps = self.undiffuse(x, logsnr, pred)
-        x = sampler(x, x0, eps, logsnr, logsnr_next, self.input_scaler, generator=generator, **sampler_params)
-        changes = yield SampleStep(x0, x, pred)
-        if changes:  # mid-run control via generator.send({...})
-            cfg, cfg_rho = changes.get("cfg", cfg), changes.get("cfg_rho", cfg_rho)
-            sampler, x = changes.get("sampler", sampler), changes.get("x", x)
-            sampler_params = changes.get("sampler_params", sampler_params)
-            if "model_inputs" in changes or "unconditional_inputs" in changes:
-                model_inputs = changes.get("model_inputs", model_inputs)
-                unconditional_inputs = changes.get("unconditional_inputs", unconditional_inputs)
-            if cfg is not None: batched_inputs = cfg_batch(model_inputs, unconditional_inputs)
-
-GDF.sample = _sample
+class GDF(Diffuser):
+    "Generic Diffusion Framework (Stable Cascade): the forward half (`Diffuser`) and the reverse one, `sample`."
+    def sample(self, model: Callable, model_inputs: dict, shape, unconditional_inputs: dict | None = None,
+               sampler: BaseSampler | None = None, schedule: BaseSchedule | None = None, t_start: float = 1.0,
+               t_end: float = 0.0, timesteps: int = 20, x_init: torch.Tensor | None = None, cfg=3.0,
+               cfg_t_stop: float | None = None, cfg_t_start: float | None = None, cfg_rho: float = 0.7,
+               sampler_params: dict | None = None, shift: float = 1., device="cpu",
+               generator: torch.Generator | None = None) -> Iterator[SampleStep]:
+        "Generate from `model(x, r, **model_inputs)`, yielding a `SampleStep` per step (the notebook has every option)."
+        sampler = DDPMSampler() if sampler is None else sampler
+        sampler_params = dict(sampler_params or {})
+        t_range = torch.linspace(t_start, t_end, timesteps + 1)
+        schedule = self.schedule if schedule is None else schedule
+        logsnr_range = schedule(t_range, shift=shift).to(device, torch.float32)
+        x = sampler.init_x(shape, generator=generator, device=device) if x_init is None else x_init.clone().to(device)
+        batched_inputs = cfg_batch(model_inputs, unconditional_inputs) if cfg is not None else None
+        for i in range(timesteps):
+            t = t_range[i].item()
+            # both (B,)
+            logsnr, logsnr_next = logsnr_range[i].expand(x.shape[0]), logsnr_range[i + 1].expand(x.shape[0])
+            r = self.noise_cond(logsnr)
+            scale = cfg_scale(cfg, t, cfg_t_start, cfg_t_stop)
+            if scale is not None:
+                pred_cond, pred_uncond = model(torch.cat([x, x]), torch.cat([r, r]), **batched_inputs).chunk(2)
+                pred = guide(pred_cond, pred_uncond, scale, cfg_rho)
+            else:
+                pred = model(x, r, **model_inputs)
+            x0, eps = self.undiffuse(x, logsnr, pred)
+            x = sampler(x, x0, eps, logsnr, logsnr_next, self.input_scaler, generator=generator, **sampler_params)
+            changes = yield SampleStep(x0, x, pred)
+            if changes:  # mid-run control via generator.send({...})
+                cfg, cfg_rho = changes.get("cfg", cfg), changes.get("cfg_rho", cfg_rho)
+                sampler, x = changes.get("sampler", sampler), changes.get("x", x)
+                sampler_params = changes.get("sampler_params", sampler_params)
+                if "model_inputs" in changes or "unconditional_inputs" in changes:
+                    model_inputs = changes.get("model_inputs", model_inputs)
+                    unconditional_inputs = changes.get("unconditional_inputs", unconditional_inputs)
+                if cfg is not None: batched_inputs = cfg_batch(model_inputs, unconditional_inputs)

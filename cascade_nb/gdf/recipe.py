@@ -1,4 +1,4 @@
-"""What fine-tuners set besides the five GDF roles, each written in logSNR: a timestep range, more timestep densities, robust losses (L1, pseudo-Huber, scheduled Huber), input perturbation and pyramid noise; the `recipe` config section.
+"""What fine-tuners set besides the five GDF roles, each written in logSNR: a timestep range, more timestep densities, robust losses (L1, pseudo-Huber, scheduled Huber), input perturbation and pyramid noise, and `RecipeConfig`, the knobs in one dataclass.
 
 Docs: https://cascade-nb.github.io/cascade_nb/gdf.recipe.html.md"""
 
@@ -12,17 +12,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from ..core import seeded_rand, seeded_randn
-from ..registry import registry
-from ..config import ConfigError, ConfigHook, config_section, register_config_hook
+from ..registry import registry, ConfigError
 from ..typed_yaml import Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1
 from .schedules import BaseSchedule, SCHEDULES
 
 # %% auto #0
-__all__ = ['MODE_SCALE', 'LOSS_TYPES', 'register_loss_type', 'DRAW_KEYS', 'LOGSNR_DENSITIES', 'LogSNRDensity', 'UniformTDensity',
-           'NormalDensity', 'CosmapDensity', 'ModeDensity', 'TimeDensity', 'SigmoidTDensity', 'ParabolaTDensity',
-           'DensitySchedule', 'schedule_at_update', 'huber_schedule', 'pseudo_huber', 'pyramid_noise', 'recipe_noise',
-           'RecipeConfig', 'draws_as_registered', 'density_schedule', 'check_range', 'check_moving_range',
-           'check_density', 'RecipeHook']
+__all__ = ['MODE_SCALE', 'LOSS_TYPES', 'register_loss_type', 'RECIPE_RANGES', 'DRAW_KEYS', 'LOGSNR_DENSITIES', 'LogSNRDensity',
+           'UniformTDensity', 'NormalDensity', 'CosmapDensity', 'ModeDensity', 'TimeDensity', 'SigmoidTDensity',
+           'ParabolaTDensity', 'DensitySchedule', 'schedule_at_update', 'huber_schedule', 'pseudo_huber',
+           'pyramid_noise', 'recipe_noise', 'RecipeConfig', 'draws_as_registered', 'density_schedule']
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #5b0bcb3c
 def _inverse_on_unit(f, y) -> torch.Tensor:
@@ -146,7 +144,7 @@ class DensitySchedule(BaseSchedule):
     def __init__(self, base: BaseSchedule, density: LogSNRDensity, logsnr_min: float | None = None,
                  logsnr_max: float | None = None, range_end: tuple = (None, None), range_updates: int | None = None):
         self.base, self.density, self.range = base, density, (logsnr_min, logsnr_max)
-        # a range moving to `range_end` over `range_updates` updates (`at_update`, below)
+        # a range moving to `range_end` over `range_updates` updates (`at_update`; see "A range that moves")
         self.range_end, self.range_updates, self.update = tuple(range_end), range_updates, 0
         self.discrete_steps, self.shift, self.limits, self._edges = None, 1., base.limits, {}
 
@@ -178,29 +176,24 @@ class DensitySchedule(BaseSchedule):
             self._edges[key] = tuple(self.density.cdf(torch.tensor([lo + d, hi + d])).tolist())
         return self._edges[key]
 
-# %% ../../nbs/16b_gdf.recipe.ipynb #19886776
-def _draw(self: DensitySchedule, batch_size: int, shift: float = 1., generator: torch.Generator | None = None):
-    "logsnr = F^-1(v) - 2 ln(shift), v uniform in the range's CDF interval: one uniform per sample."
-    vlo, vhi = self.cdf_edges(shift)
-    v = vlo + (vhi - vlo) * seeded_rand(batch_size, generator).double()
-    logsnr = (self.density.icdf(v) - 2 * math.log(shift)).float()
-    # the truncation already keeps the draws inside; the clamp only removes float rounding at the edges
-    return logsnr.clamp(*self.edges(shift))
+    def at_update(self, update: int):
+        "Draw at the range of `update` from now on (the loop calls it before each update)."
+        self.update = update
 
-def _call(self: DensitySchedule, t, shift: float = 1., generator: torch.Generator | None = None):
-    "Training draws for an int `t`, else the base schedule's logSNR at times `t` (the samplers' grid)."
-    if isinstance(t, int): return self.draw(t, shift, generator)
-    return BaseSchedule.__call__(self, t, shift)
+    def draw(self, batch_size: int, shift: float = 1., generator: torch.Generator | None = None):
+        "logsnr = F^-1(v) - 2 ln(shift), v uniform in the range's CDF interval: one uniform per sample."
+        vlo, vhi = self.cdf_edges(shift)
+        v = vlo + (vhi - vlo) * seeded_rand(batch_size, generator).double()
+        logsnr = (self.density.icdf(v) - 2 * math.log(shift)).float()
+        # the truncation already keeps the draws inside; the clamp only removes float rounding at the edges
+        return logsnr.clamp(*self.edges(shift))
 
-DensitySchedule.draw, DensitySchedule.__call__ = _draw, _call
+    def __call__(self, t, shift: float = 1., generator: torch.Generator | None = None):
+        "Training draws for an int `t`, else the base schedule's logSNR at times `t` (the samplers' grid)."
+        if isinstance(t, int): return self.draw(t, shift, generator)
+        return BaseSchedule.__call__(self, t, shift)
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #ed3187b5
-def _at_update(self: DensitySchedule, update: int):
-    "Draw at the range of `update` from now on (the loop calls it before each update)."
-    self.update = update
-
-DensitySchedule.at_update = _at_update
-
 def schedule_at_update(gdf, update: int):
     "Move `gdf`'s training draws to the range of `update` (nothing unless they come from a `DensitySchedule`)."
     if isinstance(gdf.schedule, DensitySchedule): gdf.schedule.at_update(update)
@@ -253,12 +246,14 @@ def recipe_noise(recipe, x0: torch.Tensor, rng: torch.Generator | None = None) -
                          recipe.pyramid_noise_levels, size_range=None, generator=rng)
 
 # %% ../../nbs/16b_gdf.recipe.ipynb #348a233d
-@config_section("recipe", modes=("full", "lora", "controlnet"), ranges=dict(
+RECIPE_RANGES = dict(
     logsnr_min=Range(-40, 40), logsnr_max=Range(-40, 40), logit_mean=Range(-10, 10), logit_std=POSITIVE,
     mode_scale=MODE_SCALE, loss_huber_c=POSITIVE, input_perturbation=Range(0, 1),
     pyramid_noise_discount=Range(0, 1, hi_open=True), pyramid_noise_levels=Range(2, 32),
     logsnr_min_end=Range(-40, 40), logsnr_max_end=Range(-40, 40), logsnr_range_updates=AT_LEAST_1,
-    t_density_weight=POSITIVE, t_density_bias=Range(-1, 1)))
+    t_density_weight=POSITIVE, t_density_bias=Range(-1, 1))
+"The range of each number of `RecipeConfig` (checked when a config loads)."
+
 @dataclass
 class RecipeConfig:
     "Training-recipe knobs in logSNR terms (gdf.recipe): noise-level range and density, loss type, noise extras."
@@ -304,48 +299,3 @@ def density_schedule(name: str, base: BaseSchedule, recipe=None) -> DensitySched
                           f"{', '.join(LOGSNR_DENSITIES)}), so the keys {', '.join(DRAW_KEYS)} cannot apply to it")
     return DensitySchedule(base, LOGSNR_DENSITIES.choose(name)(base, recipe), recipe.logsnr_min, recipe.logsnr_max,
                            (recipe.logsnr_min_end, recipe.logsnr_max_end), recipe.logsnr_range_updates)
-
-# %% ../../nbs/16b_gdf.recipe.ipynb #632bcd93
-def check_range(lo, hi, keys: tuple, schedule: str, lims: tuple, where: str):
-    "A configured range [lo, hi] (None: the limit) must hold noise levels of the schedule: else one ConfigError line."
-    lo, hi = lims[0] if lo is None else lo, lims[1] if hi is None else hi
-    if not (lo < hi and lo < lims[1] and hi > lims[0]):
-        raise ConfigError(f"{where}: keys '{keys[0]}', '{keys[1]}': [{lo:g}, {hi:g}] holds no noise level of "
-                          f"schedule {schedule!r} (logSNR {lims[0]:.3g} to {lims[1]:.3g}); expected "
-                          f"{keys[0]} < {keys[1]}, overlapping it")
-
-def check_moving_range(cfg, lims: tuple, where: str):
-    "The end of a moving range must hold noise levels too; `logsnr_range_updates` defaults to the run's `updates`."
-    r = cfg.recipe
-    if (r.logsnr_min_end, r.logsnr_max_end) == (None, None):
-        if r.logsnr_range_updates is not None:
-            raise ConfigError(f"{where}: key 'logsnr_range_updates': {r.logsnr_range_updates} moves the range, but "
-                              "neither 'logsnr_min_end' nor 'logsnr_max_end' is set; set one, or remove it")
-        return
-    ends = [r.logsnr_min if r.logsnr_min_end is None else r.logsnr_min_end,
-            r.logsnr_max if r.logsnr_max_end is None else r.logsnr_max_end]
-    check_range(*ends, ("logsnr_min_end", "logsnr_max_end"), cfg.gdf.noise_schedule, lims, where)
-    if r.logsnr_range_updates is None: r.logsnr_range_updates = cfg.train.updates
-
-# %% ../../nbs/16b_gdf.recipe.ipynb #d85b896d
-def check_density(cfg, base: BaseSchedule, where: str):
-    "The draw keys need a timestep sampling with a logSNR density, and values that make one (one ConfigError line)."
-    r = cfg.recipe
-    if draws_as_registered(r): return
-    try: density_schedule(cfg.gdf.timestep_sampling, base, r)
-    except ValueError as e:
-        raise ConfigError(f"{where}: keys 't_density_weight', 't_density_bias': {e}") from None
-
-class RecipeHook(ConfigHook):
-    "Loading a config: the recipe's range (and its end) must hold noise levels; Stage B keeps its own pyramid noise."
-    def after(self, cfg, where: str):
-        r, base = cfg.recipe, SCHEDULES.choose(cfg.gdf.noise_schedule)()
-        check_range(r.logsnr_min, r.logsnr_max, ("logsnr_min", "logsnr_max"), cfg.gdf.noise_schedule, base.limits,
-                    where)
-        check_moving_range(cfg, base.limits, where)
-        if cfg.model.stage == "b" and r.pyramid_noise_discount:
-            raise ConfigError(f"{where}: key 'pyramid_noise_discount': {r.pyramid_noise_discount} is not valid for "
-                              "Stage B, which always trains with the reference's pyramid noise; expected 0")
-        check_density(cfg, base, where)
-
-register_config_hook("recipe", RecipeHook())

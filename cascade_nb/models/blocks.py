@@ -49,7 +49,7 @@ class ResBlock(nn.Module):
                                          nn.Dropout(dropout), nn.Linear(c * 4, c))
 
     takes_control = True   # a ControlNet hint is added to the input of every ResBlock (StageC, cascade_nb.controlnet)
-    level_input = "skip"   # the second input StageC's level loop (`run_level`) passes: the encoder's skip (or None)
+    level_input = "skip"   # the second input StageC's level loop (`_run_level`) passes: the encoder's skip (or None)
     def flops(self, L: int, S: int) -> int:
         "Multiply-adds of one forward, per sample, on `L` image tokens (`S` conditioning tokens: unused here)."
         c, k = self.depthwise.in_channels, self.depthwise.kernel_size[0]

@@ -7,6 +7,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/models.stage_c.html.md"""
 # %% ../../nbs/21_models.stage_c.ipynb #d2e61e28
 from __future__ import annotations
 import math, warnings
+from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,8 +20,8 @@ from ..registry import registry, UnknownChoice
 
 # %% auto #0
 __all__ = ['BLOCKS', 'register_block', 'STAGE_C_PRESETS', 'r_embedding', 'res_block', 'attn_block', 'feed_forward_block',
-           'timestep_block', 'stage_c_block', 'level_switch', 'stage_c_down_path', 'stage_c_up_path', 'stage_c_init_',
-           'StageC', 'run_level', 'unet_levels', 'save_stage_c', 'load_stage_c']
+           'timestep_block', 'stage_c_block', 'level_switch', 'stage_c_down_path', 'stage_c_up_path', 'StageCConfig',
+           'CascadeUNet', 'StageC', 'save_stage_c', 'load_stage_c']
 
 # %% ../../nbs/21_models.stage_c.ipynb #dccfa4b4
 def r_embedding(r: torch.Tensor, c_r: int = 64, max_positions: int = 10000) -> torch.Tensor:
@@ -119,112 +120,164 @@ def stage_c_up_path(c_hidden, blocks, block_repeat, level_config, make_block, sw
                                             for _ in range(block_repeat[::-1][i] - 1)))
     return up_blocks, upscalers, repeat_mappers
 
-# %% ../../nbs/21_models.stage_c.ipynb #aefac148
-@torch.no_grad()
-def stage_c_init_(model):
-    """In place, the reference's init of a StageC (xavier, N(0, .02) CLIP mappers, zero output conv, zero
-    TimestepBlocks, scaled MLP outputs)."""
-    if any(p.is_meta for p in model.parameters()): return
-    for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):   # as the reference: not ConvTranspose2d
-            nn.init.xavier_uniform_(m.weight)
-            if m.bias is not None: nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.MultiheadAttention):  # its Linear layout is a fused (3C, C) matrix
-            nn.init.xavier_uniform_(m.in_proj_weight); nn.init.zeros_(m.in_proj_bias)
-    for mapper in model._cond_mappers(): nn.init.normal_(mapper.weight, std=0.02)
-    nn.init.xavier_uniform_(model.embedding[1].weight, gain=0.02)
-    nn.init.zeros_(model.clf[1].weight)
-    scale = math.sqrt(1 / sum(model.config['blocks'][0]))
-    for block in model.modules():
-        if isinstance(block, (ResBlock, FeedForwardBlock)): block.channelwise[-1].weight.mul_(scale)
-        elif isinstance(block, TimestepBlock):
-            for lin in block.modules():
-                if isinstance(lin, nn.Linear): nn.init.zeros_(lin.weight)
-
 # %% ../../nbs/21_models.stage_c.ipynb #da4592d0
-_SIZE_KEYS = ('c_in', 'c_out', 'c_r', 'patch_size', 'c_cond', 'c_clip_text', 'c_clip_text_pooled', 'c_clip_img',
-              'c_clip_seq', 'kernel_size')
-"The arguments that are sizes: each an integer >= 1 (torch builds a layer of size 0 and fails only in `forward`)."
+@dataclass
+class StageCConfig:
+    "A Stage C's architecture (the reference's constructor arguments): what `StageC` is built from and saves."
+    c_in: int = 16
+    c_out: int = 16
+    c_r: int = 64
+    patch_size: int = 1
+    c_cond: int = 2048
+    c_hidden: tuple = (2048, 2048)
+    nhead: tuple = (32, 32)
+    blocks: tuple = ((8, 24), (24, 8))
+    block_repeat: tuple = ((1, 1), (1, 1))
+    level_config: tuple = ('CTA', 'CTA')
+    c_clip_text: int = 1280
+    c_clip_text_pooled: int = 1280
+    c_clip_img: int = 768
+    c_clip_seq: int = 4
+    kernel_size: int = 3
+    dropout: tuple | float = (0.1, 0.1)
+    self_attn: tuple | bool = True
+    t_conds: tuple = ('sca', 'crp')
+    switch_level: tuple | None = (False,)
 
-def _check_sizes(name: str, sizes: dict):
-    "A `ValueError` naming the first of `sizes` out of range: not an integer >= 1, or an even `kernel_size`."
-    for k, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: {k}={v!r} is out of range; expected an integer >= 1")
-    if sizes['kernel_size'] % 2 == 0:
-        raise ValueError(f"{name}: kernel_size={sizes['kernel_size']} is even; expected an odd integer >= 1 (the "
-                         "convolutions pad kernel_size // 2 on each side, which keeps a latent's size only when odd)")
+    SIZES = ('c_in', 'c_out', 'c_r', 'patch_size', 'c_cond', 'c_clip_text', 'c_clip_text_pooled', 'c_clip_img',
+             'c_clip_seq', 'kernel_size')
+    "The arguments that are sizes: each an integer >= 1 (torch builds a layer of size 0 and fails only in `forward`)."
 
-def _stage_c_build(model, c_in, c_out, c_r, patch_size, c_cond, c_hidden, nhead, blocks, block_repeat,
-                   level_config, c_clip_text, c_clip_text_pooled, c_clip_img, c_clip_seq, kernel_size, dropout,
-                   self_attn, t_conds, switch_level, gradient_checkpointing):
-    "The body of `StageC.__init__` (before `init_weights`): config, conditioning mappers, embedding, paths, head."
-    _check_sizes(type(model).__name__, {k: v for k, v in locals().items() if k in _SIZE_KEYS})
-    n = len(c_hidden)
-    dropout, self_attn = _per_level(dropout, n), _per_level(self_attn, n)
-    model.config = dict(c_in=c_in, c_out=c_out, c_r=c_r, patch_size=patch_size, c_cond=c_cond,
-                        c_hidden=tuple(c_hidden), nhead=tuple(nhead), blocks=tuple(map(tuple, blocks)),
-                        block_repeat=tuple(map(tuple, block_repeat)), level_config=tuple(level_config),
-                        c_clip_text=c_clip_text, c_clip_text_pooled=c_clip_text_pooled, c_clip_img=c_clip_img,
-                        c_clip_seq=c_clip_seq, kernel_size=kernel_size, dropout=dropout, self_attn=self_attn,
-                        t_conds=tuple(t_conds), switch_level=None if switch_level is None else tuple(switch_level))
-    for k in ('nhead', 'level_config', 'dropout', 'self_attn'):
-        if len(model.config[k]) != n:
-            raise ValueError(f"StageC: {k} has {len(model.config[k])} entries, c_hidden has {n}")
-    model.c_r, model.t_conds, model.c_clip_seq = c_r, tuple(t_conds), c_clip_seq
-    model.gradient_checkpointing = gradient_checkpointing
+    def resolved(self, name: str = "StageC") -> StageCConfig:
+        "Checked (a `ValueError` naming `name` and the key) and in plain form: tuples, one dropout/self_attn per level."
+        for k in self.SIZES:
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: {k}={v!r} is out of range; expected an integer >= 1")
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"{name}: kernel_size={self.kernel_size} is even; expected an odd integer >= 1 (the "
+                             "convolutions pad kernel_size // 2 on each side, which keeps a latent's size only when "
+                             "odd)")
+        n = len(self.c_hidden)
+        switch = None if self.switch_level is None else tuple(self.switch_level)
+        c = replace(self, c_hidden=tuple(self.c_hidden), nhead=tuple(self.nhead), blocks=tuple(map(tuple, self.blocks)),
+                    block_repeat=tuple(map(tuple, self.block_repeat)), level_config=tuple(self.level_config),
+                    dropout=_per_level(self.dropout, n), self_attn=_per_level(self.self_attn, n),
+                    t_conds=tuple(self.t_conds), switch_level=switch)
+        for k in ('nhead', 'level_config', 'dropout', 'self_attn'):
+            if len(getattr(c, k)) != n:
+                raise ValueError(f"StageC: {k} has {len(getattr(c, k))} entries, c_hidden has {n}")
+        return c
 
-    # conditioning: 77 text tokens + 4 pooled-text tokens + 4 image tokens → (B, 85, c_cond)
-    model.clip_txt_mapper = nn.Linear(c_clip_text, c_cond)
-    model.clip_txt_pooled_mapper = nn.Linear(c_clip_text_pooled, c_cond * c_clip_seq)
-    model.clip_img_mapper = nn.Linear(c_clip_img, c_cond * c_clip_seq)
-    model.clip_norm = nn.LayerNorm(c_cond, elementwise_affine=False, eps=1e-6)
+# %% ../../nbs/21_models.stage_c.ipynb #74109758
+class CascadeUNet(nn.Module):
+    """What Stage C and Stage B share once their layers are built: the noise-level embedding, the inputs in the
+    weights' dtype, and the walk through the levels (`down_*`, `up_*`, `clf`, set by the subclass)."""
+    gradient_checkpointing = False
 
-    model.embedding = nn.Sequential(nn.PixelUnshuffle(patch_size),
-                                    nn.Conv2d(c_in * patch_size ** 2, c_hidden[0], kernel_size=1),
-                                    LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6))
+    def gen_r_embedding(self, r, **conds) -> torch.Tensor:
+        "(B, c_r·(1+len(t_conds))): embeddings of r and of each t_cond (a scalar or a (B,) tensor, default 0)."
+        embs = [r_embedding(r, self.c_r)] + [r_embedding(_as_batch(conds.get(c, 0.), r), self.c_r)
+                                             for c in self.t_conds]
+        return torch.cat(embs, dim=1)
 
-    make = lambda letter, i, c_skip=0: stage_c_block(letter, c_hidden[i], c_cond, c_r, nhead[i], kernel_size,
-                                                     dropout[i], self_attn[i], t_conds, c_skip, level_config)
-    model.down_blocks, model.down_downscalers, model.down_repeat_mappers = stage_c_down_path(
-        c_hidden, blocks[0], block_repeat[0], level_config, make, switch_level)
-    model.up_blocks, model.up_upscalers, model.up_repeat_mappers = stage_c_up_path(
-        c_hidden, blocks[1], block_repeat[1], level_config, make, switch_level)
+    def _as_weights(self, *tensors):
+        "The inputs in the weights' dtype, so bf16 weights also run without autocast (None stays None)."
+        dtype = next(self.parameters()).dtype
+        return [t if t is None else t.to(dtype) for t in tensors]
 
-    model.clf = nn.Sequential(LayerNorm2d(c_hidden[0], elementwise_affine=False, eps=1e-6),
-                              nn.Conv2d(c_hidden[0], c_out * patch_size ** 2, kernel_size=1),
-                              nn.PixelShuffle(patch_size))
+    def _run(self, block, *args):
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
-# %% ../../nbs/21_models.stage_c.ipynb #e3daa946
-def _stage_c_c_embeddings(model, clip_text, clip_text_pooled, clip_img) -> torch.Tensor:
-    "`StageC.gen_c_embeddings`: the mapped text tokens, then pooled text and image embeddings, c_clip_seq tokens each."
-    B = clip_text.shape[0]
-    pooled = clip_text_pooled.reshape(B, -1, clip_text_pooled.shape[-1])       # (B, 1, C) also from (B, C)
-    img = clip_img.reshape(B, -1, clip_img.shape[-1])
-    seq = [model.clip_txt_mapper(clip_text),
-           model.clip_txt_pooled_mapper(pooled).view(B, pooled.shape[1] * model.c_clip_seq, -1),
-           model.clip_img_mapper(img).view(B, img.shape[1] * model.c_clip_seq, -1)]
-    return model.clip_norm(torch.cat(seq, dim=1))
+    def _run_level(self, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
+        "One level: its blocks, `len(repeat_mappers) + 1` times."
+        for rep in range(len(repeat_mappers) + 1):
+            for k, block in enumerate(blocks):
+                # what a block may ask for
+                inputs = {"skip": skip if k == 0 else None, "clip": clip, "r_embed": r_embed}
+                extra, s = getattr(block, "level_input", None), inputs["skip"]
+                # an up level's first block: x is resized to the skip before the ControlNet hint is added (as the
+                # reference)
+                if extra == "skip" and s is not None and s.shape[-2:] != x.shape[-2:]:
+                    x = F.interpolate(x.float(), s.shape[-2:], mode='bilinear', align_corners=True).to(x.dtype)
+                if getattr(block, "takes_control", False):
+                    hint = next(cnet, None)
+                    if hint is not None:
+                        x = x + F.interpolate(hint.to(x.dtype), size=x.shape[-2:], mode='bilinear', align_corners=True)
+                if extra is None: x = self._run(block, x); continue
+                x = self._run(block, x, inputs[extra])
+            if rep < len(repeat_mappers): x = repeat_mappers[rep](x)
+        return x
+
+    def _levels(self, x, r_embed, clip, cnet=None) -> torch.Tensor:
+        """Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips,
+        `clf`."""
+        x = x.contiguous(memory_format=torch.channels_last)   # (B, C, H, W) stored as (B, H, W, C)
+        if x.dtype == torch.float16:   # fp16 weights or fp16 autocast
+            warnings.warn(f"{type(self).__name__} in float16: its activations overflow fp16 (max 65504); "
+                          "use bfloat16 or float32")
+        r_embed, clip, cnet = r_embed.to(x.dtype), clip.to(x.dtype), iter(cnet if cnet is not None else ())
+        level_outputs = []
+        for blocks, downscaler, repmap in zip(self.down_blocks, self.down_downscalers, self.down_repeat_mappers):
+            x = self._run_level(downscaler(x), blocks, repmap, r_embed, clip, cnet)
+            level_outputs.insert(0, x)                                          # deepest first
+        x = level_outputs[0]
+        for i, (blocks, upscaler, repmap) in enumerate(zip(self.up_blocks, self.up_upscalers, self.up_repeat_mappers)):
+            skip = level_outputs[i] if i > 0 else None
+            x = upscaler(self._run_level(x, blocks, repmap, r_embed, clip, cnet, skip=skip))
+        return self.clf(x).contiguous()
 
 # %% ../../nbs/21_models.stage_c.ipynb #7aadbdf3
-class StageC(nn.Module):
+class StageC(CascadeUNet):
     "Stable Cascade's Stage C: a text-conditional diffusion prior over 16×24×24 EfficientNet latents (Würstchen v3)."
-    def __init__(self, c_in=16, c_out=16, c_r=64, patch_size=1, c_cond=2048, c_hidden=(2048, 2048), nhead=(32, 32),
-                 blocks=((8, 24), (24, 8)), block_repeat=((1, 1), (1, 1)), level_config=('CTA', 'CTA'),
-                 c_clip_text=1280, c_clip_text_pooled=1280, c_clip_img=768, c_clip_seq=4, kernel_size=3,
-                 dropout=(0.1, 0.1), self_attn=True, t_conds=('sca', 'crp'), switch_level=(False,),
-                 gradient_checkpointing: bool = False):
+    def __init__(self, config: StageCConfig | None = None, gradient_checkpointing: bool = False, **kw):
+        "Built from `config` (default: the 3.6B model), any of its fields overridden by keyword: `StageC(c_in=3)`."
         super().__init__()
-        _stage_c_build(self, c_in=c_in, c_out=c_out, c_r=c_r, patch_size=patch_size, c_cond=c_cond, c_hidden=c_hidden,
-                       nhead=nhead, blocks=blocks, block_repeat=block_repeat, level_config=level_config,
-                       c_clip_text=c_clip_text, c_clip_text_pooled=c_clip_text_pooled, c_clip_img=c_clip_img,
-                       c_clip_seq=c_clip_seq, kernel_size=kernel_size, dropout=dropout, self_attn=self_attn,
-                       t_conds=t_conds, switch_level=switch_level, gradient_checkpointing=gradient_checkpointing)
+        c = replace(config or StageCConfig(), **kw).resolved(type(self).__name__)
+        self.config = asdict(c)   # what `save_stage_c` writes beside the weights
+        self.c_r, self.t_conds, self.c_clip_seq = c.c_r, c.t_conds, c.c_clip_seq
+        self.gradient_checkpointing = gradient_checkpointing
+        # conditioning: 77 text tokens + 4 pooled-text tokens + 4 image tokens → (B, 85, c_cond)
+        self.clip_txt_mapper = nn.Linear(c.c_clip_text, c.c_cond)
+        self.clip_txt_pooled_mapper = nn.Linear(c.c_clip_text_pooled, c.c_cond * c.c_clip_seq)
+        self.clip_img_mapper = nn.Linear(c.c_clip_img, c.c_cond * c.c_clip_seq)
+        self.clip_norm = nn.LayerNorm(c.c_cond, elementwise_affine=False, eps=1e-6)
+        self.embedding = nn.Sequential(nn.PixelUnshuffle(c.patch_size),
+                                       nn.Conv2d(c.c_in * c.patch_size ** 2, c.c_hidden[0], kernel_size=1),
+                                       LayerNorm2d(c.c_hidden[0], elementwise_affine=False, eps=1e-6))
+        make = lambda letter, i, c_skip=0: stage_c_block(letter, c.c_hidden[i], c.c_cond, c.c_r, c.nhead[i],
+            c.kernel_size, c.dropout[i], c.self_attn[i], c.t_conds, c_skip, c.level_config)
+        self.down_blocks, self.down_downscalers, self.down_repeat_mappers = stage_c_down_path(
+            c.c_hidden, c.blocks[0], c.block_repeat[0], c.level_config, make, c.switch_level)
+        self.up_blocks, self.up_upscalers, self.up_repeat_mappers = stage_c_up_path(
+            c.c_hidden, c.blocks[1], c.block_repeat[1], c.level_config, make, c.switch_level)
+        self.clf = nn.Sequential(LayerNorm2d(c.c_hidden[0], elementwise_affine=False, eps=1e-6),
+                                 nn.Conv2d(c.c_hidden[0], c.c_out * c.patch_size ** 2, kernel_size=1),
+                                 nn.PixelShuffle(c.patch_size))
         self.init_weights()
 
+    @torch.no_grad()
     def init_weights(self):
-        "The reference's init (see `stage_c_init_`)."
-        stage_c_init_(self)
+        """In place, the reference's init (xavier, N(0, .02) conditioning mappers, zero output conv, zero
+        TimestepBlocks, scaled MLP outputs)."""
+        if any(p.is_meta for p in self.parameters()): return
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):   # as the reference: not ConvTranspose2d
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None: nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.MultiheadAttention):  # its Linear layout is a fused (3C, C) matrix
+                nn.init.xavier_uniform_(m.in_proj_weight); nn.init.zeros_(m.in_proj_bias)
+        for mapper in self._cond_mappers(): nn.init.normal_(mapper.weight, std=0.02)
+        nn.init.xavier_uniform_(self.embedding[1].weight, gain=0.02)
+        nn.init.zeros_(self.clf[1].weight)
+        scale = math.sqrt(1 / sum(self.config['blocks'][0]))
+        for block in self.modules():
+            if isinstance(block, (ResBlock, FeedForwardBlock)): block.channelwise[-1].weight.mul_(scale)
+            elif isinstance(block, TimestepBlock):
+                for lin in block.modules():
+                    if isinstance(lin, nn.Linear): nn.init.zeros_(lin.weight)
 
     def _cond_mappers(self) -> tuple[nn.Module, ...]:
         "The conditioning mappers the init draws from N(0, 0.02) (a subclass with other conditions names its own)."
@@ -237,24 +290,16 @@ class StageC(nn.Module):
             raise ValueError(f"unknown StageC preset {name!r}; choose one of {sorted(STAGE_C_PRESETS)}")
         return cls(**{**STAGE_C_PRESETS[name], **overrides})
 
-    def gen_r_embedding(self, r, **conds) -> torch.Tensor:
-        "(B, c_r·(1+len(t_conds))): embeddings of r and of each t_cond (a scalar or a (B,) tensor, default 0)."
-        embs = [r_embedding(r, self.c_r)] + [r_embedding(_as_batch(conds.get(c, 0.), r), self.c_r)
-                                             for c in self.t_conds]
-        return torch.cat(embs, dim=1)
-
     def gen_c_embeddings(self, clip_text, clip_text_pooled, clip_img) -> torch.Tensor:
         """(B, 77 + 2·c_clip_seq, c_cond): mapped text tokens, pooled text and image embeddings as c_clip_seq tokens
         each."""
-        return _stage_c_c_embeddings(self, clip_text, clip_text_pooled, clip_img)
-
-    def _run(self, block, *args):
-        if self.gradient_checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, *args, use_reentrant=False)
-        return block(*args)
-
-    def _run_level(self, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
-        return run_level(self, x, blocks, repeat_mappers, r_embed, clip, cnet, skip)
+        B = clip_text.shape[0]
+        pooled = clip_text_pooled.reshape(B, -1, clip_text_pooled.shape[-1])       # (B, 1, C) also from (B, C)
+        img = clip_img.reshape(B, -1, clip_img.shape[-1])
+        seq = [self.clip_txt_mapper(clip_text),
+               self.clip_txt_pooled_mapper(pooled).view(B, pooled.shape[1] * self.c_clip_seq, -1),
+               self.clip_img_mapper(img).view(B, img.shape[1] * self.c_clip_seq, -1)]
+        return self.clip_norm(torch.cat(seq, dim=1))
 
     def forward(self, x, r, clip_text, clip_text_pooled, clip_img=None, cnet=None, **kwargs):
         """Predict the target for latents x (B, c_in, H, W) at noise level r (B,); `kwargs` may hold the t_conds
@@ -264,52 +309,6 @@ class StageC(nn.Module):
         r_embed = self.gen_r_embedding(r, **kwargs)
         clip = self.gen_c_embeddings(clip_text, clip_text_pooled, clip_img)
         return self._levels(self.embedding(x), r_embed, clip, cnet)
-
-    def _as_weights(self, *tensors):
-        "The inputs in the weights' dtype, so bf16 weights also run without autocast (None stays None)."
-        dtype = next(self.parameters()).dtype
-        return [t if t is None else t.to(dtype) for t in tensors]
-
-    def _levels(self, x, r_embed, clip, cnet=None) -> torch.Tensor:
-        """Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips,
-        `clf`."""
-        return unet_levels(self, x, r_embed, clip, cnet)
-
-# %% ../../nbs/21_models.stage_c.ipynb #74109758
-def run_level(model, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
-    "One level of `model` (a StageC): its blocks, `len(repeat_mappers) + 1` times."
-    for rep in range(len(repeat_mappers) + 1):
-        for k, block in enumerate(blocks):
-            inputs = {"skip": skip if k == 0 else None, "clip": clip, "r_embed": r_embed}   # what a block may ask for
-            extra = getattr(block, "level_input", None)
-            # an up level's first block: x is resized to the skip before the ControlNet hint is added (as the reference)
-            if extra == "skip" and inputs["skip"] is not None and inputs["skip"].shape[-2:] != x.shape[-2:]:
-                x = F.interpolate(x.float(), inputs["skip"].shape[-2:], mode='bilinear', align_corners=True).to(x.dtype)
-            if getattr(block, "takes_control", False):
-                hint = next(cnet, None)
-                if hint is not None:
-                    x = x + F.interpolate(hint.to(x.dtype), size=x.shape[-2:], mode='bilinear', align_corners=True)
-            if extra is None: x = model._run(block, x); continue
-            x = model._run(block, x, inputs[extra])
-        if rep < len(repeat_mappers): x = repeat_mappers[rep](x)
-    return x
-
-# %% ../../nbs/21_models.stage_c.ipynb #4a44078f
-def unet_levels(model, x, r_embed, clip, cnet=None) -> torch.Tensor:
-    "Embedded input (B, c_hidden[0], h, w) → output (B, c_out, H, W): the down levels, the up levels with skips, `clf`."
-    x = x.contiguous(memory_format=torch.channels_last)   # (B, C, H, W) stored as (B, H, W, C)
-    if x.dtype == torch.float16:   # fp16 weights or fp16 autocast
-        warnings.warn(f"{type(model).__name__} in float16: its activations overflow fp16 (max 65504); "
-                      "use bfloat16 or float32")
-    r_embed, clip, cnet = r_embed.to(x.dtype), clip.to(x.dtype), iter(cnet if cnet is not None else ())
-    level_outputs = []
-    for blocks, downscaler, repmap in zip(model.down_blocks, model.down_downscalers, model.down_repeat_mappers):
-        x = model._run_level(downscaler(x), blocks, repmap, r_embed, clip, cnet)
-        level_outputs.insert(0, x)                                          # deepest first
-    x = level_outputs[0]
-    for i, (blocks, upscaler, repmap) in enumerate(zip(model.up_blocks, model.up_upscalers, model.up_repeat_mappers)):
-        x = upscaler(model._run_level(x, blocks, repmap, r_embed, clip, cnet, skip=level_outputs[i] if i > 0 else None))
-    return model.clf(x).contiguous()
 
 # %% ../../nbs/21_models.stage_c.ipynb #a5f646b7
 STAGE_C_PRESETS = {
