@@ -70,7 +70,7 @@ def registry_table(registry: Registry) -> str:
     return "\n".join([f"| {registry.words} | what it is |", "|---|---|", *rows])
 
 # %% ../nbs/00a_registry.ipynb #eafdb976
-BUILTIN_PARTS = ("cascade_nb.gdf", "cascade_nb.run_state", "cascade_nb.modes", "cascade_nb.prompt_samples",
+BUILTIN_PARTS = ("cascade_nb.gdf", "cascade_nb.optimizers", "cascade_nb.modes", "cascade_nb.prompt_samples",
                  "cascade_nb.train", "cascade_nb.eval", "cascade_nb.report", "cascade_nb.lora",
                  "cascade_nb.adapter_files", "cascade_nb.controlnet", "cascade_nb.distill", "cascade_nb.check")
 """Every module of the package that registers built-in parts (config sections and hooks, schedules, loss weights,

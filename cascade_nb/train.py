@@ -30,14 +30,15 @@ from .gdf.recipe import schedule_at_update
 from .gdf.samplers import SAMPLERS
 from .data.sources import format_skips
 from fastprogress.fastprogress import progress_bar
-from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
-                                  FusedBackward, evaluation_view, named_groups, optimizer_groups, describe_groups,
-                                  group_lrs, group_layout, released_ema, StopWaiting,
-                                  ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
-                                  NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
-                                  RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
-                                  load_training_state, check_checkpoint_files, save_sample_grid,
+from .ema import released_ema, ema_beta_at, EMA, gather_ema, ema_weights
+from .optimizers import (LRSchedule, OPTIMIZERS, set_lr, FusedBackward, evaluation_view, named_groups,
+                                   optimizer_groups, describe_groups, group_lrs, group_layout)
+from .train_state import (TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite,
+                                    TRAINING_HOOKS)
+from .run_state import (write_weights, fsync_tree, RunDir, RunDirError, training_generator,
+                                  save_training_state, load_training_state, check_checkpoint_files, save_sample_grid,
                                   save_model_state, load_model_state)
+from .stop_signals import StopFlag, next_batch, die_with_parent, StopAgreement, StopWaiting
 from .data.buckets import (bucket_sizes, resolution_at, bucket_at, resize_cover, LATENT_COMPRESSION,
                                      size_rule, check_resolution_schedule, at_resolution)
 
