@@ -73,7 +73,7 @@ def label_phases(phases: Phases):
     "Wrap the trainer's steps in phase labels (module globals and classes the loop looks up at call time)."
     import accelerate
     import cascade_nb.train as T
-    from cascade_nb.run_state import NonFiniteGuard
+    from cascade_nb.train_state import NonFiniteGuard
     build_models = T.build_models
     def build_labelled(cfg, acc):
         mode, net, gdf, ema = build_models(cfg, acc)

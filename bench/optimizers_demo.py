@@ -43,7 +43,7 @@ torch.set_num_threads(1)
 
 import cascade_nb.train as T
 from cascade_nb.config import load_config
-from cascade_nb.run_state import OPTIMIZERS
+from cascade_nb.optimizers import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.yaml"

@@ -25,7 +25,8 @@ from accelerate import Accelerator
 from cascade_nb.models.stage_c import StageC
 from cascade_nb.gdf.presets import stage_c_gdf
 from cascade_nb.modes import diffusion_loss
-from cascade_nb.run_state import LRSchedule, ema_update_
+from cascade_nb.ema import ema_update_
+from cascade_nb.optimizers import LRSchedule
 
 torch.manual_seed(0)
 over = dict(tiny={}, mid=dict(c_hidden=(256, 256), nhead=(4, 4), blocks=((2, 4), (4, 2))))[args.preset]

@@ -14,7 +14,8 @@ from .config import Config, ConfigError, load_config
 from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .registry import registry, load_builtin_parts
 from .modes import TRAINING_MODES
-from .run_state import training_hook, optimizer_groups
+from .optimizers import optimizer_groups
+from .train_state import training_hook
 from .train import LAUNCH_CHECKS
 from .memory import GB, plan_memory, suggest, meta_generator
 

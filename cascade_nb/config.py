@@ -194,7 +194,7 @@ class TrainConfig:
     lr_cycles: int = 1                    # cosine_with_restarts: cosine cycles over the run
     lr_power: float = 1.0                 # polynomial: the decay's power (1 = linear)
     scale_lr: bool = False                # lr *= batch per process * accumulation * processes (SD v1 rule)
-    # adamw, adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw (run_state.OPTIMIZERS) or a registered one
+    # adamw, adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw (optimizers.OPTIMIZERS) or a registered one
     optimizer: Choice["optimizer"] = "adamw"
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # the optimizer's own options, e.g. {d_coef: 0.5}
     # one GPU: step each weight inside backward and free its gradient at once (no full-size gradients in memory)
@@ -203,7 +203,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     # the lr and weight decay of each group of trained parameters the mode names (full: generator; lora: adapters,
     # tokens, text_encoder_adapters; controlnet: backbone, projections), e.g. {tokens: {lr: 5e-3, weight_decay: 0}};
-    # a key left out is the run's lr / weight_decay (nbs/40_run_state, parameter groups)
+    # a key left out is the run's lr / weight_decay (nbs/40a_optimizers, parameter groups)
     param_groups: dict[str, dict[str, float]] = field(default_factory=dict)
     # {module-path pattern (substring or regex): multiplier of its group's lr}; the first match wins; 0 freezes
     lr_multipliers: dict[str, float] = field(default_factory=dict)

@@ -291,7 +291,7 @@ class StudentTarget(nn.Module):
     def forward(self, x, r, **conds): return (self.target if self.as_target else self.student)(x, r, **conds)
 
 # on each process's own tensors: under FSDP both are sharded alike, no gather
-from .run_state import ema_update_
+from .ema import ema_update_
 
 # %% ../nbs/62_distill.ipynb #58a8e21f
 from accelerate.utils import extract_model_from_parallel

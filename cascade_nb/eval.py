@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from .config import Config, ConfigError
 from .registry import load_builtin_parts
 from .core import save_safetensors_atomic, images_to_device
-from .run_state import training_hook, ema_weights, released_ema, evaluation_view
+from .ema import ema_weights, released_ema
+from .optimizers import evaluation_view
+from .train_state import training_hook
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 

@@ -22,7 +22,7 @@ from .config import ConfigError, ConfigHook, config_section, register_config_hoo
 from .data.sources import source_entries
 from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY, Choice, Range
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, sample_weights, TRAINING_MODES
-from .run_state import first_match
+from .optimizers import first_match
 from .modes import released_file
 
 # %% auto #0
@@ -44,7 +44,7 @@ __all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'TEXT_ENCODER_PREFIX'
 # %% ../nbs/60_lora.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
     "True when a module name contains one of `filters` as a substring or matches it as a regular expression."
-    return first_match(name, filters) is not None   # the rule of `lr_multipliers` too (nbs/40_run_state)
+    return first_match(name, filters) is not None   # the rule of `lr_multipliers` too (nbs/40a_optimizers)
 
 # %% ../nbs/60_lora.ipynb #99d74491
 def lora_targets(model: nn.Module, filters) -> list[str]:
@@ -1619,7 +1619,7 @@ class LoraTraining(TrainingMode):
     supports_ema = True    # of the adapters and token rows only (`base_is_rebuilt`), released as `lora_ema.safetensors`
     trains_generator, base_is_rebuilt = False, True   # the state: adapters and token rows, not the frozen generator
     predicts_prior = True  # `prior: true` samples: the target is the base's prediction (adapters off)
-    param_group_names, param_group = LORA_PARAM_GROUPS, staticmethod(lora_param_group)   # (nbs/40_run_state)
+    param_group_names, param_group = LORA_PARAM_GROUPS, staticmethod(lora_param_group)   # (nbs/40a_optimizers)
     @classmethod
     def selected_by(cls, cfg): return _lora_selected(cfg)
     @classmethod

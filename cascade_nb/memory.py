@@ -14,7 +14,7 @@ from torch import nn
 from .config import Config, ConfigError, load_config
 from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .modes import TRAINING_MODES
-from .run_state import OPTIMIZERS
+from .optimizers import OPTIMIZERS
 # declared with the ControlNet; measured here
 from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet
 from .core import human_count, resolve_dtype, seeded_rand, seeded_randn

@@ -18,7 +18,10 @@ from .hub import parse_hub_spec
 from .gdf.presets import SAMPLING_DEFAULTS
 from .models.stage_b import stage_b_latents
 from .data.buckets import size_rule
-from .run_state import training_hook, ema_weights, evaluation_view, StopFlag, StopWaiting
+from .ema import ema_weights
+from .optimizers import evaluation_view
+from .train_state import training_hook
+from .stop_signals import StopFlag, StopWaiting
 from .sample import sample_run, save_png, _slug, chunk_seed
 from .train import LAUNCH_CHECKS, tracker_image
 

@@ -11,7 +11,7 @@ from .core import seeded_randn
 from .config import Config, ConfigError
 from .gdf.presets import training_shift
 from .gdf.samplers import SAMPLERS
-from .run_state import ema_weights
+from .ema import ema_weights
 
 # %% auto #0
 __all__ = ['sample_latents', 'sample_rows', 'validation_noise', 'validation_loss', 'per_process_batch', 'batch_stream',

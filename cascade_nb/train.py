@@ -28,14 +28,15 @@ from .gdf.recipe import schedule_at_update
 from .data.sources import format_skips
 from .run_data import sample_rows, validation_loss, per_process_batch, training_data, preview_batch
 from fastprogress.fastprogress import progress_bar
-from .run_state import (StopFlag, next_batch, die_with_parent, StopAgreement, LRSchedule, OPTIMIZERS, set_lr,
-                                  FusedBackward, evaluation_view, named_groups, optimizer_groups, describe_groups,
-                                  group_lrs, group_layout, released_ema, StopWaiting,
-                                  ema_beta_at, EMA, gather_ema, ema_weights, write_weights, TrainState, NonFiniteGuard,
-                                  NonFiniteLossError, NonFiniteWeightsError, all_finite, fsync_tree, RunDir,
-                                  RunDirError, TRAINING_HOOKS, training_generator, save_training_state,
-                                  load_training_state, check_checkpoint_files, save_sample_grid,
+from .ema import released_ema, ema_beta_at, EMA
+from .optimizers import (LRSchedule, OPTIMIZERS, set_lr, FusedBackward, evaluation_view, named_groups,
+                                   optimizer_groups, describe_groups, group_lrs, group_layout)
+from .train_state import (TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite,
+                                    TRAINING_HOOKS)
+from .run_state import (write_weights, fsync_tree, RunDir, RunDirError, training_generator,
+                                  save_training_state, load_training_state, check_checkpoint_files, save_sample_grid,
                                   save_model_state, load_model_state)
+from .stop_signals import StopFlag, next_batch, die_with_parent, StopAgreement, StopWaiting
 from .data.buckets import resolution_at, check_resolution_schedule, at_resolution
 
 # %% auto #0

@@ -49,7 +49,7 @@ class StopAt:
 def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
     from cascade_nb.config import load_config
     from cascade_nb.train import train
-    from cascade_nb.run_state import TRAINING_HOOKS
+    from cascade_nb.train_state import TRAINING_HOOKS
     run = lambda tmp, *kv: train(load_config(DEMO, overrides(tmp, "s", teacher, mode, "updates=3", "save_every=3", *kv)))
     ref = run(tmp_path / "ref")
     assert ref["update"] == 3 and type(ref["mode"]).name == mode.split("_")[0]

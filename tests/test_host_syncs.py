@@ -44,7 +44,7 @@ def tiny_cfg(tmp, name, *extra):
 
 def test_no_host_sync_between_logging_steps(tmp_path):
     from cascade_nb.train import train
-    from cascade_nb.run_state import TRAINING_HOOKS
+    from cascade_nb.train_state import TRAINING_HOOKS
     counter, per_update = SyncCounter(), []
     class Probe:
         def __init__(self, cfg): self.last = 0

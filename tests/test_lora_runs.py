@@ -1,6 +1,6 @@
 """Two tiny LoRA runs that carry every adapter-side feature at once, shared by the tests of each feature (a run is the
 cost; the assertions are cheap): configs/lora_demo.yaml with a trained token, adapters on the CLIP text encoder
-(nbs/60_lora, text encoder), parameter groups at their own lr and weight decay (nbs/40_run_state) and the EMA of the
+(nbs/60_lora, text encoder), parameter groups at their own lr and weight decay (nbs/40a_optimizers) and the EMA of the
 trained tensors, each run killed inside its commit of update 4 and resumed, with the EMA probe on the killed launch
 (tests/train_driver.py --ema-probe: the EMA by hand of every update's weights, and the collectives of each EMA update).
 

@@ -90,7 +90,7 @@ from pathlib import Path
 import torch
 from cascade_nb.gdf import BaseLossWeight, DDIMSampler, register_loss_weight, register_sampler
 from cascade_nb.modes import FullTraining, training_mode
-from cascade_nb.run_state import OptimizerSpec, register_optimizer, register_lr_schedule
+from cascade_nb.optimizers import OptimizerSpec, register_optimizer, register_lr_schedule
 
 def mark(what):
     with open(Path(__file__).with_name("calls.txt"), "a") as f: f.write(what + "\\n")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from conftest import run_cli
 from test_train import DRIVER, demo_args, info, weights, assert_identical, _launch_2proc, resumes_to_the_killed_state
 from cascade_nb.config import ConfigError, load_config
-from cascade_nb.run_state import OPTIMIZERS
+from cascade_nb.optimizers import OPTIMIZERS
 import cascade_nb.modes   # noqa: F401 -- configs load as every command loads them
 
 NEW = ("adamw8bit", "adafactor", "came", "lion", "prodigy", "schedulefree_adamw")

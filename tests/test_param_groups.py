@@ -1,4 +1,4 @@
-"""Parameter groups through the real trainer (nbs/40_run_state, parameter groups): a full fine-tune with per-block lr
+"""Parameter groups through the real trainer (nbs/40a_optimizers, parameter groups): a full fine-tune with per-block lr
 multipliers; `fused_backward` stepping each tensor at its group's lr. A LoRA run's groups (adapters, tokens, the text
 encoder's adapters at their own lr and weight decay, logged per group, exact across a kill and resume, a resume with
 other groups refused in one line) are tested on the shared run of tests/test_lora_runs.py."""
@@ -47,7 +47,7 @@ def test_full_training_with_block_multipliers(tmp_path):
 def test_fused_backward_steps_each_tensor_at_its_group_lr():
     "One optimizer per tensor (`fused_backward`) gives the plain optimizer's weights, bit for bit, group settings kept."
     from types import SimpleNamespace
-    from cascade_nb.run_state import FusedBackward, OPTIMIZERS, named_groups, optimizer_groups
+    from cascade_nb.optimizers import FusedBackward, OPTIMIZERS, named_groups, optimizer_groups
     t = SimpleNamespace(lr=1e-2, weight_decay=0.01, adam_betas=(0.9, 0.999), adam_eps=1e-8, optimizer_args={},
                         param_groups={"tokens": {"lr": 5e-2, "weight_decay": 0.0}}, lr_multipliers={"body.1": 0.25})
     def build():

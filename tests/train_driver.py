@@ -52,7 +52,7 @@ if args.kill_in_commit is not None:
 
 TERM_SENT = False
 if args.term_at is not None:   # a hook the loop calls after every update: SIGTERM once update N is done
-    from cascade_nb.run_state import TRAINING_HOOKS
+    from cascade_nb.train_state import TRAINING_HOOKS
     class _Term:
         def __init__(self, cfg): pass
         @classmethod
@@ -158,7 +158,7 @@ if args.report_memory:
 
 if args.ema_probe:
     import json
-    import cascade_nb.run_state as RS
+    import cascade_nb.ema as E
     from torch.distributed.tensor.debug import CommDebugMode
     from safetensors.torch import save_file
     reference, probe_update = {}, [0]
@@ -176,7 +176,7 @@ if args.ema_probe:
                     reference[name] = full.clone() if beta == 0 else torch.lerp(reference[name], full, 1 - beta)
             if rank == 0: save_file({k: v.contiguous() for k, v in reference.items()}, args.ema_probe)
         return update
-    if hasattr(RS, "EMA"): RS.EMA.update_ = probed(RS.EMA.update_)   # the trainer's EMA object
+    if hasattr(E, "EMA"): E.EMA.update_ = probed(E.EMA.update_)      # the trainer's EMA object
     else: T.ema_update_ = probed(T.ema_update_)                      # before it: the function train() called
 
 if args.check_ddp_sync:   # compare weights across processes just before the trainer releases the DDP wrapper
