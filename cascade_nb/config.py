@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import yaml
-from .registry import Registry, registry, ConfigError, load_builtin_parts
+from .registry import Registry, ConfigError, load_builtin_parts
 from .typed_yaml import (Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, PROBABILITY, DECAY, coerce,
                                    read_yaml, read_yaml_file, read_json_file, MAX_CONFIG_BYTES, MAX_YAML_VALUES,
                                    _numeric)
@@ -22,12 +22,11 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
 
 # %% auto #0
 __all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SECTIONS', 'BUILTIN_SECTIONS', 'RUN_NAME', 'NULL_TURNS_OFF',
-           'CONFIG_HOOKS', 'register_config_hook', 'GROUP_KEYS', 'key_sections', 'config_section', 'ModelConfig',
-           'GDFConfig', 'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig',
-           'key_range', 'check_range', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook',
-           'need', 'config_from_run', 'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE',
-           'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES',
-           'MAX_YAML_VALUES']
+           'CONFIG_HOOKS', 'register_config_hook', 'key_sections', 'config_section', 'ModelConfig', 'GDFConfig',
+           'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'key_range',
+           'check_range', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'need',
+           'config_from_run', 'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0',
+           'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"
@@ -477,21 +476,6 @@ register_config_hook = CONFIG_HOOKS.register
 ("`register_config_hook('name', hook)`: run `hook.before`/`hook.after` in every `load_config` "
  "(re-registering replaces).")
 
-# %% ../nbs/01_config.ipynb #pg05873d
-GROUP_KEYS = {"lr": POSITIVE, "weight_decay": AT_LEAST_0}
-"What a `param_groups` entry may set, and each one's range."
-
-def _check_param_groups(t, need):
-    "`param_groups` entries set `GROUP_KEYS` in range; `lr_multipliers` are patterns with multipliers >= 0."
-    for group, given in t.param_groups.items():
-        for k, v in given.items():
-            need(k in GROUP_KEYS, f"key 'param_groups.{group}.{k}' is unknown; expected {' or '.join(GROUP_KEYS)}")
-            need(v in GROUP_KEYS[k], f"key 'param_groups.{group}.{k}': {v!r} is out of range; expected {GROUP_KEYS[k]}")
-    for pat, m in t.lr_multipliers.items():
-        need(bool(pat), "key 'lr_multipliers': an empty pattern matches every parameter; set lr instead")
-        need(m in AT_LEAST_0, f"key 'lr_multipliers.{pat}': {m!r} is out of range; expected {AT_LEAST_0} "
-                              "(0 freezes the parameters it matches)")
-
 # %% ../nbs/01_config.ipynb #8dddb117
 def need(ok, where: str, message: str):
     "Raise `ConfigError(f'{where}: {message}')` unless `ok`: the one-line form of a rule that spans keys."
@@ -506,7 +490,7 @@ def _check(cfg: Config, where: str, training: bool):
                      + {"experiment_id": " (the run's name; checkpoints go to {checkpoint_path}/{experiment_id}/)",
                         "webdataset_path": " (a folder of images + .txt captions, .tar shards, a brace pattern "
                                            "or a URL)"}.get(f.name, ""))
-    m, t = cfg.model, cfg.train
+    m = cfg.model
     need(m.dtype != "float16", where, "key 'dtype': 'float16' is not supported: Stable Cascade overflows fp16 "
                                       "(max 65504); use bfloat16 or float32")
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
@@ -514,17 +498,6 @@ def _check(cfg: Config, where: str, training: bool):
                                             f"{m.stage.upper()} preset; expected one of {presets}")
     # the rules of later modules' keys (the training mode, data, optimizers: `ConfigHook`), in reading order
     for hook in list(CONFIG_HOOKS.values()): hook.after(cfg, where)
-    if t.stochastic_rounding:
-        need(t.fused_backward, where, "key 'stochastic_rounding' needs fused_backward: true (each weight's step runs "
-                                      "on an fp32 copy of that one tensor, inside backward)")
-        need(m.dtype == "bfloat16", where, f"key 'stochastic_rounding' rounds into bf16 weights, but dtype is "
-                                           f"{m.dtype or 'float32'}; set dtype: bfloat16")
-    need(not t.fused_backward or t.grad_accum_steps == 1, where,
-         f"key 'fused_backward' updates each weight inside backward, so gradients cannot be accumulated over "
-         f"grad_accum_steps: {t.grad_accum_steps}; set grad_accum_steps: 1")
-    need(t.min_lr < t.lr, where, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends at "
-                                 "must be lower than the LR it starts from")
-    _check_param_groups(t, lambda ok, msg: need(ok, where, msg))
 
 # %% ../nbs/01_config.ipynb #711247d1
 def config_from_run(info_path: str | os.PathLike, overrides=(), training: bool = True) -> Config:

@@ -12,17 +12,17 @@ import torch
 from torch import nn
 from .core import human_count, seeded_rand
 from .registry import registry, ConfigError
-from .config import Config, ConfigHook, register_config_hook
-from .typed_yaml import Range, coerce
+from .config import Config, ConfigHook, need, register_config_hook
+from .typed_yaml import Range, coerce, POSITIVE, AT_LEAST_0
 from .ema import local_shard, resharded
 
 # %% auto #0
-__all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS', 'register_optimizer', 'constant_decay',
-           'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay', 'polynomial_decay', 'rex_decay',
-           'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec', 'FusedAdamW',
+__all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS', 'register_optimizer', 'GROUP_KEYS',
+           'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay', 'polynomial_decay',
+           'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec', 'FusedAdamW',
            'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
            'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups', 'group_settings',
-           'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'schedule_free_view',
+           'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'OptimizationHook', 'schedule_free_view',
            'ScheduleFreeAdamW', 'evaluation_view']
 
 # %% ../nbs/40a_optimizers.ipynb #adc89fbf
@@ -430,6 +430,38 @@ def describe_groups(groups: list[dict]) -> str:
 def group_layout(opt) -> list[list]:
     "[group, lr multiplier, tensors] of each torch param group: what a checkpoint records of them."
     return [[g.get("group"), g.get("lr_multiplier", 1.0), len(g["params"])] for g in getattr(opt, "param_groups", ())]
+
+# %% ../nbs/40a_optimizers.ipynb #a083c4a7
+GROUP_KEYS = {"lr": POSITIVE, "weight_decay": AT_LEAST_0}
+"What a `param_groups` entry may set, and each one's range."
+
+class OptimizationHook(ConfigHook):
+    """Loading a config: `param_groups` entries set `GROUP_KEYS` in range, `lr_multipliers` are patterns with
+    multipliers >= 0, and the numerics agree (stochastic rounding, the step inside backward, the LR's floor)."""
+    def after(self, cfg: Config, where: str):
+        t, dtype = cfg.train, cfg.model.dtype
+        for group, given in t.param_groups.items():
+            for k, v in given.items():
+                need(k in GROUP_KEYS, where, f"key 'param_groups.{group}.{k}' is unknown; expected "
+                                             f"{' or '.join(GROUP_KEYS)}")
+                need(v in GROUP_KEYS[k], where, f"key 'param_groups.{group}.{k}': {v!r} is out of range; expected "
+                                                f"{GROUP_KEYS[k]}")
+        for pat, m in t.lr_multipliers.items():
+            need(bool(pat), where, "key 'lr_multipliers': an empty pattern matches every parameter; set lr instead")
+            need(m in AT_LEAST_0, where, f"key 'lr_multipliers.{pat}': {m!r} is out of range; expected {AT_LEAST_0} "
+                                         "(0 freezes the parameters it matches)")
+        if t.stochastic_rounding:
+            need(t.fused_backward, where, "key 'stochastic_rounding' needs fused_backward: true (each weight's step "
+                                          "runs on an fp32 copy of that one tensor, inside backward)")
+            need(dtype == "bfloat16", where, f"key 'stochastic_rounding' rounds into bf16 weights, but dtype is "
+                                             f"{dtype or 'float32'}; set dtype: bfloat16")
+        need(not t.fused_backward or t.grad_accum_steps == 1, where,
+             f"key 'fused_backward' updates each weight inside backward, so gradients cannot be accumulated over "
+             f"grad_accum_steps: {t.grad_accum_steps}; set grad_accum_steps: 1")
+        need(t.min_lr < t.lr, where, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends "
+                                     "at must be lower than the LR it starts from")
+
+register_config_hook("optimization", OptimizationHook())
 
 # %% ../nbs/40a_optimizers.ipynb #98275f6e
 @contextlib.contextmanager
