@@ -129,7 +129,7 @@ class SourceEntry:
     weight: float = 1.0         # each sample is seen `weight` times an epoch, on average; 0: the entry is off
     loss_weight: float = 1.0    # multiplies the loss of its samples
     caption_prefix: str = ""    # put before each of its captions
-    # regularisation samples (prior preservation): their target is the frozen base's own prediction (nbs/60_lora)
+    # regularisation samples: their target is the frozen base's own prediction (nbs/60d_prior_preservation)
     prior: bool = False
     hflip: Optional[bool] = None   # mirror its samples (true/false); None: the data section's `hflip`
     # every sample's caption instead of its own, e.g. the class prompt of regularisation samples (prior: true) read

@@ -70,7 +70,7 @@ def test_sampling_with_the_lora_ema_restores_the_live_adapters():
     from cascade_nb.config import config_from_dict
     from cascade_nb.train import build_generator, build_text_encoder, PixelSpace, sample_rows
     from cascade_nb.gdf.presets import gdf_from_config
-    from cascade_nb.lora import LoraTraining
+    from cascade_nb.lora_training import LoraTraining
     from cascade_nb.run_state import EMA
     cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
                                 model_overrides={"c_in": 3, "c_out": 3, "patch_size": 2}, latent_space="pixels",
