@@ -237,7 +237,7 @@ def _teacher_memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1
                           student: type = FullTraining) -> MemoryTerms:
     ("The student's terms (`student`'s: full fine-tuning's, LoRA's for LCM-LoRA), plus the frozen teacher in its dtype "
      "and the mode's `extra_memory` rows.")
-    base = student.memory_terms.__func__(cls, cfg, generator, batch, side, prec)
+    base = student.memory_terms(cfg, generator, batch, side, prec)
     teacher = f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})"
     rows = {teacher: _teacher_params(cfg) * teacher_dtype(cfg).itemsize, **cls.extra_memory(cfg, generator)}
     return base._replace(rows={**(base.rows or {}), **rows})
