@@ -11,7 +11,7 @@
    the size of `lora.safetensors`, its trainable tensors, and the CPU time of the training process.
 
 Prints one line per type with its ratios to LoRA's (the reference run, made in the same invocation), writes
-bench/results/adapter_types.json and the markdown table nbs/60_lora.ipynb quotes.
+bench/results/adapter_types.json and the markdown table nbs/60_adapters.ipynb quotes.
 """
 import argparse, json, math, resource, subprocess, sys, time
 from pathlib import Path

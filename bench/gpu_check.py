@@ -91,7 +91,7 @@ def generator_rows(plan) -> int:
 
 def measure(cfg, S, device) -> float | None:
     "Peak bytes of two training steps of the config's generator (full or LoRA) on `device`; None on CPU."
-    from cascade_nb.lora import apply_lora
+    from cascade_nb.adapters import apply_lora
     m, t = cfg.model, cfg.train
     model = build(S["mem_preset"], device, torch.bfloat16 if m.dtype == "bfloat16" else torch.float32).train()
     model.gradient_checkpointing = m.gradient_checkpointing

@@ -12,7 +12,7 @@ peak; on CUDA `torch.cuda.max_memory_allocated` is reported too. One line: both 
 import argparse
 import torch
 from cascade_nb.models.stage_c import StageC
-from cascade_nb.lora import apply_lora, lora_layers
+from cascade_nb.adapters import apply_lora, lora_layers
 
 SIZES = {  # name: (StageC.from_preset('tiny') overrides, batch, latent side)
     'tiny': (dict(), 4, 24),

@@ -5,7 +5,7 @@
 1. The README's demo base (`configs/demo.yaml`, as shipped; skipped with `--base` naming a finished demo run).
 2. Two LoRA + new-token runs from `configs/lora_demo.yaml`, identical but for the regularisation entry: the instance
    set is the 64 smiley emoji of shard 0 (faces the base never saw), captioned `[emoji] <name>`; "with prior" adds the
-   base's own shards 2-5 as `prior: true` (their target is the frozen base's prediction, nbs/60_lora), weight 0.3 so
+   base's own shards 2-5 as `prior: true` (their target is the frozen base's prediction, nbs/60d_prior_preservation), weight 0.3 so
    that about half of each batch is regularisation, `prior_loss_weight` 1.
 3. Same-seed samples of the base and of each tuned run on the 32 captions the base was trained on (its
    `dataset_filters`; five of them end in "face", the word the instance captions share) and on 8 instance prompts.

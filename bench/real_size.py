@@ -358,7 +358,7 @@ def step_lora(ctx):
                                                        [str(ROOT/"cascade_nb"/"train.py")])
     summarise_run(ctx, "lora", config, overrides + ["mixed_precision=no"], run_id, first, second, stopped)
     run = ctx.work/"runs"/run_id
-    export = ("import time, torch; from safetensors.torch import load_file; from cascade_nb.lora import *; "
+    export = ("import time, torch; from safetensors.torch import load_file; from cascade_nb.lora_converters import to_kohya, save_peft_adapter; "
               "from cascade_nb.core import save_safetensors_atomic; "
               f"run = {str(run)!r}; t = time.time(); lora = load_file(run + '/lora.safetensors'); "
               "save_safetensors_atomic(to_kohya(lora), run + '/lora_kohya.safetensors'); "

@@ -156,10 +156,10 @@ def check_lr(ctx: CheckContext) -> list[Finding]:
 
 # %% ../nbs/71_check.ipynb #846e5d96
 def _lora_scale(cfg):
-    "LoRA, DoRA, LoHa and factorized LoKr scale by alpha/rank; OFT's rotation and a full-matrix LoKr have no scale."
-    lc = cfg.lora
-    if lc.adapter == "oft" or (lc.adapter == "lokr" and lc.full_matrix): return None
-    return (lc.lora_alpha or 1.0) / (lc.rank or 4), "lora_alpha/rank", f"{lc.lora_alpha or 1:g}/{lc.rank or 4}"
+    "The chosen adapter type's own factor (`Adapter.step_scale`: alpha/rank for LoRA, DoRA, LoHa, a factorized LoKr)."
+    from cascade_nb.lora_training import adapter_keys
+    cls, keys = adapter_keys(cfg.lora)
+    return cls.step_scale(keys)
 
 ADAPTER_SCALES: dict[str, Callable] = {"lora": _lora_scale}
 """Adapter mode -> `fn(cfg) -> (scale, its formula, the formula's values)`: the factor between the adapter's

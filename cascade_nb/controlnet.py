@@ -356,19 +356,19 @@ def merge_base_lora(cfg, generator, tokenizer=None, text_model=None):
     """A ControlNet run on a fine-tuned base: the LoRA file `lora_checkpoint_path` names (any adapter type; cascade_nb,
     kohya/ComfyUI or peft layout; a hub id) merged into the frozen `generator`, its tokens and text-encoder adapters
     into `text_model` when given."""
-    from cascade_nb.lora import load_lora_file
+    from cascade_nb.lora_converters import load_lora_file
     if cfg.lora.lora_checkpoint_path: load_lora_file(cfg.lora.lora_checkpoint_path, generator, tokenizer, text_model)
 
 def _controlnet_base_tokens(cfg, tokenizer, text_model) -> list[str]:
     "`ControlNetTraining.add_released_tokens`: the tokens and text-encoder adapters of its base's LoRA, if any."
-    from cascade_nb.lora import add_file_tokens
+    from cascade_nb.lora_training import add_file_tokens
     return add_file_tokens(p, tokenizer, text_model) if (p := cfg.lora.lora_checkpoint_path) else []
 
 # %% ../nbs/61_controlnet.ipynb #3e8bc1fa
 def _controlnet_released_generator(cls, cfg, run, ema):
     """`ControlNetTraining.released_generator`: the base generator of `run` with its `controlnet_ema.safetensors` (with
     `ema`, when it kept an EMA) or `controlnet.safetensors`."""
-    from cascade_nb.lora import lora_base_generator
+    from cascade_nb.lora_training import lora_base_generator
     from cascade_nb.modes import released_file
     path = released_file(run, "controlnet", ema)
     base = lora_base_generator(cfg, run, what="ControlNet")

@@ -20,7 +20,7 @@ from .gdf.core import cfg_batch, guide
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDIMSampler
 from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, unwrap_state_dict
-from .lora import LoraTraining, merged_lora_run
+from .lora_training import LoraTraining, merged_lora_run
 
 # %% auto #0
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',

@@ -211,7 +211,7 @@ def _case_model(model: nn.Module, case: str) -> nn.Module:
     if case == "bf16 weights": m.to(torch.bfloat16)
     if case == "frozen + ControlNet hint": m.requires_grad_(False)
     if case == "LoRA r4 '.attn'":
-        from cascade_nb.lora import apply_lora
+        from cascade_nb.adapters import apply_lora
         apply_lora(m, [".attn"], rank=4)
     return m
 

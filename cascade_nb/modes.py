@@ -139,7 +139,7 @@ class TrainingMode(TrainedGroups, BatchInputs):
     name = None                  # set by @training_mode
     takes_loss_weights = True    # its loss weights each sample by `extras`' `weight` (a mixture's loss_weight)
     base_is_rebuilt = False      # True: the state leaves out the frozen base, rebuilt from its files on resume
-    predicts_prior = False       # it targets `prior: true` samples at its frozen base's own prediction (LoRA)
+    predicts_prior = has_adapters = False   # LoRA: `prior: true` samples target its base; `adapter_scaled(net, s)`
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,
                  compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model = cfg, generator, tokenizer, text_model
@@ -364,7 +364,7 @@ def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None 
                    huber_c: float | None = None, retarget=None):
     """(weighted mean loss, per-sample raw loss, Diffused); `weight`: per-element, broadcast; `epsilon`/`t` fix the
     noise; `loss_type`/`huber_c` (gdf.recipe.LOSS_TYPES; default: the GDF's) compare prediction and target;
-    `retarget(d)` replaces the target (prior prediction, nbs/60_lora)."""
+    `retarget(d)` replaces the target (prior prediction, nbs/60d_prior_preservation)."""
     d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
     target = d.target if retarget is None else retarget(d)
     pred = generator(d.noised, d.noise_cond, **conds)
@@ -435,7 +435,7 @@ def refuse_loss_weights(cfg: Config, mode: type):
                               "loss per sample (it matches a teacher); remove it")
 
 def refuse_prior_entries(cfg: Config, mode: type):
-    "A mode without a frozen base inside its net takes no `prior: true` entry (prior prediction, nbs/60_lora)."
+    "A mode without a frozen base inside its net takes no `prior: true` entry (nbs/60d_prior_preservation)."
     if cfg.data.webdataset_path is REQUIRED: return
     for i, e in enumerate(source_entries(cfg.data.webdataset_path)):
         if e.prior:

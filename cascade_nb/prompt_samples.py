@@ -153,13 +153,13 @@ def no_negative_prompt(cfg: Config) -> str | None:
 
 def read_prompts(cfg: Config, path=None) -> list[SamplePrompt]:
     """The prompts of file `path` (default: the config's `sample_prompts`), validated; an adapter scale other than 1
-    needs a mode with adapters (`adapter_scaled`)."""
+    needs a mode with adapters (`has_adapters`)."""
     from cascade_nb.modes import resolve_mode
     path = path or cfg.checkpoint.sample_prompts
     prompts = [prompt_entry(cfg, raw, i, str(path)) for i, raw in enumerate(read_prompt_entries(path))]
     mode = resolve_mode(cfg)
     for i, p in enumerate(prompts):
-        if p.adapter_scale != 1 and not hasattr(mode, "adapter_scaled"):
+        if p.adapter_scale != 1 and not mode.has_adapters:
             raise ConfigError(f"{path}: entry {i}: field 'adapter_scale': {p.adapter_scale} needs a run with adapters "
                               f"(LoRA); this '{mode.name}' run has none; expected 1")
         if p.negative_prompt and (why := no_negative_prompt(cfg)):
@@ -171,7 +171,7 @@ def read_prompts(cfg: Config, path=None) -> list[SamplePrompt]:
 def adapter_scaled(mode, net, scale: float):
     "A context in which the adapters of `net` act at `scale` × their trained strength (the mode's `adapter_scaled`)."
     if scale == 1: return contextlib.nullcontext(net)
-    if not hasattr(mode, "adapter_scaled"):
+    if not mode.has_adapters:
         raise ConfigError(f"adapter_scale {scale}: this '{mode.name}' run has no adapters; expected 1")
     return mode.adapter_scaled(net, scale)
 

@@ -176,7 +176,7 @@ class BaseWeights:
     def __init__(self, cfg: Config):
         from cascade_nb.modes import resolve_mode
         mode = resolve_mode(cfg)
-        if not (hasattr(mode, "adapter_scaled") or mode.trains_generator):
+        if not (mode.has_adapters or mode.trains_generator):
             raise ConfigError(f"eval_metrics 'drift': this '{mode.name}' run has no base to compare with; expected a "
                               "run with adapters (lora) or a fine-tune from generator_checkpoint_path")
         self.cfg, self.net = cfg, None
@@ -184,7 +184,7 @@ class BaseWeights:
     @contextlib.contextmanager
     def view(self, ctx):
         "A context giving the base network of the weights `ctx.net` evaluates."
-        if hasattr(ctx.mode, "adapter_scaled"):
+        if ctx.mode.has_adapters:
             with adapter_scaled(ctx.mode, ctx.net, 0.) as net: yield net
             return
         if self.net is None: self.net = self._load(ctx.mode)

@@ -3,9 +3,9 @@ conventions of ComfyUI's code (`comfy/weight_adapter/*.py`, `comfy/lora.py`), ko
 `tuners/lora`, where they differ included. The LoKr/LoHa/DoRA/OFT exports of cascade_nb are read by the same code."""
 import math, pytest, torch
 from cascade_nb.models.stage_c import StageC
-from cascade_nb.lora import reference_lora_targets
-from cascade_nb.adapter_files import (consumer_params, read_comfyui, read_kohya, read_peft, reference_targets,
-                                      clip_g_params)
+from cascade_nb.lora_converters import reference_lora_targets
+from cascade_nb.adapter_readers import (consumer_params, read_comfyui, read_kohya, read_peft, reference_targets,
+                                        clip_g_params)
 
 KEY = "lora_unet_down_blocks_0_2_kv_mapper_1"          # a (64, 64) Linear of the tiny Stage C
 PATH = "down_blocks.0.2.kv_mapper.1.weight"
@@ -166,8 +166,9 @@ def test_peft_itself_honours_the_rank_pattern_we_write(tmp_path):
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
     from safetensors.torch import load_file
     from cascade_nb.interop_c import stage_c_to_diffusers
-    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict
-    from cascade_nb.adapter_files import export_adapter
+    from cascade_nb.adapters import apply_lora, lora_layers
+    from cascade_nb.lora_file import lora_state_dict
+    from cascade_nb.adapter_exports import export_adapter
     torch.manual_seed(0)
     base = StageC.from_preset("tiny"); model = copy.deepcopy(base)
     apply_lora(model, [".attn"], rank=4, alpha=3.0, init="peft")
@@ -192,7 +193,7 @@ def test_embedding_export_one_file_per_token(tmp_path):
     import json
     from safetensors.torch import load_file
     from cascade_nb.core import safetensors_header
-    from cascade_nb.adapter_files import export_adapter
+    from cascade_nb.adapter_exports import export_adapter
     rows = rnd(2, 1280)
     tokens = {"tokens.ids": torch.tensor([49408, 49409]), "tokens.embeddings": rows,
               "tokens.names": torch.tensor(list(json.dumps(["[cat toy]", "<style>"]).encode()), dtype=torch.uint8)}
@@ -205,7 +206,8 @@ def test_embedding_export_one_file_per_token(tmp_path):
 
 def test_a_onetrainer_style_file_exports_to_peft(tmp_path, params):
     "Another trainer's lora_prior_unet_ keys (OneTrainer) → cascade_nb's layout → peft, the same ΔW throughout."
-    from cascade_nb.adapter_files import AdapterSource, source_lora, export_adapter, cascade_nb_deltas
+    from cascade_nb.adapter_readers import cascade_nb_deltas
+    from cascade_nb.adapter_exports import AdapterSource, source_lora, export_adapter
     model = StageC.from_preset("tiny")
     up, down = rnd(64, 2), rnd(2, 64)
     ot = {"lora_prior_unet_down_blocks_0_2_kv_mapper_1.lora_up.weight": up,
@@ -236,7 +238,8 @@ TYPES = {"lora": ("lora", {}), "dora": ("dora", {}), "loha": ("loha", {}), "lokr
 def typed_loras():
     "{case: (plain tiny Stage C, its LoRA state dict, merge_lora's ΔW)}: every type on the fused attention and kv_mapper."
     import copy
-    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict, merge_lora, adapter_entries
+    from cascade_nb.adapters import apply_lora, lora_layers
+    from cascade_nb.lora_file import lora_state_dict, merge_lora, adapter_entries
     torch.manual_seed(0)
     base, out = StageC.from_preset("tiny"), {}
     for case, (kind, opts) in TYPES.items():
@@ -258,7 +261,8 @@ def test_every_type_exported_for_comfyui_and_peft_reads_as_merge_lora(case, type
     from safetensors.torch import load_file
     from cascade_nb.core import safetensors_header
     from cascade_nb.config import ConfigError
-    from cascade_nb.adapter_files import export_adapter, delta_error, read_cascade_nb
+    from cascade_nb.adapter_readers import delta_error, read_cascade_nb
+    from cascade_nb.adapter_exports import export_adapter
     base, lora, want = typed_loras[case]
     params = consumer_params(base)
     assert delta_error(read_cascade_nb(lora, params), want) < 1e-6
@@ -290,7 +294,7 @@ def test_peft_itself_merges_our_dora_as_merge_lora(typed_loras, tmp_path):
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
     from safetensors.torch import load_file
     from cascade_nb.interop_c import stage_c_to_diffusers
-    from cascade_nb.adapter_files import export_adapter
+    from cascade_nb.adapter_exports import export_adapter
     base, lora, want = typed_loras["dora"]
     export_adapter(lora, "peft", tmp_path / "a")
     unet = stage_c_to_diffusers(base)

@@ -4,7 +4,6 @@ tiny model, and read by `python -m cascade_nb.lora check|export` (its `main` in 
 layer; `check` warns (exit 1) about values that load but look wrong; one subprocess shows the exit status as a user
 sees it."""
 import json, struct, subprocess, sys, pytest, torch, yaml
-from types import SimpleNamespace
 from conftest import ROOT
 from test_lora_cli import in_process, lora_cli
 
@@ -20,7 +19,9 @@ def crafted(tmp_path_factory):
     from safetensors.torch import save_file
     from cascade_nb.models.stage_c import StageC
     from cascade_nb.models.clip import tiny_clip_text_model, load_clip_tokenizer, sample_tokenizer_dir
-    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict, add_train_tokens, token_state_dict
+    from cascade_nb.adapters import apply_lora, lora_layers
+    from cascade_nb.lora_file import lora_state_dict
+    from cascade_nb.train_tokens import add_train_tokens, token_state_dict
     tmp = tmp_path_factory.mktemp("hostile")
     raw = yaml.safe_load((ROOT / "configs" / "lora_demo.yaml").read_text())
     torch.manual_seed(0)
@@ -132,7 +133,8 @@ def test_check_a_run_reads_its_own_model_and_a_bare_checkpoint(crafted, capsys):
 @pytest.mark.parametrize("name", ["hdr_huge", "hdr_inconsistent", "meta_list", "meta_nonstr", "empty", "pickle"])
 def test_malformed_files_are_one_line_everywhere(crafted, capsys, tmp_path, name):
     "B3/B4/B5 and B22: check, export, sampling's and training's loads name the file; nothing is unpickled."
-    from cascade_nb.lora import load_lora_file, _lora_load
+    from cascade_nb.lora_converters import load_lora_file
+    from cascade_nb.lora_training import load_lora_checkpoint
     from cascade_nb.config import ConfigError
     path = crafted[name]
     one_line_error(in_process(capsys, "check", path), path, "not a readable safetensors file")
@@ -140,16 +142,16 @@ def test_malformed_files_are_one_line_everywhere(crafted, capsys, tmp_path, name
     model, text, _ = crafted["tiny_model"]
     with pytest.raises(ValueError, match="not a readable safetensors file"): load_lora_file(path, model)
     with pytest.raises(ConfigError, match=f"key 'lora_checkpoint_path': {path}: not a readable"):
-        _lora_load(SimpleNamespace(te_targets=[], text_model=text, cfg=None), path, model)
+        load_lora_checkpoint(path, model, text)
 
 def test_kohya_file_of_another_model_in_training(crafted):
     "B22: an SDXL kohya file as lora_checkpoint_path: one line naming the key and the module, not 'no type'."
-    from cascade_nb.lora import _lora_load
+    from cascade_nb.lora_training import load_lora_checkpoint
     from cascade_nb.config import ConfigError
     model, text, _ = crafted["tiny_model"]
     with pytest.raises(ConfigError, match="key 'lora_checkpoint_path': from_kohya: lora_unet_input_blocks_4_1_proj_in "
                                           "names no module of StageC"):
-        _lora_load(SimpleNamespace(te_targets=[], text_model=text, cfg=None), crafted["kohya_sdxl"], model)
+        load_lora_checkpoint(crafted["kohya_sdxl"], model, text)
 
 def test_header_fields_name_the_key(crafted, capsys, tmp_path):
     "B7: `cascade_nb.adapter_options` a list or not JSON: one line naming the file and the key."
@@ -185,7 +187,8 @@ VALUES = {"nan_up", "inf_down", "alpha_inf"}        # check: a warning per layer
 @pytest.mark.parametrize("name,msg", REFUSED, ids=[n for n, _ in REFUSED])
 def test_bad_adapters_refused_in_one_line_everywhere(crafted, capsys, tmp_path, name, msg):
     "B8, B9, B10, B12, B13, B14, B15, B16, B17 (and B22): one check of an adapter state dict, four readers."
-    from cascade_nb.lora import load_lora_file, _lora_load
+    from cascade_nb.lora_converters import load_lora_file
+    from cascade_nb.lora_training import load_lora_checkpoint
     from cascade_nb.config import ConfigError
     path, cfg = crafted[name], crafted["model_yaml"]
     res = in_process(capsys, "check", path, "--config", cfg)
@@ -203,7 +206,7 @@ def test_bad_adapters_refused_in_one_line_everywhere(crafted, capsys, tmp_path, 
     with pytest.raises(ValueError) as e: load_lora_file(path, base)
     assert msg in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="key 'lora_checkpoint_path'") as e:
-        _lora_load(SimpleNamespace(te_targets=[], text_model=text, cfg=None), path, model)
+        load_lora_checkpoint(path, model, text)
     assert msg in str(e.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -238,7 +241,7 @@ def test_tokens_refused(crafted, capsys, tmp_path):
         res = in_process(capsys, "export", crafted[name], "--to", "embedding", "--out", tmp_path / f"{name}.st",
                          "--config", crafted["model_yaml"])
         one_line_error(res, msg)
-    from cascade_nb.lora import add_file_tokens
+    from cascade_nb.lora_training import add_file_tokens
     _, text, tok = crafted["tiny_model"]
     with pytest.raises(ValueError, match="rows of width 999; the text encoder's token embeddings are 64 wide"):
         add_file_tokens(crafted["tokens_width"], tok, text)
@@ -283,7 +286,7 @@ def test_a_user_sees_one_line(crafted):
 def test_kohya_alpha_not_a_number_names_the_key(crafted, capsys, tmp_path):
     "B9 in kohya's layout: ComfyUI's reading (check) and training's load name the `.alpha` key."
     from safetensors.torch import load_file, save_file
-    from cascade_nb.lora import _lora_load
+    from cascade_nb.lora_training import load_lora_checkpoint
     from cascade_nb.config import ConfigError
     res = in_process(capsys, "export", crafted["good"], "--to", "kohya", "--out", tmp_path / "k.safetensors")
     assert res.returncode == 0, res.stderr
@@ -294,4 +297,4 @@ def test_kohya_alpha_not_a_number_names_the_key(crafted, capsys, tmp_path):
                    f"{key}: a float32 tensor of shape (3,); expected one number")
     model, text, _ = crafted["tiny_model"]
     with pytest.raises(ConfigError, match=f"{key}: a float32 tensor of shape"):
-        _lora_load(SimpleNamespace(te_targets=[], text_model=text, cfg=None), tmp_path / "bad.safetensors", model)
+        load_lora_checkpoint(tmp_path / "bad.safetensors", model, text)

@@ -153,7 +153,8 @@ def test_controlnet_on_a_lora_base(tmp_path):
     from cascade_nb.train import train
     from cascade_nb.sample import run_generator
     from cascade_nb.models.stage_c import load_stage_c
-    from cascade_nb.lora import apply_lora, lora_state_dict, save_lora, merge_lora
+    from cascade_nb.adapters import apply_lora
+    from cascade_nb.lora_file import lora_state_dict, save_lora, merge_lora
     args = cnet_args(tmp_path, "cl", "controlnet_c_3b_canny.yaml", "updates=1", "save_every=1", *SIMPLE)
     base_path = next(a for a in map(str, args) if a.startswith("generator_checkpoint_path=")).split("=", 1)[1]
     adapted = load_stage_c(base_path).float()

@@ -123,7 +123,7 @@ def test_lcm_lora_and_lora_runs_sample_through_the_cli(tmp_path, teacher, capsys
     from cascade_nb.train import train
     from cascade_nb.sample import run_generator, main
     from cascade_nb.models.stage_c import load_stage_c
-    from cascade_nb.lora import merge_lora
+    from cascade_nb.lora_file import merge_lora
     lora_keys = ["module_filters=[attention]", "rank=2"]
     train(load_config(DEMO, overrides(tmp_path, "lcm_lora", teacher, "lcm", "updates=1", "save_every=1", *lora_keys)))
     run = tmp_path / "ck" / "lcm_lora"
@@ -164,7 +164,7 @@ def test_lcm_lora_trains_any_adapter_type(tmp_path, teacher):
     from cascade_nb.train import train
     from cascade_nb.sample import run_generator
     from cascade_nb.models.stage_c import load_stage_c
-    from cascade_nb.lora import merge_lora
+    from cascade_nb.lora_file import merge_lora
     train(load_config(DEMO, overrides(tmp_path, "lcm_loha", teacher, "lcm", "updates=1", "save_every=1",
                                       "module_filters=[attention]", "adapter=loha", "rank=2")))
     run = tmp_path / "ck" / "lcm_loha"

@@ -229,7 +229,9 @@ def test_controlnet_and_lora_files_by_hub_id(hub, tmp_path):
     """`controlnet_checkpoint_path` and `lora_checkpoint_path` (through `load_controlnet` and `load_lora_file`) take hub
     ids too: each file is fetched once and loads as the local file does."""
     from cascade_nb.controlnet import ControlNet, load_controlnet
-    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict, save_lora, load_lora_file
+    from cascade_nb.adapters import apply_lora, lora_layers
+    from cascade_nb.lora_file import lora_state_dict, save_lora
+    from cascade_nb.lora_converters import load_lora_file
     torch.manual_seed(0)
     cn = ControlNet(c_in=1, c_proj=64, proj_blocks=(0, 4), bottleneck_mode="simple")
     save_safetensors_atomic(cn.state_dict(), tmp_path / "cn.safetensors")
@@ -256,7 +258,7 @@ def test_a_lora_run_on_a_hub_base_finds_its_base(hub, tmp_path):
     """A LoRA run whose `generator_checkpoint_path` is a hub id samples (`lora_base_generator`): the base is fetched,
     not looked for as a local file (bench/real_size.py found `python -m cascade_nb.sample` refusing such a run)."""
     from cascade_nb.config import config_from_dict
-    from cascade_nb.lora import lora_base_generator
+    from cascade_nb.lora_training import lora_base_generator
     data, model = tiny_stage_c_bytes(tmp_path)
     hub["repos"]["own/base"] = {"stage_c_base.safetensors": data}
     run = tmp_path / "run"

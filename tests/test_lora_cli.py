@@ -11,7 +11,7 @@ def lora_cli(*args, cwd=ROOT):
 
 def in_process(capsys, *args) -> subprocess.CompletedProcess:
     "The command's `main` in this process, read back like `lora_cli`: exit status, stdout, stderr."
-    from cascade_nb.adapter_files import main
+    from cascade_nb.lora import main
     capsys.readouterr()
     try: code = main(list(map(str, args)))
     except SystemExit as e: code = e.code
@@ -23,7 +23,9 @@ def run_dir(tmp_path_factory):
     "A finished LoRA run of configs/lora_demo.yaml: info.json with its config, lora.safetensors with a token."
     from cascade_nb.models.stage_c import StageC
     from cascade_nb.models.clip import tiny_clip_text_model, load_clip_tokenizer, sample_tokenizer_dir
-    from cascade_nb.lora import apply_lora, lora_layers, lora_state_dict, save_lora, add_train_tokens, token_state_dict
+    from cascade_nb.adapters import apply_lora, lora_layers
+    from cascade_nb.lora_file import lora_state_dict, save_lora
+    from cascade_nb.train_tokens import add_train_tokens, token_state_dict
     tmp = tmp_path_factory.mktemp("lora_run")
     raw = yaml.safe_load((ROOT / "configs" / "lora_demo.yaml").read_text())
     torch.manual_seed(0)
@@ -66,13 +68,13 @@ def test_export_official_and_check_it_for_official_and_comfyui(run_dir, tmp_path
     res = in_process(capsys, "check", tmp_path / "o.safetensors", "--for", "official", "--model", model_yaml)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "official: loads 26 of 26 keys" in res.stdout and "token rows changed: [49408]" in res.stdout
-    from cascade_nb.adapter_files import main
+    from cascade_nb.lora import main
     assert main(["check", str(tmp_path / "o.safetensors")]) == 1          # ComfyUI maps none of its keys
     assert capsys.readouterr().out.startswith("comfyui: loads 0 of 26 keys; skips 26: embeddings.indices")
 
 def test_export_embedding_and_errors(run_dir, tmp_path, capsys):
     from safetensors.torch import load_file
-    from cascade_nb.adapter_files import main
+    from cascade_nb.lora import main
     run, _ = run_dir
     assert main(["export", str(run), "--to", "embedding", "--out", str(tmp_path / "emoji.safetensors")]) == 0
     assert load_file(str(tmp_path / "emoji.safetensors"))["clip_g"].shape == (1, 64)
@@ -85,7 +87,7 @@ def test_export_embedding_and_errors(run_dir, tmp_path, capsys):
                                  "cascade_nb, official, kohya, peft, embedding"), res.stderr
 
 def test_check_errors_are_one_line(run_dir, tmp_path, capsys):
-    from cascade_nb.adapter_files import main
+    from cascade_nb.lora import main
     for args, msg in [(("check", run_dir[0], "--for", "comfy"), "--for: 'comfy' is not a registered adapter consumer"),
                       (("check", tmp_path / "missing.safetensors"), "missing.safetensors: no such file"),
                       (("check", tmp_path), "neither a run directory (info.json) nor a peft folder")]:
@@ -100,7 +102,7 @@ def test_lokr_and_oft_runs_release_headers_and_check_clean(tmp_path, capsys):
     from cascade_nb.config import load_config
     from cascade_nb.train import train
     from cascade_nb.core import safetensors_header
-    from cascade_nb.adapter_files import main
+    from cascade_nb.lora import main
     from test_lora_types import demo_args
     ema = ["updates=2", "save_every=2", "ema_start_iters=1", "ema_iters=1", "ema_beta=0.9"]
     for kind, options in (("lokr", {"lokr_factor": 4}), ("oft", {"oft_block_size": 16, "oft_rescale": True})):
@@ -135,7 +137,7 @@ def test_export_never_overwrites_without_asking(run_dir, tmp_path, capsys):
     file is replaced only with --overwrite; a peft folder is replaced whole (no config of one export beside the
     weights of another)."""
     import hashlib
-    from cascade_nb.adapter_files import main
+    from cascade_nb.lora import main
     run, _ = run_dir
     sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
     released = sha(run / "lora.safetensors")

@@ -71,8 +71,8 @@ def test_sampling_with_the_lora_ema_restores_the_live_adapters():
     from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace
     from cascade_nb.run_data import sample_rows
     from cascade_nb.gdf.presets import gdf_from_config
-    from cascade_nb.lora import LoraTraining
-    from cascade_nb.ema import EMA
+    from cascade_nb.lora_training import LoraTraining
+    from cascade_nb.run_state import EMA
     cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
                                 model_overrides={"c_in": 3, "c_out": 3, "patch_size": 2}, latent_space="pixels",
                                 clip_text_model_name="tiny", clip_image_model_name=None, image_size=16, batch_size=2,

@@ -2,8 +2,10 @@
 weights, kohya/ComfyUI key layout, merge/unmerge equality, token init and gradient masking."""
 import pytest, torch
 from cascade_nb.models.stage_c import StageC
-from cascade_nb.lora import (apply_lora, lora_state_dict, merge_lora, unmerge_lora, to_kohya, from_kohya,
-                             save_peft_adapter, load_peft_adapter, load_lora, lora_layers, add_train_tokens, TokenDeltas)
+from cascade_nb.adapters import apply_lora, lora_layers
+from cascade_nb.lora_file import lora_state_dict, merge_lora, unmerge_lora, load_lora
+from cascade_nb.train_tokens import add_train_tokens, TokenDeltas
+from cascade_nb.lora_converters import to_kohya, from_kohya, save_peft_adapter, load_peft_adapter
 
 def _models(filters=(".attn",), rank=4, seed=0):
     torch.manual_seed(seed)

@@ -12,7 +12,10 @@ SCRIPT = textwrap.dedent('''
     from cascade_nb.models.stage_c import StageC
     from cascade_nb.models.blocks import ResBlock, AttnBlock, TimestepBlock
     from types import SimpleNamespace
-    from cascade_nb.lora import apply_lora, lora_state_dict, lora_layers, LoraNet, prior_retarget
+    from cascade_nb.adapters import apply_lora, lora_layers
+    from cascade_nb.lora_file import lora_state_dict
+    from cascade_nb.prior_preservation import prior_retarget
+    from cascade_nb.lora_training import LoraNet
     from cascade_nb.controlnet import ControlNet, ControlNetNet
 
     TYPES = {"dora": {}, "oft": {"oft_block_size": 16, "oft_rescale": True}, "loha": {}, "lokr": {}}

@@ -9,8 +9,11 @@ from safetensors.torch import save_file, load_file
 from cascade_nb.config import config_from_dict, ConfigError
 from cascade_nb.models.stage_c import StageC
 from cascade_nb.modes import build_text_encoder, PixelSpace
-from cascade_nb.lora import (LoraTraining, lora_layers, lora_state_dict, token_state_dict, to_reference, load_lora_file,
-                             TokenDeltas, is_reference_lora)
+from cascade_nb.adapters import lora_layers
+from cascade_nb.lora_file import lora_state_dict
+from cascade_nb.train_tokens import token_state_dict, TokenDeltas
+from cascade_nb.lora_converters import to_reference, load_lora_file, is_reference_lora
+from cascade_nb.lora_training import LoraTraining
 
 FILTERS = [".attn", "depthwise"]          # fused in_proj, out_proj (Linear) and 3x3 depthwise convs
 TOKENS = [["[fernando]", "^dog</w>"]]

@@ -1,6 +1,6 @@
 """Two tiny LoRA runs that carry every adapter-side feature at once, shared by the tests of each feature (a run is the
 cost; the assertions are cheap): configs/lora_demo.yaml with a trained token, adapters on the CLIP text encoder
-(nbs/60_lora, text encoder), parameter groups at their own lr and weight decay (nbs/40a_optimizers) and the EMA of the
+(nbs/60c_lora_converters), parameter groups at their own lr and weight decay (nbs/40a_optimizers) and the EMA of the
 trained tensors, each run killed inside its commit of update 4 and resumed, with the EMA probe on the killed launch
 (tests/train_driver.py --ema-probe: the EMA by hand of every update's weights, and the collectives of each EMA update).
 
@@ -89,9 +89,11 @@ def test_trained_adapters_lower_the_loss_export_and_sample(one):
     the kohya/ComfyUI export gives ComfyUI's reader the ΔW we merge into each Stage C and CLIP weight, and reads back as
     a source with its text-encoder adapters (peft has no place for them); the sample CLI samples with the EMA, whose
     text encoder has the adapters merged."""
-    from cascade_nb.adapter_files import (export_adapter, read_comfyui, consumer_params, cascade_nb_deltas, delta_error,
-                                          read_source, source_lora)
-    from cascade_nb.lora import split_text_encoder, lora_entries, lora_delta, base_state_dict
+    from cascade_nb.adapter_readers import read_comfyui, consumer_params, cascade_nb_deltas, delta_error
+    from cascade_nb.adapter_exports import export_adapter, read_source, source_lora
+    from cascade_nb.adapters import base_state_dict
+    from cascade_nb.lora_file import lora_entries, lora_delta
+    from cascade_nb.lora_converters import split_text_encoder
     from cascade_nb.models.stage_c import StageC
     from cascade_nb.sample import run_config, load_run
     from cascade_nb.modes import build_text_encoder
@@ -151,7 +153,8 @@ def test_fsdp2_shards_the_trained_tensors_and_releases_them_gathered(fsdp2):
     """Under FSDP2 each process keeps its shards of the trained tensors only (state and EMA, on the CPU, updated with no
     collective); the killed run resumed to the same state file for file (the fixture); the released files hold the
     gathered tensors, and the EMA is the EMA by hand of the gathered weights."""
-    from cascade_nb.lora import split_text_encoder, lora_entries
+    from cascade_nb.lora_file import lora_entries
+    from cascade_nb.lora_converters import split_text_encoder
     tmp, run, _, killed, reference = fsdp2
     assert ema_comms(killed.stdout) == [(r, u, 0) for r in (0, 1) for u in (1, 2, 3, 4)]   # no collective
     state = run / info(tmp, "f")["state_dir"]

@@ -69,7 +69,7 @@ def test_official_lora_config_trains_at_tiny_size(tmp_path):
 
 RUN = ["updates=6", "save_every=2"]
 # prior preservation (issue 28): the instance shards with the new token, the class shards as regularisation samples whose
-# target is the frozen base's prediction (nbs/60_lora), at prior_loss_weight 0.5
+# target is the frozen base's prediction (nbs/60d_prior_preservation), at prior_loss_weight 0.5
 EMOJI = ROOT / "data_samples" / "emoji"
 PRIOR = [f"webdataset_path=[{{path: '{EMOJI}/shard-{{000000..000001}}.tar', caption_prefix: '[fernando] '}}, "
          f"{{path: '{EMOJI}/shard-{{000002..000005}}.tar', prior: true}}]", "prior_loss_weight=0.5",
@@ -135,7 +135,7 @@ def test_prior_samples_reach_the_loss_and_other_modes_refuse_them(tmp_path):
     from cascade_nb.data.pipeline import build_dataset
     from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace
     from cascade_nb.gdf.presets import gdf_from_config
-    from cascade_nb.lora import LoraTraining
+    from cascade_nb.lora_training import LoraTraining
     src = [{"path": f"{EMOJI}/shard-000000.tar", "caption_prefix": "[fernando] "},
            {"path": f"{EMOJI}/shard-000002.tar", "prior": True, "weight": 3}]
     batches = [b for _, b in zip(range(8), build_dataset(src, 16, image_size=16, shuffle_buffer=64))]
@@ -165,7 +165,8 @@ def test_lora_step_leaves_the_base_frozen():
     from cascade_nb.config import config_from_dict
     from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace, diffusion_loss
     from cascade_nb.gdf.presets import gdf_from_config
-    from cascade_nb.lora import LoraTraining, base_state_dict
+    from cascade_nb.adapters import base_state_dict
+    from cascade_nb.lora_training import LoraTraining
     cfg = config_from_dict(dict(experiment_id="x", webdataset_path="data_samples/emoji", model_version="tiny",
                                 model_overrides={"c_in": 3, "c_out": 3, "patch_size": 2}, latent_space="pixels",
                                 clip_text_model_name="tiny", clip_image_model_name=None, image_size=16, batch_size=2,
@@ -207,7 +208,7 @@ def test_lora_with_tokens_samples_from_the_cli(tmp_path):
     "Tutorial 02's last step: `python -m cascade_nb.sample` takes a LoRA run with train_tokens and uses its trained token."
     from cascade_nb.sample import load_run, sample_run
     from cascade_nb.modes import build_text_encoder
-    from cascade_nb.lora import add_train_tokens
+    from cascade_nb.train_tokens import add_train_tokens
     run_cli("-m", "cascade_nb.train", *lora_args(tmp_path, "tok", "updates=2", "save_every=2", "lr=1e-2",
                                                  f"webdataset_path={token_captions(tmp_path / 'data')}"), env={"OMP_NUM_THREADS": "1"})
     run = tmp_path / "ckpt" / "tok"

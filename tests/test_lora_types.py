@@ -1,4 +1,4 @@
-"""The LyCORIS adapter types (`adapter: lokr | loha | dora | oft`, nbs/60_lora) through the trainer CLI at tiny size,
+"""The LyCORIS adapter types (`adapter: lokr | loha | dora | oft`, nbs/60_adapters) through the trainer CLI at tiny size,
 on configs/lora_demo.yaml: the validation loss (fixed noise levels, so comparable across updates) goes down, a run
 killed inside its checkpoint commit resumes to the very state it had written, and the run samples with its adapters
 merged into the base (the sample CLI). The types train in this process (one model and data set-up for all);
@@ -40,7 +40,7 @@ def samples_merged(tmp: Path, kind: str, capsys):
     `merge_lora` on the base file), and the CLI's `main` writes a sample."""
     from cascade_nb.sample import run_generator, main
     from cascade_nb.models.stage_c import load_stage_c
-    from cascade_nb.lora import merge_lora
+    from cascade_nb.lora_file import merge_lora
     run = tmp / "ckpt" / kind
     cfg, generator, weights = run_generator(run)
     assert weights.name == "lora.safetensors"

@@ -1,4 +1,4 @@
-"""Adapters on the CLIP text encoder of a LoRA run (nbs/60_lora, text encoder) through the real trainer CLI:
+"""Adapters on the CLIP text encoder of a LoRA run (nbs/60c_lora_converters) through the real trainer CLI:
 configs/lora_demo.yaml at tiny size with `text_encoder_adapter: lora` beside the generator's adapters and a new token.
 Cached text embeddings are refused in one line, and every Linear of the CLIP goes through the kohya export to ComfyUI's
 reader with our ΔW. The trainer run (loss down, its own group lr, kill and resume bit-identical, one process and FSDP2,
@@ -38,7 +38,7 @@ def loss_on(cfg, base, batch, lora_file=None) -> float:
     "The LoRA mode's loss on `batch` at fixed noise, on the generator `base`, with fresh adapters or `lora_file`'s."
     from cascade_nb.modes import build_generator, build_text_encoder, PixelSpace, diffusion_loss
     from cascade_nb.gdf.presets import gdf_from_config
-    from cascade_nb.lora import LoraTraining
+    from cascade_nb.lora_training import LoraTraining
     cfg = copy.deepcopy(cfg)
     cfg.lora.lora_checkpoint_path = lora_file and str(lora_file)
     cfg.model.generator_checkpoint_path = str(base)   # a run's recorded config leaves it out
@@ -63,9 +63,10 @@ def test_text_encoder_adapters_refuse_cached_text_embeddings():
 def test_kohya_text_encoder_keys_read_by_comfyui_with_the_same_delta(adapter):
     """Every Linear of the tiny CLIP (text_projection too) through to_kohya: ComfyUI's reader adds our ΔW, and
     from_kohya inverts it."""
-    from cascade_nb.adapter_files import read_comfyui, consumer_params, delta_error
-    from cascade_nb.lora import (apply_lora, lora_layers, text_encoder_state_dict, to_kohya, from_kohya, merge_lora,
-                                 base_state_dict)
+    from cascade_nb.adapter_readers import read_comfyui, consumer_params, delta_error
+    from cascade_nb.adapters import apply_lora, lora_layers, base_state_dict
+    from cascade_nb.lora_file import merge_lora
+    from cascade_nb.lora_converters import text_encoder_state_dict, to_kohya, from_kohya
     from cascade_nb.models.clip import tiny_clip_text_model
     from cascade_nb.models.stage_c import StageC
     te = tiny_clip_text_model()

@@ -6,7 +6,7 @@ and how long the lines of the package and of the notebooks' code cells are. Prin
     python tools/code_shape.py            # the figures
     python tools/code_shape.py --check    # ... and exit 1 when one misses its target
     python tools/code_shape.py --cells 20 # also list the export cells of more than 20 lines
-    python tools/code_shape.py nbs/60_lora.ipynb --cells 12   # the figures of some notebooks only (no package files)
+    python tools/code_shape.py nbs/60_adapters.ipynb --cells 12   # the figures of some notebooks only (no package files)
 
 Targets (issue 31, against fastcore's 6 / 17 and miniai's 8 / 22 median / p90 lines per export cell):
 an export cell has at most MEDIAN_CELL lines at the median and at most MAX_CELL, except the cell holding `train()`
