@@ -166,7 +166,7 @@ class TeacherMode(FullTraining):
     @classmethod
     def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
         "The student's terms (`student_kind`'s), plus the frozen teacher in its dtype and the `extra_memory` rows."
-        base = cls.student_kind.memory_terms.__func__(cls, cfg, generator, batch, side, prec)
+        base = cls.student_kind.memory_terms(cfg, generator, batch, side, prec)
         teacher = f"teacher (frozen, {str(teacher_dtype(cfg)).removeprefix('torch.')})"
         rows = {teacher: _teacher_params(cfg) * teacher_dtype(cfg).itemsize, **cls.extra_memory(cfg, generator)}
         return base._replace(rows={**(base.rows or {}), **rows})

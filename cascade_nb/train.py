@@ -43,9 +43,9 @@ from .data.buckets import resolution_at, check_resolution_schedule, at_resolutio
 __all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'Run', 'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint',
            'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume',
            'resume_changes', 'run_info', 'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics',
-           'validate', 'init_trackers', 'start_logging', 'duration', 'Clock', 'report_partial_states', 'run_summary',
-           'check_optimizer', 'run_launch_checks', 'start_launch', 'build_models', 'resume_run', 'finish_run',
-           'setup_stage', 'train', 'plot_metrics', 'main']
+           'interactive', 'validate', 'init_trackers', 'start_logging', 'duration', 'Clock', 'report_partial_states',
+           'run_summary', 'check_optimizer', 'run_launch_checks', 'start_launch', 'build_models', 'resume_run',
+           'finish_run', 'stopped_in_setup', 'setup_stage', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #6f3c84c3
 @dataclass
@@ -82,9 +82,14 @@ def gradient_norm(acc, opt, params, clip: float):
     tensor clipped alone there)."""
     return opt.grad_norm() if isinstance(opt, FusedBackward) else acc.clip_grad_norm_(params, clip)
 
-def update_ema(run: Run, beta: float):
-    "The EMA's step towards the weights the run evaluates (`evaluation_view`: schedule-free AdamW's x, not y)."
+def update_ema(run: Run) -> float | None:
+    """The EMA's step at this update's decay towards the weights the run evaluates (`evaluation_view`: schedule-free
+    AdamW's x, not y); the decay, or None for a run without an EMA."""
+    if run.ema is None: return None
+    t = run.cfg.train
+    beta = ema_beta_at(run.state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.)
     with evaluation_view(run): run.ema.update_(run.acc.unwrap_model(run.net), beta)
+    return beta
 
 # %% ../nbs/41_train.ipynb #3016ac91
 def last_checkpoint(run: Run) -> str:
@@ -279,9 +284,10 @@ def log_samples(run: Run, batch):
         acc.print(f"update {run.state.update}: sample grid {path}")
 
 # %% ../nbs/41_train.ipynb #0d77a6ab
-def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped: dict, seconds: float) -> dict:
+def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped: dict, seconds: float, bar=None,
+                clock=None) -> dict:
     """Loss (mean over the micro-batches since the last log and over processes), speed and memory: tracker +
-    metrics.jsonl."""
+    metrics.jsonl; shown on the progress `bar`, or (log files) as a line with the `clock`'s times."""
     acc, cfg = run.acc, run.cfg
     updates = len(losses) / cfg.train.grad_accum_steps
     # with several parameter groups, each group's LR (`lr` stays the first group's)
@@ -300,7 +306,17 @@ def log_metrics(run: Run, losses: list, grad_norm, lr: float, ema_beta, skipped:
     acc.log(m, step=run.state.update)
     if acc.is_main_process:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": run.state.update, **m}) + "\n")
+    if bar is not None:
+        bar.comment = (f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
+                       + (f" | {sk}" if (sk := format_skips(skipped)) else ""))
+        if acc.is_main_process and not interactive():
+            print(f"update {run.state.update}/{cfg.train.updates}: {bar.comment} | {clock(run.state.update)}",
+                  flush=True)
     return m
+
+def interactive() -> bool:
+    "A terminal or a notebook: a progress bar (else a line per log)."
+    return sys.stdout.isatty() or "ipykernel" in sys.modules
 
 # %% ../nbs/41_train.ipynb #2cf82423
 def validate(run: Run, val_batches) -> float:
@@ -529,6 +545,9 @@ def resume_run(run: Run, info: dict):
         acc.print(f"resumed with other settings than the checkpoint's: {'; '.join(changed)}. Its counters, random "
                   "streams and data position go on from there, so this is not the run those settings give from "
                   "the start")
+    if state.update >= run.cfg.train.updates:
+        acc.print(f"{run.run_dir.path} is at update {state.update}, and updates is {run.cfg.train.updates}: nothing to "
+                  "train (raise `updates` to continue, or give a new `experiment_id` for a new run)")
 
 # %% ../nbs/41_train.ipynb #6a89ad93
 def finish_run(run: Run, stream, stop_agreed: StopAgreement) -> nn.Module:
@@ -547,6 +566,15 @@ def finish_run(run: Run, stream, stop_agreed: StopAgreement) -> nn.Module:
     acc.end_training()
     if acc.is_main_process: run.run_dir.unlock()
     return net
+
+# %% ../nbs/41_train.ipynb #df4217b8
+def stopped_in_setup(acc, stop: StopFlag, stream, info: dict | None, run_dir: RunDir, out_dir) -> dict:
+    "A stop signal during the run's setup, before its first update: the data stream closed, what was kept said."
+    if stream is not None: stream.close()
+    acc.print(f"received {stop.signal} during the run's setup, before its first update: "
+              + ("nothing was saved" if info is None else f"the run stays at update {info.get('update')}"))
+    return {"update": (info or {}).get("update", 0), "run_dir": str(run_dir.path), "output_dir": str(out_dir),
+            "stopped": stop.signal}
 
 # %% ../nbs/41_train.ipynb #4b466ff3
 @contextlib.contextmanager
@@ -581,8 +609,7 @@ def train(cfg: Config) -> dict:
             mode, net, gdf, ema = build_models(cfg, acc)
             micro_batch = per_process_batch(cfg.data.batch_size, acc.num_processes, t.grad_accum_steps)
             scale = micro_batch * t.grad_accum_steps * acc.num_processes if t.scale_lr else 1
-            # each group of trained parameters the mode names at its own lr and weight decay (param_groups,
-            # lr_multipliers)
+            # each group the mode names at its own lr and weight decay (param_groups, lr_multipliers)
             groups = optimizer_groups(named_groups(net, mode.param_group), t, scale)
             acc.print(describe_groups(groups))
             opt = build_optimizer(t, groups, t.lr * scale, device)
@@ -601,20 +628,11 @@ def train(cfg: Config) -> dict:
             hooks = [h(cfg) for h in TRAINING_HOOKS.values() if h.enabled(cfg)]
             if info is not None: resume_run(run, info)
 
-            # --- data: this process's share of the stream, fast-forwarded to the restored data position; the
-            # grid's inputs
+            # --- data: this process's share of the stream (at the restored data position); the grid's inputs
             stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
             preview = preview_batch(cfg)
             start_logging(run, hooks)
-    except StopWaiting:
-        if stream is not None: stream.close()
-        acc.print(f"received {stop.signal} during the run's setup, before its first update: "
-                  + ("nothing was saved" if info is None else f"the run stays at update {info.get('update')}"))
-        return {"update": (info or {}).get("update", 0), "run_dir": str(run_dir.path), "output_dir": str(out_dir),
-                "stopped": stop.signal}
-    if state.update >= t.updates:
-        acc.print(f"{run_dir.path} is at update {state.update}, and updates is {t.updates}: nothing to train "
-                  "(raise `updates` to continue, or give a new `experiment_id` for a new run)")
+    except StopWaiting: return stopped_in_setup(acc, stop, stream, info, run_dir, out_dir)
 
     # --- the loop: one iteration = one optimizer update = grad_accum_steps micro-batches. Only the trainable modules
     # are in train mode (a frozen generator keeps its dropout off); no host sync per update
@@ -622,8 +640,7 @@ def train(cfg: Config) -> dict:
     guard, stop_agreed = NonFiniteGuard(opt, state, t.max_nan_steps), StopAgreement(stop, acc.num_processes)
     losses, last_log, skipped = [], time.time(), {}
     # a progress bar, or (log files) a line per log_every
-    interactive = sys.stdout.isatty() or "ipykernel" in sys.modules
-    bar = progress_bar(range(state.update, t.updates), display=is_main and interactive, leave=True)
+    bar = progress_bar(range(state.update, t.updates), display=is_main and interactive(), leave=True)
     clock = Clock(state.update, t.updates)
     for _ in bar:
         # one process at an update boundary: a stop signal during a stalled read ends the wait (a collective that the
@@ -659,19 +676,13 @@ def train(cfg: Config) -> dict:
         state.update += 1
         state.samples_seen += cfg.data.batch_size
         # under FSDP the EMA steps on the local shards, with no communication
-        beta = (ema_beta_at(state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.) if ema is not None
-                else None)
-        if beta is not None: update_ema(run, beta)
+        beta = update_ema(run)
         with evaluation_view(run): mode.after_update(state)
 
         if state.update % cfg.log.log_every == 0 or state.update == t.updates:
             report_nonfinite(run, guard)
-            m = log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log)
+            log_metrics(run, losses, grad_norm, lr_now, beta, skipped, time.time() - last_log, bar, clock)
             losses, last_log = [], time.time()
-            bar.comment = (f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | {m['images_per_s']:.1f} img/s"
-                           + (f" | {sk}" if (sk := format_skips(skipped)) else ""))
-            if is_main and not interactive:
-                print(f"update {state.update}/{t.updates}: {bar.comment} | {clock(state.update)}", flush=True)
         if val_batches and state.update % ck.val_every == 0: validate(run, val_batches)
         for hook in hooks: hook.after_update(run)
         stop_now = stop_agreed()

@@ -156,6 +156,18 @@ def classes_whole(root: Path = ROOT) -> tuple[list[str], list[str]]:
         pat += [f"{name}: {f}" for f in patches(tree)]
     return fwd, pat
 
+MAX_MODULE, MAX_CONFIG, MAX_TRAIN = 800, 550, 110   # lines: any module (_modidx aside), config.py, train() (issue 45)
+
+def sizes(root: Path = ROOT) -> dict[str, tuple[str, int]]:
+    "(where, lines) of the largest module of the package, of config.py and of `train()`."
+    mods = {p.relative_to(root).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+            for p in (root / "cascade_nb").rglob("*.py") if p.name != "_modidx.py"}
+    big = max(mods, key=mods.get)
+    tree = ast.parse((root / "cascade_nb" / "train.py").read_text(encoding="utf-8"))
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    return {"module": (big, mods[big]), "config": ("cascade_nb/config.py", mods["cascade_nb/config.py"]),
+            "train": ("train()", train.end_lineno - train.lineno + 1)}
+
 def figures(root: Path = ROOT) -> tuple[list[str], list[str]]:
     "The printed figures and the targets missed."
     cells = export_cells(root)
@@ -176,6 +188,13 @@ def figures(root: Path = ROOT) -> tuple[list[str], list[str]]:
              [f"{c}: over {MAX_CELL} lines" for c in too_long] + [f"{w}: a line over {MAX_LINE} characters" for w in where]
     missed += [f"{f}: a forwarding method (at most {MAX_FORWARDERS})" for f in fwd if len(fwd) > MAX_FORWARDERS]
     missed += [f"{f}: a patch" for f in pat if len(pat) > MAX_PATCHES]
+    if ONLY is None:
+        s = sizes(root)
+        lines += [f"largest module: {s['module'][0]}, {s['module'][1]} lines (target <= {MAX_MODULE}); "
+                  f"config.py {s['config'][1]} (target <= {MAX_CONFIG}); "
+                  f"train() {s['train'][1]} (target <= {MAX_TRAIN})"]
+        limits = ((s["module"], MAX_MODULE), (s["config"], MAX_CONFIG), (s["train"], MAX_TRAIN))
+        missed += [f"{w}: {n} lines > {m}" for (w, n), m in limits if n > m]
     return lines, missed
 
 def main(argv=None):

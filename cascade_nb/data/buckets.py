@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/data.buckets.html.md"""
 
 # %% ../../nbs/31_data.buckets.ipynb #8c487c0e
 from __future__ import annotations
-import inspect, math, random, warnings
+import dataclasses, inspect, math, random, warnings
 from fractions import Fraction
 import numpy as np
 import torch
@@ -321,10 +321,14 @@ LATENT_COMPRESSION = {"pixels": 1, "effnet": 32, "stage_a": 4}
 def size_rule(cfg: Config) -> tuple[int, int]:
     "(multiple, minimum) of an image side the generator trains on: compression × patch size, times 2^(levels − 1)."
     m = cfg.model
-    if m.stage == "b": from cascade_nb.models.stage_b import StageB as cls, STAGE_B_PRESETS as presets
-    else: from cascade_nb.models.stage_c import StageC as cls, STAGE_C_PRESETS as presets
-    arch = {**{k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()},
-            **presets[m.model_version], **m.model_overrides}
+    if m.stage == "b":
+        from cascade_nb.models.stage_b import StageB, STAGE_B_PRESETS as presets
+        defaults = {k: p.default for k, p in inspect.signature(StageB.__init__).parameters.items()}
+    else:
+        # a Stage C is built from its architecture, `StageCConfig`
+        from cascade_nb.models.stage_c import StageCConfig, STAGE_C_PRESETS as presets
+        defaults = dataclasses.asdict(StageCConfig())
+    arch = {**defaults, **presets[m.model_version], **m.model_overrides}
     space = "stage_a" if m.stage == "b" else "pixels" if m.latent_space == "pixels" else "effnet"
     multiple = LATENT_COMPRESSION[space] * arch["patch_size"]
     return multiple, multiple * 2 ** (len(arch["c_hidden"]) - 1)
