@@ -15,8 +15,8 @@ from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .registry import registry, load_builtin_parts
 from .modes import TRAINING_MODES
 from .optimizers import optimizer_groups
-from .train_state import training_hook
-from .train import LAUNCH_CHECKS
+from .train_state import register_training_hook
+from .train import LAUNCH_CHECKS, register_launch_check
 from .memory import GB, plan_memory, suggest, meta_generator
 
 # %% auto #0
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
 
 # %% ../nbs/71_check.ipynb #5dda3f70
-@LAUNCH_CHECKS.register("cascade_nb")
+@register_launch_check("cascade_nb")
 def launch_check(cfg: Config, acc) -> None:
     "The checks of `check_config` without a data scan, for this launch: warnings logged, errors raised (`ConfigError`)."
     from accelerate.utils import DistributedType
@@ -477,7 +477,7 @@ def memory_line(planned: int, measured: int, tolerance: float = 0.1) -> str:
     return line
 
 # %% ../nbs/71_check.ipynb #04022000
-@training_hook("memory_check")
+@register_training_hook("memory_check")
 class FirstUpdateMemory:
     "On CUDA, after the first update of a launch: `memory_line` of the planner's peak and the measured one."
     @classmethod

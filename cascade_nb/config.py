@@ -22,11 +22,11 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
 
 # %% auto #0
 __all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SECTIONS', 'BUILTIN_SECTIONS', 'RUN_NAME', 'NULL_TURNS_OFF',
-           'CONFIG_HOOKS', 'register_config_hook', 'key_sections', 'config_section', 'ModelConfig', 'GDFConfig',
-           'DataConfig', 'TrainConfig', 'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'key_range',
-           'check_range', 'Config', 'config_from_dict', 'load_config', 'import_modules', 'ConfigHook', 'need',
-           'config_from_run', 'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0',
-           'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
+           'LOAD_CHECKS', 'key_sections', 'config_section', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
+           'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'key_range', 'check_range', 'Config',
+           'config_from_dict', 'load_config', 'import_modules', 'register_load_check', 'need', 'config_from_run',
+           'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1',
+           'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
 REQUIRED: Any = "___REQUIRED___"
@@ -219,7 +219,7 @@ class TrainConfig:
     max_nan_steps: int = 10                # stop after this many non-finite losses in a row
     # a registered training mode: full, lora, controlnet or your own; None: inferred
     mode: Optional[str] = None
-    imports: Optional[list[str]] = None    # modules to import first, e.g. one that defines a @training_mode
+    imports: Optional[list[str]] = None    # modules to import first, e.g. one that defines a @register_training_mode
     # a frozen generator's dropout (LoRA, ControlNet): 'off' throughout, or 'reference': on where the official scripts
     # leave it on (LoRA: the first micro-step; ControlNet: the whole run; explanations/differences_from_reference)
     frozen_dropout: Literal["off", "reference"] = "off"
@@ -250,12 +250,13 @@ class CheckpointConfig:
     sample_stage_b_steps: Optional[int] = None   # its sampler steps; None: gdf.presets.SAMPLING_DEFAULTS' (10)
     sample_stage_b_cfg: Optional[float] = None   # its CFG scale; None: gdf.presets.SAMPLING_DEFAULTS' (1.1)
     eval_captions: Union[int, list[str]] = 16  # N captions spread over the reference data, or the captions themselves
-    eval_metrics: list[str] = field(default_factory=lambda: ["retrieval"])  # 'retrieval', 'fid', 'kid', 'clip_score'
+    # 'retrieval', 'fid', 'kid', 'clip_score', the report card's or a registered one (@register_metric)
+    eval_metrics: list[Choice["metric"]] = field(default_factory=lambda: ["retrieval"])
     eval_reference: Optional[Union[str, list[str]]] = None  # images samples are compared with; None: the training data
     best_metric: Optional[str] = None     # e.g. 'retrieval/top1': keep *_best.safetensors by it instead of val loss
     # the report card (cascade_nb.report): feature space of subject fidelity, drift and diversity: 'pixels', 'clip'
     # (eval_clip_model's image tower) or 'dino' (DINOv2)
-    eval_features: str = "pixels"
+    eval_features: Choice["feature_space"] = "pixels"
     # the CLIP of prompt_fidelity and of 'clip' features (a hub id or folder; 'tiny': a small random one)
     eval_clip_model: str = "openai/clip-vit-large-patch14"
     eval_heldout_prompts: Optional[list[str]] = None  # prompts kept out of training, scored by prompt_fidelity
@@ -419,7 +420,6 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     except ConfigError as e: raise ConfigError(f"{imports[1]}: {e}") from None
     search = Path(source).parent if source else None
     import_modules(imports, where, search)
-    for hook in list(CONFIG_HOOKS.values()): hook.before(where, search)
     sections, owners = {s: {} for s in SECTIONS}, key_sections()
     for k, (v, src) in values.items():
         if k not in owners: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
@@ -463,18 +463,14 @@ def import_modules(names, where: str = "config", search: str | os.PathLike | Non
             for s in extra: sys.path.remove(s)
 
 # %% ../nbs/01_config.ipynb #55239e1a
-class ConfigHook:
-    """What a later module adds to loading a config: `before` runs once the config's `imports:` are imported, before
-    its keys are read (e.g. to import the modules that register sections); `after` runs with the built config, after
-    the checks of its own sections (e.g. to resolve and check the training mode)."""
-    def before(self, where: str, search: Path | None): pass
-    def after(self, cfg: Config, where: str): pass
+# this module's own registry, not a shared one: the checks act on the sections of this module's `SECTIONS`
+LOAD_CHECKS = Registry("load_check", how="@register_load_check('name') on a function (cfg, where)")
+"What later modules add to loading a config: functions `(cfg, where)`, run in registration order on the built config."
 
-# this module's own registry, not a shared one: the hooks act on the sections of this module's `SECTIONS`
-CONFIG_HOOKS = Registry("config_hook", how="@register_config_hook('name') on a `ConfigHook` instance")
-register_config_hook = CONFIG_HOOKS.register
-("`register_config_hook('name', hook)`: run `hook.before`/`hook.after` in every `load_config` "
- "(re-registering replaces).")
+def register_load_check(name: str):
+    """Decorator: run `check(cfg, where)` in every `load_config`, after this module's own checks (it raises
+    `ConfigError`, or fills in what the config leaves to it, e.g. the training mode); re-registering replaces."""
+    return LOAD_CHECKS.register(name)
 
 # %% ../nbs/01_config.ipynb #8dddb117
 def need(ok, where: str, message: str):
@@ -496,8 +492,8 @@ def _check(cfg: Config, where: str, training: bool):
     presets = STAGE_C_PRESETS if m.stage == "c" else STAGE_B_PRESETS
     need(m.model_version in presets, where, f"key 'model_version': {m.model_version!r} is not a Stage "
                                             f"{m.stage.upper()} preset; expected one of {presets}")
-    # the rules of later modules' keys (the training mode, data, optimizers: `ConfigHook`), in reading order
-    for hook in list(CONFIG_HOOKS.values()): hook.after(cfg, where)
+    # the rules of later modules' keys (the training mode, data, optimizers), in reading order
+    for check in list(LOAD_CHECKS.values()): check(cfg, where)
 
 # %% ../nbs/01_config.ipynb #711247d1
 def config_from_run(info_path: str | os.PathLike, overrides=(), training: bool = True) -> Config:

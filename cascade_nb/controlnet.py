@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 from .config import ConfigError, config_section
 from .typed_yaml import AT_LEAST_0
-from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode
+from .modes import TrainingMode, FullTraining, MemoryTerms, register_training_mode
 
 # %% auto #0
 __all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet', 'controlnet_config',
@@ -416,7 +416,7 @@ def controlnet_param_group(name: str) -> str:
     return "backbone" if name.startswith("controlnet.backbone.") else "projections"
 
 # %% ../nbs/61_controlnet.ipynb #2da15b82
-@training_mode("controlnet")
+@register_training_mode("controlnet")
 class ControlNetTraining(TrainingMode):
     "ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` is released."
     supports_ema = True    # of the ControlNet's trained tensors only (`base_is_rebuilt`): controlnet_ema.safetensors

@@ -19,7 +19,7 @@ from .typed_yaml import Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, DECAY
 from .gdf.core import cfg_batch, guide
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.samplers import DDIMSampler
-from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, unwrap_state_dict
+from .modes import TrainingMode, FullTraining, MemoryTerms, register_training_mode, unwrap_state_dict
 from .lora_training import LoraTraining, merged_lora_run
 
 # %% auto #0
@@ -341,7 +341,7 @@ class ConsistencyLoss:
         return raw.mean(), raw, d
 
 # %% ../nbs/62_distill.ipynb #3482d3ec
-@training_mode("lcm")
+@register_training_mode("lcm")
 class LCMTraining(ConsistencyLoss, TeacherMode):
     ("Latent consistency distillation (Luo et al. 2023): the student becomes a consistency model of the guided "
      "teacher's ODE.")
@@ -450,7 +450,7 @@ class LCMLoraTraining(LCMTraining):
         return self.lora.released(accelerator, net)   # lora.safetensors, exported like any LoRA
 
 # %% ../nbs/62_distill.ipynb #77cfe5e6
-@training_mode("progressive")
+@register_training_mode("progressive")
 class ProgressiveTraining(TeacherMode):
     ("Progressive distillation (Salimans & Ho 2022): one student DDIM step = two teacher DDIM steps; one run halves "
      "the steps.")
@@ -483,7 +483,7 @@ class ProgressiveTraining(TeacherMode):
         return raw.mean(), raw, d
 
 # %% ../nbs/62_distill.ipynb #3d2018ad
-@training_mode("distill")
+@register_training_mode("distill")
 class DistillTraining(TeacherMode):
     "Teacher → student regression at the same noised input and conditions; the student may be a smaller preset."
     student_from_teacher = False

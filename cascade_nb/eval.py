@@ -11,19 +11,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .config import Config, ConfigError
-from .registry import load_builtin_parts
+from .registry import load_builtin_parts, registry
 from .core import save_safetensors_atomic, images_to_device
 from .ema import ema_weights, released_ema
 from .optimizers import evaluation_view
-from .train_state import training_hook
+from .train_state import register_training_hook
 from .sample import load_run, sample_run
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
 __all__ = ['METRICS', 'SELECTION_RULES', 'REPORTS', 'pixel_features', 'retrieval_ranks', 'retrieval_scores', 'register_metric',
-           'build_metric', 'FID', 'KID', 'CLIPScore', 'Retrieval', 'reference_set', 'pick_captions', 'sample_captions',
-           'Evaluator', 'EvalContext', 'evaluate_run', 'eval_step', 'read_evaluations', 'logged_evaluations',
-           'InTrainingEvaluation', 'main']
+           'build_metric', 'register_selection_rule', 'register_report', 'FID', 'KID', 'CLIPScore', 'Retrieval',
+           'reference_set', 'pick_captions', 'sample_captions', 'Evaluator', 'EvalContext', 'evaluate_run', 'eval_step',
+           'read_evaluations', 'logged_evaluations', 'InTrainingEvaluation', 'main']
 
 # %% ../nbs/43_eval.ipynb #826a2171
 def pixel_features(images01: torch.Tensor, size: int = 16) -> torch.Tensor:
@@ -50,12 +50,15 @@ def retrieval_scores(ranks: torch.Tensor, ks=(1, 5)) -> dict:
     return {**{f"top{k}": (ranks < k).double().mean().item() for k in ks}, "median_rank": ranks.median().item()}
 
 # %% ../nbs/43_eval.ipynb #a13048ee
-METRICS: dict[str, type] = {}
+METRICS = registry("metric", how="@register_metric('name') on a metric class in a module the config lists in 'imports'")
+"The metrics `eval_metrics` names: classes whose `goals` map each result key to 'max' or 'min'."
 
-def register_metric(cls):
-    "Make a metric class available by its `name` in `eval_metrics`; `goals` maps each result key to 'max' or 'min'."
-    METRICS[cls.name] = cls
-    return cls
+def register_metric(name: str):
+    "Class decorator: make a metric class available as `name` in `eval_metrics` (its `name`)."
+    def add(cls):
+        cls.name = name
+        return METRICS.register(name, cls)
+    return add
 
 def _result_key(name: str, key: str) -> str: return f"{name}/{key}" if key else name
 
@@ -64,13 +67,21 @@ def build_metric(name: str, cfg: Config):
     cls = METRICS[name]
     return cls.from_config(cfg) if hasattr(cls, "from_config") else cls()
 
-SELECTION_RULES: dict = {}
+SELECTION_RULES = registry("selection_rule", how="@register_selection_rule('name') on a function (history)")
 """`best_metric` choices that are rules over the logged evaluations: `rule(history) -> (update, value) | None`, with
 `rule.needs`, the result keys it reads."""
 
-REPORTS: dict = {}
+REPORTS = registry("report", how="register_report('name', writer)")
 ("Report writers by format (`--report`; the report card registers 'markdown'): `writer.folder(run_dir, cfg, chosen, "
  "overwrite) -> folder`, checked before any sampling, then `writer(run_dir, cfg, results, folder) -> path`.")
+
+def register_selection_rule(name: str):
+    "Decorator: make `rule(history)` a `best_metric: name` choice."
+    return SELECTION_RULES.register(name)
+
+def register_report(name: str, writer):
+    "Make `writer` (an instance: it is called) the `--report name` format."
+    return REPORTS.register(name, writer)
 
 
 # %% ../nbs/43_eval.ipynb #1a6ef537
@@ -87,20 +98,20 @@ class _InceptionMetric:
     def _result_of_inf(self) -> dict: return {k: math.inf if g == "min" else math.nan for k, g in self.goals.items()}
 
 # %% ../nbs/43_eval.ipynb #67a0c4ad
-@register_metric
+@register_metric("fid")
 class FID(_InceptionMetric):
     "Fréchet Inception Distance (torchmetrics); `feature` = 2048 (Inception-v3 via torch-fidelity) or an nn.Module."
-    name, goals = "fid", {"": "min"}
+    goals = {"": "min"}
     def __init__(self, feature=2048):
         from torchmetrics.image.fid import FrechetInceptionDistance
         self.metric = FrechetInceptionDistance(feature=feature, normalize=True)
     def _result(self, v) -> dict: return {"": v.item()}
 
 # %% ../nbs/43_eval.ipynb #f0efb5c6
-@register_metric
+@register_metric("kid")
 class KID(_InceptionMetric):
     "Kernel Inception Distance (torchmetrics), mean and std over `subsets` random subsets of at most `subset_size`."
-    name, goals = "kid", {"": "min", "std": None}
+    goals = {"": "min", "std": None}
     def __init__(self, feature=2048, subsets: int = 100, subset_size: int = 1000):
         self.feature, self.subsets, self.subset_size = feature, subsets, subset_size
     def __call__(self, samples, captions, ref_images, ref_captions) -> dict:
@@ -117,10 +128,10 @@ def _embeds(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 # %% ../nbs/43_eval.ipynb #6b2fa81f
-@register_metric
+@register_metric("clip_score")
 class CLIPScore:
     "CLIP score (Hessel et al. 2021): 100·max(cos(image, caption), 0), averaged, with a transformers CLIP."
-    name, goals = "clip_score", {"": "max"}
+    goals = {"": "max"}
     def __init__(self, model="openai/clip-vit-large-patch14"):
         if callable(model): self.model, self.processor = model()
         else:
@@ -142,10 +153,10 @@ class CLIPScore:
         return {"": score.mean().item()}
 
 # %% ../nbs/43_eval.ipynb #1443c44f
-@register_metric
+@register_metric("retrieval")
 class Retrieval:
     "Caption retrieval: top-1/top-5 accuracy and median rank of samples among the reference images (`retrieval_ranks`)."
-    name, goals = "retrieval", {"top1": "max", "top5": "max", "median_rank": "min"}
+    goals = {"top1": "max", "top5": "max", "median_rank": "min"}
     def __init__(self, features=pixel_features): self.features = features
 
     def __call__(self, samples, captions, ref_images, ref_captions) -> dict:
@@ -348,7 +359,7 @@ def logged_evaluations(acc, metrics_path, upto: int) -> list[dict]:
 
 
 # %% ../nbs/43_eval.ipynb #e1a0c005
-@training_hook("eval")
+@register_training_hook("eval")
 class InTrainingEvaluation:
     "The trainer's hook: `eval_step` every `eval_every` updates; built before training, so a bad metric fails first."
     def __init__(self, cfg: Config): self.every, self.evaluator = cfg.checkpoint.eval_every, Evaluator(cfg)

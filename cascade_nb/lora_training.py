@@ -14,9 +14,10 @@ import torch
 from torch import nn
 from .core import seeded_rand, images_to_device, Weights
 from .hub import weights_file, parse_hub_spec
-from .config import ConfigError, ConfigHook, config_section, register_config_hook
+from .config import Config, ConfigError, config_section, register_load_check
 from .typed_yaml import AT_LEAST_0, AT_LEAST_1, POSITIVE, DECAY, Choice, Range, coerce
-from .modes import TrainingMode, FullTraining, MemoryTerms, training_mode, TRAINING_MODES, released_file
+from .modes import (TrainingMode, FullTraining, MemoryTerms, register_training_mode, TRAINING_MODES,
+                              released_file)
 from .adapters import ADAPTERS, apply_lora, lora_layers, lora_targets, match_filters, scaled_adapters
 from .lora_converters import (TEXT_ENCODER_FILTERS, KOHYA_TE_STEMS, from_kohya, from_reference,
                                         is_reference_lora, load_lora_file, split_text_encoder,
@@ -32,7 +33,7 @@ __all__ = ['LORA_PARAM_GROUPS', 'LoraConfig', 'type_options', 'check_adapter_arg
            'lora_base_generator', 'merged_lora_run', 'text_encoder_size', 'clip_text_linears',
            'text_encoder_weight_shapes', 'text_encoder_shapes', 'lora_memory_terms', 'LoraAdapters', 'attach_adapters',
            'load_lora_checkpoint', 'TokenInputs', 'lora_weights', 'add_file_tokens', 'check_lora_config',
-           'lora_param_group', 'LoraTraining', 'PriorHook']
+           'lora_param_group', 'LoraTraining', 'on_load_prior']
 
 # %% ../nbs/60e_lora_training.ipynb #dbea53f5
 @config_section("lora", ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,
@@ -387,7 +388,7 @@ def lora_param_group(name: str) -> str:
     return "tokens" if name.endswith(".delta") else "text_encoder_adapters"
 
 # %% ../nbs/60e_lora_training.ipynb #96e9b7f7
-@training_mode("lora")
+@register_training_mode("lora")
 class LoraTraining(TrainingMode):
     """LoRA (+ token) training of Stage C: frozen generator and text encoder, adapters and token deltas train,
     `lora.safetensors` is released."""
@@ -465,11 +466,9 @@ class LoraTraining(TrainingMode):
         return FullTraining.build(cfg, *models, **kw)
 
 # %% ../nbs/60e_lora_training.ipynb #4a5d79da
-class PriorHook(ConfigHook):
-    "Loading a config: `prior_loss_weight` only in a mode that predicts the prior (`predicts_prior`, LoRA)."
-    def after(self, cfg, where: str):
-        if cfg.lora.prior_loss_weight == 1 or TRAINING_MODES.choose(cfg.train.mode).predicts_prior: return
-        raise ConfigError(f"{where}: key 'prior_loss_weight': mode '{cfg.train.mode}' does not predict the prior "
-                          "(mode lora does); remove it")
-
-register_config_hook("prior", PriorHook())
+@register_load_check("prior")
+def on_load_prior(cfg: Config, where: str):
+    "`prior_loss_weight` only in a mode that predicts the prior (`predicts_prior`, LoRA)."
+    if cfg.lora.prior_loss_weight == 1 or TRAINING_MODES.choose(cfg.train.mode).predicts_prior: return
+    raise ConfigError(f"{where}: key 'prior_loss_weight': mode '{cfg.train.mode}' does not predict the prior "
+                      "(mode lora does); remove it")

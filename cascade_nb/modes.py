@@ -1,4 +1,4 @@
-"""What trains and how it is scored: the `TrainingMode` protocol, the `@training_mode` registry, the models a mode wraps, and the built-in full fine-tuning of Stage C and Stage B.
+"""What trains and how it is scored: the `TrainingMode` protocol, the `@register_training_mode` registry, the models a mode wraps, and the built-in full fine-tuning of Stage C and Stage B.
 
 Docs: https://cascade-nb.github.io/cascade_nb/modes.html.md"""
 
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from .core import resolve_dtype, frozen, seeded, seeded_rand, seeded_randn, images_to_device
 from typing import NamedTuple
-from .config import (Config, ConfigError, ConfigHook, SECTIONS, import_modules,
-    register_config_hook, REQUIRED)
+from .config import (Config, ConfigError, SECTIONS, import_modules,
+    register_load_check, REQUIRED)
 from .data.sources import source_entries
 from .registry import registry, UnknownChoice, load_builtin_parts
 from .gdf.presets import training_shift
@@ -28,8 +28,9 @@ __all__ = ['TRAINING_MODES', 'BatchInputs', 'unwrap_state_dict', 'MemoryTerms', 
            'load_released_generator', 'TrainedGroups', 'TrainingMode', 'weights_key', 'build_generator',
            'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
            'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight',
-           'sample_weights', 'training_mode', 'build_training_mode', 'refuse_loss_weights', 'refuse_prior_entries',
-           'resolve_mode', 'check_mode_sections', 'ModeHook', 'ParamGroupsHook', 'FullTraining', 'StageBTraining']
+           'sample_weights', 'register_training_mode', 'build_training_mode', 'refuse_loss_weights',
+           'refuse_prior_entries', 'resolve_mode', 'check_mode_sections', 'on_load_training_mode',
+           'on_load_param_groups', 'FullTraining', 'StageBTraining']
 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 class BatchInputs:
@@ -136,7 +137,7 @@ class TrainingMode(TrainedGroups, BatchInputs):
     supports_ema = True          # keep an EMA (ema_* keys): of `net`, or with `base_is_rebuilt` of its trained tensors
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
     stages = ("c",)              # the stages it trains (`encode` makes Stage C's inputs); StageBTraining's: ("b",)
-    name = None                  # set by @training_mode
+    name = None                  # set by @register_training_mode
     takes_loss_weights = True    # its loss weights each sample by `extras`' `weight` (a mixture's loss_weight)
     base_is_rebuilt = False      # True: the state leaves out the frozen base, rebuilt from its files on resume
     predicts_prior = has_adapters = False   # LoRA: `prior: true` samples target its base; `adapter_scaled(net, s)`
@@ -403,14 +404,15 @@ def sample_weights(batch: dict, x0: torch.Tensor, mode=None) -> dict:
                                            getattr(d, "normalize_masked_area", False))}
 
 # %% ../nbs/40b_modes.ipynb #891820f1
-TRAINING_MODES = registry("training_mode", how="@training_mode('name') in a module the config lists in 'imports'")
+TRAINING_MODES = registry("training_mode", how="@register_training_mode('name') in a module the config lists in "
+                                                "'imports'")
 "Training modes by name (`mode:` in a config)."
 
-def training_mode(name: str):
+def register_training_mode(name: str):
     "Class decorator: register a `TrainingMode` subclass as `mode: name` (a later registration of `name` replaces it)."
     def register(cls):
         if not (isinstance(cls, type) and issubclass(cls, TrainingMode)):
-            raise TypeError(f"@training_mode({name!r}): {cls!r} is not a TrainingMode subclass")
+            raise TypeError(f"@register_training_mode({name!r}): {cls!r} is not a TrainingMode subclass")
         cls.name = name
         TRAINING_MODES[name] = cls
         return cls
@@ -478,31 +480,27 @@ def check_mode_sections(cfg: Config, where: str = "config"):
 
 
 # %% ../nbs/40b_modes.ipynb #f028f2aa
-class ModeHook(ConfigHook):
-    "Loading a config: its mode resolved, and the sections of other modes left at their defaults."
-    def after(self, cfg: Config, where: str):
-        resolve_mode(cfg, where)
-        check_mode_sections(cfg, where)
-
-register_config_hook("training_mode", ModeHook())
+@register_load_check("training_mode")
+def on_load_training_mode(cfg: Config, where: str):
+    "Its mode resolved, and the sections of other modes left at their defaults."
+    resolve_mode(cfg, where)
+    check_mode_sections(cfg, where)
 
 
 # %% ../nbs/40b_modes.ipynb #pg248fe9
-class ParamGroupsHook(ConfigHook):
-    "Loading a config: the groups `param_groups` sets are groups of its mode's (`param_group_names`)."
-    def after(self, cfg: Config, where: str):
-        mode = TRAINING_MODES.choose(cfg.train.mode).for_config(cfg)
-        for g in cfg.train.param_groups:
-            if g in mode.param_group_names: continue
-            close = difflib.get_close_matches(str(g), mode.param_group_names, n=1)
-            raise ConfigError(f"{where}: key 'param_groups': {g!r} is not a parameter group of mode "
-                              f"'{cfg.train.mode}'" + (f"; did you mean {close[0]!r}?" if close else "")
-                              + f" (its groups: {', '.join(mode.param_group_names)})")
-
-register_config_hook("param_groups", ParamGroupsHook())
+@register_load_check("param_groups")
+def on_load_param_groups(cfg: Config, where: str):
+    "The groups `param_groups` sets are groups of its mode's (`param_group_names`)."
+    mode = TRAINING_MODES.choose(cfg.train.mode).for_config(cfg)
+    for g in cfg.train.param_groups:
+        if g in mode.param_group_names: continue
+        close = difflib.get_close_matches(str(g), mode.param_group_names, n=1)
+        raise ConfigError(f"{where}: key 'param_groups': {g!r} is not a parameter group of mode "
+                          f"'{cfg.train.mode}'" + (f"; did you mean {close[0]!r}?" if close else "")
+                          + f" (its groups: {', '.join(mode.param_group_names)})")
 
 # %% ../nbs/40b_modes.ipynb #05cfc65c
-@training_mode("full")
+@register_training_mode("full")
 class FullTraining(TrainingMode):
     """Stage C full fine-tuning: frozen CLIP conditioning, the whole generator trains, `generator.safetensors` is
     released."""

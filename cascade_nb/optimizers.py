@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from .core import human_count, seeded_rand
 from .registry import registry, ConfigError
-from .config import Config, ConfigHook, need, register_config_hook
+from .config import Config, need, register_load_check
 from .typed_yaml import Range, coerce, POSITIVE, AT_LEAST_0
 from .ema import local_shard, resharded
 
@@ -21,9 +21,9 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS'
            'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay', 'polynomial_decay',
            'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec', 'FusedAdamW',
            'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
-           'OptimizerArgsHook', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups', 'group_settings',
-           'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'OptimizationHook', 'schedule_free_view',
-           'ScheduleFreeAdamW', 'evaluation_view']
+           'on_load_optimizer_args', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups',
+           'group_settings', 'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'on_load_optimization',
+           'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view']
 
 # %% ../nbs/40a_optimizers.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -269,16 +269,14 @@ class Prodigy(OptimizerSpec):
                     "fine)")
 
 # %% ../nbs/40a_optimizers.ipynb #8f855b31
-class OptimizerArgsHook(ConfigHook):
-    "Loading a config: its `optimizer_args` checked against the chosen optimizer's options, converted, defaults filled."
-    def after(self, cfg: Config, where: str):
-        t = cfg.train
-        t.optimizer_args = {**OPTIMIZERS.choose(t.optimizer).args(t),
-                            **check_optimizer_args(t.optimizer, t.optimizer_args, where)}
-        if why := OPTIMIZERS.choose(t.optimizer).refusal(t):
-            raise ConfigError(f"{where}: optimizer {t.optimizer!r} {why}")
-
-register_config_hook("optimizer_args", OptimizerArgsHook())
+@register_load_check("optimizer_args")
+def on_load_optimizer_args(cfg: Config, where: str):
+    "Its `optimizer_args` checked against the chosen optimizer's options, converted, defaults filled."
+    t = cfg.train
+    t.optimizer_args = {**OPTIMIZERS.choose(t.optimizer).args(t),
+                        **check_optimizer_args(t.optimizer, t.optimizer_args, where)}
+    if why := OPTIMIZERS.choose(t.optimizer).refusal(t):
+        raise ConfigError(f"{where}: optimizer {t.optimizer!r} {why}")
 
 # %% ../nbs/40a_optimizers.ipynb #6f1111a5
 def stochastic_round_(out: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -435,33 +433,31 @@ def group_layout(opt) -> list[list]:
 GROUP_KEYS = {"lr": POSITIVE, "weight_decay": AT_LEAST_0}
 "What a `param_groups` entry may set, and each one's range."
 
-class OptimizationHook(ConfigHook):
-    """Loading a config: `param_groups` entries set `GROUP_KEYS` in range, `lr_multipliers` are patterns with
+@register_load_check("optimization")
+def on_load_optimization(cfg: Config, where: str):
+    """`param_groups` entries set `GROUP_KEYS` in range, `lr_multipliers` are patterns with
     multipliers >= 0, and the numerics agree (stochastic rounding, the step inside backward, the LR's floor)."""
-    def after(self, cfg: Config, where: str):
-        t, dtype = cfg.train, cfg.model.dtype
-        for group, given in t.param_groups.items():
-            for k, v in given.items():
-                need(k in GROUP_KEYS, where, f"key 'param_groups.{group}.{k}' is unknown; expected "
-                                             f"{' or '.join(GROUP_KEYS)}")
-                need(v in GROUP_KEYS[k], where, f"key 'param_groups.{group}.{k}': {v!r} is out of range; expected "
-                                                f"{GROUP_KEYS[k]}")
-        for pat, m in t.lr_multipliers.items():
-            need(bool(pat), where, "key 'lr_multipliers': an empty pattern matches every parameter; set lr instead")
-            need(m in AT_LEAST_0, where, f"key 'lr_multipliers.{pat}': {m!r} is out of range; expected {AT_LEAST_0} "
-                                         "(0 freezes the parameters it matches)")
-        if t.stochastic_rounding:
-            need(t.fused_backward, where, "key 'stochastic_rounding' needs fused_backward: true (each weight's step "
-                                          "runs on an fp32 copy of that one tensor, inside backward)")
-            need(dtype == "bfloat16", where, f"key 'stochastic_rounding' rounds into bf16 weights, but dtype is "
-                                             f"{dtype or 'float32'}; set dtype: bfloat16")
-        need(not t.fused_backward or t.grad_accum_steps == 1, where,
-             f"key 'fused_backward' updates each weight inside backward, so gradients cannot be accumulated over "
-             f"grad_accum_steps: {t.grad_accum_steps}; set grad_accum_steps: 1")
-        need(t.min_lr < t.lr, where, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends "
-                                     "at must be lower than the LR it starts from")
-
-register_config_hook("optimization", OptimizationHook())
+    t, dtype = cfg.train, cfg.model.dtype
+    for group, given in t.param_groups.items():
+        for k, v in given.items():
+            need(k in GROUP_KEYS, where, f"key 'param_groups.{group}.{k}' is unknown; expected "
+                                         f"{' or '.join(GROUP_KEYS)}")
+            need(v in GROUP_KEYS[k], where, f"key 'param_groups.{group}.{k}': {v!r} is out of range; expected "
+                                            f"{GROUP_KEYS[k]}")
+    for pat, m in t.lr_multipliers.items():
+        need(bool(pat), where, "key 'lr_multipliers': an empty pattern matches every parameter; set lr instead")
+        need(m in AT_LEAST_0, where, f"key 'lr_multipliers.{pat}': {m!r} is out of range; expected {AT_LEAST_0} "
+                                     "(0 freezes the parameters it matches)")
+    if t.stochastic_rounding:
+        need(t.fused_backward, where, "key 'stochastic_rounding' needs fused_backward: true (each weight's step "
+                                      "runs on an fp32 copy of that one tensor, inside backward)")
+        need(dtype == "bfloat16", where, f"key 'stochastic_rounding' rounds into bf16 weights, but dtype is "
+                                         f"{dtype or 'float32'}; set dtype: bfloat16")
+    need(not t.fused_backward or t.grad_accum_steps == 1, where,
+         f"key 'fused_backward' updates each weight inside backward, so gradients cannot be accumulated over "
+         f"grad_accum_steps: {t.grad_accum_steps}; set grad_accum_steps: 1")
+    need(t.min_lr < t.lr, where, f"key 'min_lr': {t.min_lr:g} is not below lr ({t.lr:g}); the floor a decay ends "
+                                 "at must be lower than the LR it starts from")
 
 # %% ../nbs/40a_optimizers.ipynb #98275f6e
 @contextlib.contextmanager

@@ -20,18 +20,18 @@ from .models.stage_b import stage_b_latents
 from .data.buckets import size_rule
 from .ema import ema_weights
 from .optimizers import evaluation_view
-from .train_state import training_hook
+from .train_state import register_training_hook
 from .stop_signals import StopFlag, StopWaiting
 from .sample import sample_run, save_png, _slug, chunk_seed
-from .train import LAUNCH_CHECKS, tracker_image
+from .train import LAUNCH_CHECKS, register_launch_check, tracker_image
 
 # %% auto #0
 __all__ = ['PROMPT_FIELDS', 'MAX_SIZE_FACTOR', 'MAX_PROMPTS', 'MAX_PROMPTS_BYTES', 'NEGATIVE_PROMPT_LIMITS', 'SAMPLE_DECODERS',
            'STAGE_B_KEYS', 'SamplePrompt', 'prompt_defaults', 'read_prompt_entries', 'largest_sample_side',
            'prompt_entry', 'no_negative_prompt', 'read_prompts', 'adapter_scaled', 'sample_prompt',
-           'LatentSpaceDecoder', 'check_cascade_decode', 'CascadeDecoder', 'sample_decoder', 'prompt_folder',
-           'write_prompt_samples', 'installed_stop_flag', 'sample_weights', 'log_prompt_samples', 'PromptSamples',
-           'check_sample_prompts']
+           'register_sample_decoder', 'LatentSpaceDecoder', 'check_cascade_decode', 'CascadeDecoder', 'sample_decoder',
+           'prompt_folder', 'write_prompt_samples', 'installed_stop_flag', 'sample_weights', 'log_prompt_samples',
+           'PromptSamples', 'check_sample_prompts']
 
 # %% ../nbs/44_prompt_samples.ipynb #0c600f0e
 @dataclass(frozen=True)
@@ -185,14 +185,18 @@ def sample_prompt(mode, gdf, cfg: Config, p: SamplePrompt, net, device="cpu", de
                           device=device, net=net, negative_prompt=p.negative_prompt, decode=decode)[0]
 
 # %% ../nbs/44_prompt_samples.ipynb #d3c0de02
-SAMPLE_DECODERS = registry("sample_decoder", how="@SAMPLE_DECODERS.register('name') on a class built with the config")
+SAMPLE_DECODERS = registry("sample_decoder", how="@register_sample_decoder('name') on a class built with the config")
+
+def register_sample_decoder(name: str):
+    "Class decorator: the `sample_decode: name` choice, a class built with the config."
+    return SAMPLE_DECODERS.register(name)
 ("How the prompt samples' latents become images (`sample_decode`): `cls(cfg)` refuses what it cannot decode; its "
  "instance is called as `decoder(mode, x0, conds, uncond, p)`.")
 
 STAGE_B_KEYS = ("sample_stage_b_checkpoint_path", "sample_stage_b_steps", "sample_stage_b_cfg")
 "The keys of the Stage B that `sample_decode: cascade` samples."
 
-@SAMPLE_DECODERS.register("previewer")
+@register_sample_decoder("previewer")
 class LatentSpaceDecoder:
     "The run's own latent space decode: a Stage C run's Previewer, a Stage B run's Stage A, a pixel run's pixels."
     name = "previewer"
@@ -227,7 +231,7 @@ def check_cascade_decode(cfg: Config):
     if why: raise ConfigError(why)
 
 # %% ../nbs/44_prompt_samples.ipynb #d3c0de08
-@SAMPLE_DECODERS.register("cascade")
+@register_sample_decoder("cascade")
 class CascadeDecoder:
     "Stage C latents → Stage B (sampled) → Stage A: the picture the released model makes; the stages loaded once."
     name = "cascade"
@@ -357,7 +361,7 @@ def log_prompt_samples(run, prompts: list[SamplePrompt], decoder=None) -> Path |
     return folder
 
 # %% ../nbs/44_prompt_samples.ipynb #43a0693a
-@training_hook("sample_prompts")
+@register_training_hook("sample_prompts")
 class PromptSamples:
     "The trainer's hook: `sample_prompts` sampled at update 0 of a new run, every `sample_every` and at the end."
     def __init__(self, cfg: Config):
@@ -377,7 +381,7 @@ class PromptSamples:
         if run.state.update % self.every == 0 or run.state.update == self.last:
             log_prompt_samples(run, self.prompts, self.decoder)
 
-@LAUNCH_CHECKS.register("sample_prompts")
+@register_launch_check("sample_prompts")
 def check_sample_prompts(cfg: Config, acc=None):
     """At launch, before any model is built: a `sample_prompts` file that cannot be read or holds a bad entry is
     refused, and a `sample_decode` that cannot apply (or without prompts to decode)."""

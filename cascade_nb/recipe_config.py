@@ -7,12 +7,12 @@ Docs: https://cascade-nb.github.io/cascade_nb/recipe_config.html.md"""
 # %% ../nbs/19b_recipe_config.ipynb #2c8d0c84
 from __future__ import annotations
 from .registry import ConfigError
-from .config import ConfigHook, config_section, register_config_hook
+from .config import config_section, register_load_check
 from .gdf.schedules import BaseSchedule, SCHEDULES
 from .gdf.recipe import RecipeConfig, RECIPE_RANGES, draws_as_registered, density_schedule
 
 # %% auto #0
-__all__ = ['check_range', 'check_moving_range', 'check_density', 'RecipeHook']
+__all__ = ['check_range', 'check_moving_range', 'check_density', 'on_load_recipe']
 
 # %% ../nbs/19b_recipe_config.ipynb #3b0e53e9
 config_section("recipe", modes=("full", "lora", "controlnet"), ranges=RECIPE_RANGES)(RecipeConfig)
@@ -48,16 +48,14 @@ def check_density(cfg, base: BaseSchedule, where: str):
     except ValueError as e:
         raise ConfigError(f"{where}: keys 't_density_weight', 't_density_bias': {e}") from None
 
-class RecipeHook(ConfigHook):
-    "Loading a config: the recipe's range (and its end) must hold noise levels; Stage B keeps its own pyramid noise."
-    def after(self, cfg, where: str):
-        r, base = cfg.recipe, SCHEDULES.choose(cfg.gdf.noise_schedule)()
-        check_range(r.logsnr_min, r.logsnr_max, ("logsnr_min", "logsnr_max"), cfg.gdf.noise_schedule, base.limits,
-                    where)
-        check_moving_range(cfg, base.limits, where)
-        if cfg.model.stage == "b" and r.pyramid_noise_discount:
-            raise ConfigError(f"{where}: key 'pyramid_noise_discount': {r.pyramid_noise_discount} is not valid for "
-                              "Stage B, which always trains with the reference's pyramid noise; expected 0")
-        check_density(cfg, base, where)
-
-register_config_hook("recipe", RecipeHook())
+@register_load_check("recipe")
+def on_load_recipe(cfg: Config, where: str):
+    "The recipe's range (and its end) must hold noise levels; Stage B keeps its own pyramid noise."
+    r, base = cfg.recipe, SCHEDULES.choose(cfg.gdf.noise_schedule)()
+    check_range(r.logsnr_min, r.logsnr_max, ("logsnr_min", "logsnr_max"), cfg.gdf.noise_schedule, base.limits,
+                where)
+    check_moving_range(cfg, base.limits, where)
+    if cfg.model.stage == "b" and r.pyramid_noise_discount:
+        raise ConfigError(f"{where}: key 'pyramid_noise_discount': {r.pyramid_noise_discount} is not valid for "
+                          "Stage B, which always trains with the reference's pyramid noise; expected 0")
+    check_density(cfg, base, where)

@@ -14,8 +14,8 @@ from .config import Config, ConfigError
 from .registry import registry
 from .core import seeded, atomic_path, atomic_write_text
 from .typed_yaml import read_json_file
-from .eval import (register_metric, pixel_features, CLIPScore, SELECTION_RULES, REPORTS, read_evaluations,
-                             _embeds)
+from .eval import (register_metric, register_selection_rule, register_report, pixel_features, CLIPScore,
+                             read_evaluations, _embeds)
 from .prompt_samples import adapter_scaled
 
 # %% auto #0
@@ -144,10 +144,10 @@ class _Cached:
         return self.value
 
 # %% ../nbs/45_report.ipynb #45r00020
-@register_metric
+@register_metric("subject_fidelity")
 class SubjectFidelity:
     "Samples of the evaluation captions (the instance prompts) against the images of their caption: `subject_fidelity`."
-    name, goals = "subject_fidelity", {"": "max"}
+    goals = {"": "max"}
     def __init__(self, features=pixel_features): self.features, self.ref_features = features, _Cached(features)
     @classmethod
     def from_config(cls, cfg: Config): return cls(features_of(cfg))
@@ -210,10 +210,10 @@ def _prompts_of(cfg: Config, metric: str, key: str, expected: str) -> list[str]:
         raise ConfigError(f"eval_metrics '{metric}': key '{key}' is not set; expected {expected}")
     return prompts
 
-@register_metric
+@register_metric("drift")
 class Drift:
     "How far the tuned model moved from its base on class and neutral prompts: `drift` of same-seed samples."
-    name, goals = "drift", {"": "min"}
+    goals = {"": "min"}
     def __init__(self, prompts, base, seeds: int = 4, features=pixel_features):
         self.captions, self.base, self.features = _seeds(prompts, seeds), base, features
     @classmethod
@@ -228,10 +228,10 @@ class Drift:
         return {"": drift(self.features(tuned), self.features(base))}
 
 # %% ../nbs/45_report.ipynb #45r00023
-@register_metric
+@register_metric("diversity")
 class Diversity:
     "Feature spread over `eval_seeds` samples of each evaluation caption (`diversity`), beside its reference images'."
-    name, goals = "diversity", {"": "max", "reference": None}
+    goals = {"": "max", "reference": None}
     def __init__(self, seeds: int = 4, features=pixel_features):
         self.seeds, self.features, self.ref_features = seeds, features, _Cached(features)
     @classmethod
@@ -245,10 +245,10 @@ class Diversity:
         return out | ({"reference": ref} if math.isfinite(ref) else {})
 
 # %% ../nbs/45_report.ipynb #45r00024
-@register_metric
+@register_metric("prompt_fidelity")
 class PromptFidelity:
     "CLIP score (`CLIPScore`) of samples of prompts kept out of training: does the tuned model still follow text?"
-    name, goals = "prompt_fidelity", {"": "max"}
+    goals = {"": "max"}
     def __init__(self, prompts, clip: CLIPScore): self.prompts, self.clip = list(prompts), clip
     @classmethod
     def from_config(cls, cfg: Config):
@@ -277,13 +277,13 @@ def stopping_walk(history, fidelity: str = "eval/subject_fidelity", drift: str =
         prev = r
     return keep, None
 
+@register_selection_rule("stopping_rule")
 def stopping_update(history, fidelity: str = "eval/subject_fidelity", drift: str = "eval/drift", tol: float = 0.):
     "(update, fidelity) to keep by `stopping_walk`, or None: a pure function of the logged rows."
     keep, _ = stopping_walk(history, fidelity, drift, tol)
     return None if keep is None else (keep["update"], keep[fidelity])
 
 stopping_update.needs = ("subject_fidelity", "drift")
-SELECTION_RULES["stopping_rule"] = stopping_update
 
 # %% ../nbs/45_report.ipynb #45r00031
 REPORT_METRICS = ("subject_fidelity", "prompt_fidelity", "drift", "diversity")
@@ -441,4 +441,4 @@ class MarkdownReport:
     def __call__(self, run_dir, cfg: Config, results: dict | None = None, out_dir=None) -> Path:
         return write_report(run_dir, cfg, results, out_dir)
 
-REPORTS["markdown"] = MarkdownReport()
+register_report("markdown", MarkdownReport())

@@ -44,8 +44,9 @@ __all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'Run', 'build_optimizer', 'gradie
            'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume',
            'resume_changes', 'run_info', 'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics',
            'interactive', 'validate', 'init_trackers', 'start_logging', 'duration', 'Clock', 'report_partial_states',
-           'run_summary', 'check_optimizer', 'run_launch_checks', 'start_launch', 'build_models', 'resume_run',
-           'finish_run', 'stopped_in_setup', 'setup_stage', 'train', 'plot_metrics', 'main']
+           'run_summary', 'check_optimizer', 'register_launch_check', 'run_launch_checks', 'start_launch',
+           'build_models', 'resume_run', 'finish_run', 'stopped_in_setup', 'setup_stage', 'train', 'plot_metrics',
+           'main']
 
 # %% ../nbs/41_train.ipynb #6f3c84c3
 @dataclass
@@ -464,7 +465,11 @@ def check_optimizer(name: str, distributed_type, fused: bool = False) -> None:
                           "which is not installed")
 
 # %% ../nbs/41_train.ipynb #4b132574
-LAUNCH_CHECKS = registry("launch_check", how="@LAUNCH_CHECKS.register('name') on a function (cfg, acc)")
+LAUNCH_CHECKS = registry("launch_check", how="@register_launch_check('name') on a function (cfg, acc)")
+
+def register_launch_check(name: str):
+    "Decorator: run `check(cfg, acc)` before any model is built (it raises, with the one line the user reads)."
+    return LAUNCH_CHECKS.register(name)
 "Functions `check(cfg, acc)` that `start_launch` runs before any model is built: they warn, or raise `ConfigError`."
 
 def run_launch_checks(cfg: Config, acc) -> None:

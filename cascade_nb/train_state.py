@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, asdict, fields
 import torch
+from .registry import registry
 
 # %% auto #0
-__all__ = ['TRAINING_HOOKS', 'TrainState', 'training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
+__all__ = ['TRAINING_HOOKS', 'TrainState', 'register_training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
            'NonFiniteWeightsError', 'all_finite']
 
 # %% ../nbs/40c_train_state.ipynb #add04565
@@ -47,15 +48,13 @@ def _counter_ok(key: str, v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 # %% ../nbs/40c_train_state.ipynb #e1a0c002
-TRAINING_HOOKS: dict[str, type] = {}
-"Classes `Hook(cfg)` with a classmethod `enabled(cfg)` and `after_update(run)`, by name (see `training_hook`)."
+TRAINING_HOOKS = registry("training_hook", how="@register_training_hook('name') on a class in a module the config "
+                                             "lists in 'imports'")
+"Classes `Hook(cfg)` with a classmethod `enabled(cfg)` and `after_update(run)`, by name (see `register_training_hook`)."
 
-def training_hook(name: str):
+def register_training_hook(name: str):
     "Class decorator: register a hook the trainer builds when `enabled(cfg)` and calls after every update."
-    def register(cls):
-        TRAINING_HOOKS[name] = cls
-        return cls
-    return register
+    return TRAINING_HOOKS.register(name)
 
 # %% ../nbs/40c_train_state.ipynb #eeea79fc
 class NonFiniteLossError(RuntimeError):

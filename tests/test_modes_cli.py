@@ -1,5 +1,5 @@
 """A training mode defined outside the package: a module named in the config's `imports:` registers it with
-`@training_mode`, and the command line trains it (python -m and the script path accelerate launches)."""
+`@register_training_mode`, and the command line trains it (python -m and the script path accelerate launches)."""
 import json, re, sys
 from pathlib import Path
 import pytest
@@ -7,9 +7,9 @@ from conftest import ROOT, run_cli
 
 MODE = '''
 from pathlib import Path
-from cascade_nb.modes import FullTraining, training_mode
+from cascade_nb.modes import FullTraining, register_training_mode
 
-@training_mode("x0_cli")
+@register_training_mode("x0_cli")
 class X0Training(FullTraining):
     "Predict x0 directly, scored by a plain MSE."
     def loss(self, net, gdf, x0, conds, rng=None, **kw):
@@ -46,16 +46,16 @@ def test_unknown_mode_and_missing_module_are_config_errors(tmp_path):
 
 STAGE_B_MODE = '''
 from pathlib import Path
-from cascade_nb.modes import FullTraining, StageBTraining, training_mode
+from cascade_nb.modes import FullTraining, StageBTraining, register_training_mode
 
-@training_mode("b_user")
+@register_training_mode("b_user")
 class MyStageB(StageBTraining):
     "A user's Stage B mode: its own loss (the standard one, counted)."
     def loss(self, net, gdf, x0, conds, rng=None, **kw):
         with open(Path(self.cfg.checkpoint.checkpoint_path) / "user_loss_calls.txt", "a") as f: f.write(f"{type(self).__name__}\\n")
         return super().loss(net, gdf, x0, conds, rng=rng, **kw)
 
-@training_mode("c_user")
+@register_training_mode("c_user")
 class MyStageC(FullTraining):
     "A user's mode with Stage C's inputs."
 '''
@@ -89,7 +89,7 @@ PARTS = '''
 from pathlib import Path
 import torch
 from cascade_nb.gdf import BaseLossWeight, DDIMSampler, register_loss_weight, register_sampler
-from cascade_nb.modes import FullTraining, training_mode
+from cascade_nb.modes import FullTraining, register_training_mode
 from cascade_nb.optimizers import OptimizerSpec, register_optimizer, register_lr_schedule
 
 def mark(what):
@@ -126,7 +126,7 @@ def halving(progress):
     mark("lr_schedule")
     return 0.5
 
-@training_mode("counted")
+@register_training_mode("counted")
 class CountedTraining(FullTraining):
     "Full fine-tuning on the left half of each image (a loss mask passed from `extras` to `loss`), counting its updates."
     def extras(self, batch, x0):

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from .sources import SkipCounter, _worker_seed
-from ..config import Config, ConfigError, ConfigHook, need, register_config_hook
+from ..config import Config, ConfigError, need, register_load_check
 
 # %% auto #0
 __all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'COUNTS_ONLY', 'LATENT_COMPRESSION', 'bucket_sizes', 'saliency_map',
            'saliency_center', 'closest_bucket', 'crop_box', 'jitter_box', 'resize_crop', 'resize_crop_chw',
            'split_mask', 'images_to_float', 'pick_bucket', 'BucketResize', 'materialize_samples', 'collate_samples',
-           'BucketBatcher', 'resolution_at', 'bucket_at', 'resize_cover', 'size_rule', 'ResolutionScheduleHook',
+           'BucketBatcher', 'resolution_at', 'bucket_at', 'resize_cover', 'size_rule', 'on_load_resolution_schedule',
            'check_resolution_schedule', 'at_resolution']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
@@ -334,30 +334,28 @@ def size_rule(cfg: Config) -> tuple[int, int]:
     return multiple, multiple * 2 ** (len(arch["c_hidden"]) - 1)
 
 # %% ../../nbs/31_data.buckets.ipynb #34de7e48
-class ResolutionScheduleHook(ConfigHook):
+@register_load_check("resolution_schedule")
+def on_load_resolution_schedule(cfg: Config, where: str):
     """`resolution_schedule`: [update, side] entries from update 0 on, strictly increasing, within the run, largest
     side = image_size, and images to scale (not cached latents)."""
-    def after(self, cfg: Config, where: str):
-        s, d, key = cfg.data.resolution_schedule, cfg.data, "key 'resolution_schedule'"
-        eg = "e.g. [[0, 256], [10000, 512]]"
-        if s is None: return
-        need(s, where, f"{key}: [] is empty; expected [[0, side], [update, side], ...] ({eg}) or null")
-        need(s[0][0] == 0, where, f"{key}: the first entry {list(s[0])} starts at update {s[0][0]}; expected 0 "
-                                  f"(the side of the first updates), {eg}")
-        for prev, cur in zip(s, s[1:]):
-            need(cur[0] > prev[0], where, f"{key}: entry {list(cur)} does not start after {list(prev)}; "
-                                          f"expected strictly increasing updates, {eg}")
-        need(s[-1][0] < cfg.train.updates, where, f"{key}: entry {list(s[-1])} would never train: the run's updates "
-                                                  f"are 0 to {cfg.train.updates - 1} (updates: {cfg.train.updates})")
-        big = max(side for _, side in s)
-        need(big == d.image_size, where, f"{key}: its largest side {big} must equal image_size ({d.image_size}), the "
-                                         "side the data pipeline crops and buckets at and validation, evaluation and "
-                                         f"the memory plan use; set image_size: {big}")
-        need(cfg.model.latent_space != "cached", where,
-             f"{key} needs images: latents cached by `python -m cascade_nb.data cache` have one "
-             "fixed size (latent_space: cached); train from the images (latent_space: effnet)")
-
-register_config_hook("resolution_schedule", ResolutionScheduleHook())
+    s, d, key = cfg.data.resolution_schedule, cfg.data, "key 'resolution_schedule'"
+    eg = "e.g. [[0, 256], [10000, 512]]"
+    if s is None: return
+    need(s, where, f"{key}: [] is empty; expected [[0, side], [update, side], ...] ({eg}) or null")
+    need(s[0][0] == 0, where, f"{key}: the first entry {list(s[0])} starts at update {s[0][0]}; expected 0 "
+                              f"(the side of the first updates), {eg}")
+    for prev, cur in zip(s, s[1:]):
+        need(cur[0] > prev[0], where, f"{key}: entry {list(cur)} does not start after {list(prev)}; "
+                                      f"expected strictly increasing updates, {eg}")
+    need(s[-1][0] < cfg.train.updates, where, f"{key}: entry {list(s[-1])} would never train: the run's updates "
+                                              f"are 0 to {cfg.train.updates - 1} (updates: {cfg.train.updates})")
+    big = max(side for _, side in s)
+    need(big == d.image_size, where, f"{key}: its largest side {big} must equal image_size ({d.image_size}), the "
+                                     "side the data pipeline crops and buckets at and validation, evaluation and "
+                                     f"the memory plan use; set image_size: {big}")
+    need(cfg.model.latent_space != "cached", where,
+         f"{key} needs images: latents cached by `python -m cascade_nb.data cache` have one "
+         "fixed size (latent_space: cached); train from the images (latent_space: effnet)")
 
 
 # %% ../../nbs/31_data.buckets.ipynb #6d96709f

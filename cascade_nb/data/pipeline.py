@@ -16,7 +16,7 @@ from safetensors.torch import load as st_load
 from PIL import Image, ImageOps
 from ..filters import CaptionsGetter, DatasetFilter, CaptionRecipe
 from ..registry import ConfigError
-from ..config import Config, ConfigHook, need, register_config_hook
+from ..config import Config, need, register_load_check
 from .sources import (SourceEntry, SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_END, resolve_sources,
                                      ShardList,
                                      ResampledShardList, ShardReader, _worker_seed, is_remote, local_path, DataError)
@@ -28,7 +28,7 @@ __all__ = ['MASK_MEMBER', 'MASK_PIXELS_PER_IMAGE_PIXEL', 'MAX_CAPTION_CHARS', 'H
            'as_dataset_filters', 'UnsupportedImage', 'split_alpha', 'to_rgb', 'BadMask', 'decode_mask', 'sample_mask',
            'default_min_side', 'default_max_pixels', 'sample_loss_weight', 'with_caption_prefix', 'SampleDecoding',
            'SampleDecoder', 'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform',
-           'SampleAugment', 'AugmentHook', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError',
+           'SampleAugment', 'on_load_augment', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError',
            'CachedDecoder', 'ImageTextDataset', 'resolve_crop', 'build_dataset', 'FilterReportingLoader',
            'build_dataloader', 'dataloader_from_config', 'default_num_workers', 'sum_skips', 'effective_mix',
            'inspect_source']
@@ -394,25 +394,23 @@ class SampleAugment:
             yield {**s, "__augment__": self.draw(s, epoch, stream.getrandbits(64) if self.resampled else 0)}
 
 # %% ../../nbs/32_data.pipeline.ipynb #5e1a0c3f
-class AugmentHook(ConfigHook):
+@register_load_check("augment")
+def on_load_augment(cfg: Config, where: str):
     """Flips, crop jitter and caption transforms need images (cached latents and their captions were encoded once);
     the mask's options need a mask."""
-    def after(self, cfg: Config, where: str):
-        d, cached = cfg.data, cfg.model.latent_space == "cached"
-        for key in ("hflip", "crop_jitter"):
-            need(not (getattr(d, key) and cached), where,
-                 f"key '{key}' changes the crop per sample and epoch, but latent_space: cached trains on latents "
-                 "encoded once; turn it off, or train from the images (latent_space: effnet)")
-        for key, off in (("unmasked_weight", 0.0), ("normalize_masked_area", False)):
-            need(d.loss_mask != "off" or getattr(d, key) == off, where,
-                 f"key '{key}' weights the loss by a mask, but loss_mask is off; set loss_mask: alpha, member or auto")
-        changing = CaptionRecipe.from_config(d).keys_in_use()
-        need(not cached or not changing, where,
-             f"key(s) {', '.join(changing)} change the captions per sample and epoch, but latent_space: cached trains "
-             "on the text embeddings of the captions as they were cached; turn them off, or train from the images "
-             "(latent_space: effnet)")
-
-register_config_hook("augment", AugmentHook())
+    d, cached = cfg.data, cfg.model.latent_space == "cached"
+    for key in ("hflip", "crop_jitter"):
+        need(not (getattr(d, key) and cached), where,
+             f"key '{key}' changes the crop per sample and epoch, but latent_space: cached trains on latents "
+             "encoded once; turn it off, or train from the images (latent_space: effnet)")
+    for key, off in (("unmasked_weight", 0.0), ("normalize_masked_area", False)):
+        need(d.loss_mask != "off" or getattr(d, key) == off, where,
+             f"key '{key}' weights the loss by a mask, but loss_mask is off; set loss_mask: alpha, member or auto")
+    changing = CaptionRecipe.from_config(d).keys_in_use()
+    need(not cached or not changing, where,
+         f"key(s) {', '.join(changing)} change the captions per sample and epoch, but latent_space: cached trains "
+         "on the text embeddings of the captions as they were cached; turn them off, or train from the images "
+         "(latent_space: effnet)")
 
 
 # %% ../../nbs/32_data.pipeline.ipynb #ebc35b76

@@ -16,7 +16,7 @@ from webdataset.utils import pytorch_worker_info
 from ..registry import ConfigError
 from dataclasses import dataclass
 from typing import Optional
-from ..config import Config, ConfigHook, REQUIRED, need, register_config_hook
+from ..config import Config, REQUIRED, need, register_load_check
 from ..typed_yaml import Range, coerce
 from ..typed_yaml import read_yaml
 
@@ -25,7 +25,7 @@ __all__ = ['SKIP_REASONS', 'KEPT_REASONS', 'FILTER_COUNTS', 'IMAGE_EXTS', 'OTHER
            'SOURCE_KEYS', 'SOURCE_WEIGHT', 'SOURCE_REPEATS', 'SOURCE_LOSS_WEIGHT', 'REMOTE_TIMEOUT_S', 'SHARD_END',
            'SkipCounter', 'format_skips', 'DataError', 'SourceNotFoundError', 'split_key', 'folder_split', 'is_remote',
            'local_path', 'folder_keys', 'resolve_shards', 'check_remote', 'SourceEntry', 'source_entry',
-           'source_entries', 'SourcesHook', 'resolve_sources', 'epoch_visits', 'ShardList', 'ResampledShardList',
+           'source_entries', 'on_load_sources', 'resolve_sources', 'epoch_visits', 'ShardList', 'ResampledShardList',
            'remote_timeout', 'remote_options', 'is_timeout', 'failure_reason', 'open_url', 'ShardReader', 'safe_key',
            'write_shards', 'pack_folder']
 
@@ -302,23 +302,21 @@ def source_entries(value, key: str = "webdataset_path") -> list[SourceEntry]:
     return entries
 
 # %% ../../nbs/30_data.sources.ipynb #f9c7e928
-class SourcesHook(ConfigHook):
+@register_load_check("sources")
+def on_load_sources(cfg: Config, where: str):
     "`webdataset_path`'s entries are well formed; what changes a sample (caption prefix, caption, flip) needs images."
-    def after(self, cfg: Config, where: str):
-        if cfg.data.webdataset_path is REQUIRED: return
-        try: entries = source_entries(cfg.data.webdataset_path)
-        except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
-        cached = cfg.model.latent_space == "cached"
-        for i, e in enumerate(entries):
-            for name in ("caption_prefix", "caption"):
-                need(not (getattr(e, name) and cached), where,
-                     f"key 'webdataset_path[{i}].{name}' changes captions, but latent_space: cached trains on text "
-                     "embeddings encoded by `python -m cascade_nb.data cache`; put it into the captions before caching")
-            need(not (e.hflip and cached), where,
-                 f"key 'webdataset_path[{i}].hflip' mirrors images, but latent_space: cached trains on latents "
-                 "encoded once; cache mirrored copies, or train from the images (latent_space: effnet)")
-
-register_config_hook("sources", SourcesHook())
+    if cfg.data.webdataset_path is REQUIRED: return
+    try: entries = source_entries(cfg.data.webdataset_path)
+    except ConfigError as e: raise ConfigError(f"{where}: {e}") from None
+    cached = cfg.model.latent_space == "cached"
+    for i, e in enumerate(entries):
+        for name in ("caption_prefix", "caption"):
+            need(not (getattr(e, name) and cached), where,
+                 f"key 'webdataset_path[{i}].{name}' changes captions, but latent_space: cached trains on text "
+                 "embeddings encoded by `python -m cascade_nb.data cache`; put it into the captions before caching")
+        need(not (e.hflip and cached), where,
+             f"key 'webdataset_path[{i}].hflip' mirrors images, but latent_space: cached trains on latents "
+             "encoded once; cache mirrored copies, or train from the images (latent_space: effnet)")
 
 
 # %% ../../nbs/30_data.sources.ipynb #6c431281
