@@ -23,7 +23,7 @@ _all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1
 # %% auto #0
 __all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SECTIONS', 'BUILTIN_SECTIONS', 'RUN_NAME', 'NULL_TURNS_OFF',
            'LOAD_CHECKS', 'key_sections', 'config_section', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
-           'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'key_range', 'check_range', 'Config',
+           'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'resume_keys', 'key_range', 'check_range', 'Config',
            'config_from_dict', 'load_config', 'import_modules', 'register_load_check', 'need', 'config_from_run',
            'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1',
            'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
@@ -47,15 +47,16 @@ def key_sections() -> dict[str, str]:
     "The section that owns each key, over every registered section."
     return {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
 
-def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
+def config_section(name: str, ranges: dict[str, Range] | None = None, modes=(), resume_keys=()):
     """Class decorator: register dataclass `cls` as config section `name`; it keeps its `ranges` (a numeric key's
-    range; a tuple of ranges: one per field of each entry) and `modes` (the modes that use it; empty: any)."""
+    range; a tuple of ranges: one per field of each entry), `modes` (the modes that use it; empty: any) and
+    `resume_keys` (its keys a resume cannot change: they decide the shapes or kind of the checkpointed state)."""
     def register(cls):
         hints, rs, owners = typing.get_type_hints(cls), dict(ranges or {}), key_sections()
         keys = {f.name for f in fields(cls)}
         taken = SECTIONS.get(name) is not None and SECTIONS[name].__qualname__ != cls.__qualname__
-        if name in owners or (name in BUILTIN_SECTIONS and taken) or keys & {"ranges", "modes"}:
-            raise ValueError(f"config section {name!r}: the name, or a key 'ranges'/'modes', is taken")
+        if name in owners or (name in BUILTIN_SECTIONS and taken) or keys & {"ranges", "modes", "resume_keys"}:
+            raise ValueError(f"config section {name!r}: the name, or a key 'ranges'/'modes'/'resume_keys', is taken")
         for f in fields(cls):
             if owners.get(f.name, name) != name:
                 raise ValueError(f"config section {name!r}: key {f.name!r} already belongs to section "
@@ -67,12 +68,15 @@ def config_section(name: str, ranges: dict[str, Range] | None = None, modes=()):
                 raise ValueError(f"config section {name!r}: numeric key {f.name!r} needs a range")
         if set(rs) - keys:
             raise ValueError(f"config section {name!r}: ranges for unknown keys {sorted(set(rs) - keys)}")
-        cls.ranges, cls.modes = rs, tuple(modes)
+        if set(resume_keys) - keys:
+            raise ValueError(f"config section {name!r}: resume keys {sorted(set(resume_keys) - keys)} are not its keys")
+        cls.ranges, cls.modes, cls.resume_keys = rs, tuple(modes), tuple(resume_keys)
         return SECTIONS.register(name, cls)      # re-registration replaces
     return register
 
 # %% ../nbs/01_config.ipynb #44eec9e4
-@config_section("model")
+@config_section("model", resume_keys=("model_version", "stage", "model_overrides", "latent_space",
+                                      "clip_text_model_name", "clip_image_model_name"))
 @dataclass
 class ModelConfig:
     "Which networks to build and where their weights come from."
@@ -178,7 +182,7 @@ class DataConfig:
     lr=POSITIVE, warmup_updates=AT_LEAST_0, updates=AT_LEAST_1, grad_accum_steps=AT_LEAST_1, min_lr=AT_LEAST_0,
     lr_cycles=AT_LEAST_1, lr_power=POSITIVE, weight_decay=AT_LEAST_0, adam_betas=DECAY, adam_eps=POSITIVE,
     grad_clip=POSITIVE, seed=Range(0, 2**32, hi_open=True), ema_start_iters=AT_LEAST_0, ema_iters=AT_LEAST_1,
-    ema_beta=DECAY, max_nan_steps=AT_LEAST_1))
+    ema_beta=DECAY, max_nan_steps=AT_LEAST_1), resume_keys=("mode", "optimizer"))
 @dataclass
 class TrainConfig:
     "Optimisation, EMA and numerics."
@@ -289,6 +293,11 @@ class LogConfig:
     wandb_project: Optional[str] = None   # official key; setting it selects wandb when installed
     wandb_entity: Optional[str] = None
     log_every: int = 10                   # updates between metric logs
+
+# %% ../nbs/01_config.ipynb #334ea320
+def resume_keys() -> tuple[str, ...]:
+    "The keys a resumed run must keep (each section's `resume_keys`): they decide the checkpointed state's shapes."
+    return tuple(k for section in SECTIONS.values() for k in section.resume_keys)
 
 # %% ../nbs/01_config.ipynb #ead55273
 def key_range(key: str) -> Range | tuple | None:

@@ -311,7 +311,8 @@ def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None 
                          f"{name}{inspect.signature(FILTERS[name])}: {e}") from None
 
 # %% ../nbs/61_controlnet.ipynb #9af5a5bf
-@config_section("controlnet", ranges=dict(controlnet_blocks=AT_LEAST_0))
+@config_section("controlnet", ranges=dict(controlnet_blocks=AT_LEAST_0),
+                resume_keys=("controlnet_blocks", "controlnet_filter", "controlnet_bottleneck_mode"))
 @dataclass
 class ControlNetConfig:
     "ControlNet training (official train_c_controlnet keys)."

@@ -36,10 +36,14 @@ __all__ = ['LORA_PARAM_GROUPS', 'LoraConfig', 'type_options', 'check_adapter_arg
            'lora_param_group', 'LoraTraining', 'on_load_prior']
 
 # %% ../nbs/60e_lora_training.ipynb #dbea53f5
-@config_section("lora", ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY,
-                                    prior_loss_weight=AT_LEAST_0, lokr_factor=Range(-1), oft_block_size=AT_LEAST_1,
-                                    oft_constraint=AT_LEAST_0, text_encoder_rank=AT_LEAST_1,
-                                    text_encoder_alpha=POSITIVE))
+# the keys a resume cannot change: they decide the adapters' and tokens' shapes and kind
+@config_section("lora", resume_keys=("module_filters", "rank", "train_tokens", "adapter", "adapter_args", "lokr_factor",
+                                     "decompose_both", "full_matrix", "oft_block_size", "oft_rescale",
+                                     "text_encoder_adapter", "text_encoder_module_filters", "text_encoder_rank",
+                                     "lora_checkpoint_path"),
+                ranges=dict(rank=AT_LEAST_1, lora_alpha=POSITIVE, lora_dropout=DECAY, prior_loss_weight=AT_LEAST_0,
+                            lokr_factor=Range(-1), oft_block_size=AT_LEAST_1, oft_constraint=AT_LEAST_0,
+                            text_encoder_rank=AT_LEAST_1, text_encoder_alpha=POSITIVE))
 @dataclass
 class LoraConfig:
     "LoRA and token training (official train_c_lora keys), and the adapter type (`ADAPTERS`) with its options."

@@ -18,25 +18,17 @@ from .optimizers import FusedBackward
 from .train_state import TrainState
 
 # %% auto #0
-__all__ = ['RESUME_KEYS', 'INFO_KEYS', 'RunDirError', 'file_checksums', 'verify_checksums', 'checked_info', 'committed_states',
-           'RunDirRecord', 'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state',
-           'write_weights', 'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files',
-           'frozen_parameters', 'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint',
-           'local_weights', 'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state',
-           'save_sample_grid']
+__all__ = ['INFO_KEYS', 'RunDirError', 'file_checksums', 'verify_checksums', 'checked_info', 'committed_states', 'RunDirRecord',
+           'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
+           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'frozen_parameters',
+           'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint', 'local_weights',
+           'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state', 'save_sample_grid']
 
 # %% ../nbs/40d_run_state.ipynb #70697275
 class RunDirError(RuntimeError):
     "A run directory that cannot be used (locked, not writable, another model config, unreadable): one clear line."
 
 # %% ../nbs/40d_run_state.ipynb #acf5b8b2
-RESUME_KEYS = ("model_version", "stage", "model_overrides", "latent_space", "clip_text_model_name",
-               "clip_image_model_name", "mode", "module_filters", "rank", "train_tokens", "controlnet_blocks",
-               "controlnet_filter", "controlnet_bottleneck_mode", "optimizer", "adapter", "lokr_factor",
-               "decompose_both", "full_matrix", "oft_block_size", "oft_rescale", "text_encoder_adapter",
-               "text_encoder_module_filters", "text_encoder_rank", "lora_checkpoint_path")
-"Config keys a run cannot change on resume: they decide the shapes (or kind) of the checkpointed state."
-
 def file_checksums(folder) -> dict:
     "{relative path: BLAKE2b digest} of every file below `folder`: what a commit records and a resume verifies."
     out = {}
@@ -243,7 +235,7 @@ class RunDir(RunDirLock):
     """The checkpoint directory of one run: numbered state dirs committed through an atomically written info.json,
     the previous state kept as a fallback, a lock so that two runs never write it, and the checks a run makes at
     start."""
-    def check_resume(self, config: dict, keys=RESUME_KEYS, saved_config: str = "the saved config"):
+    def check_resume(self, config: dict, keys, saved_config: str = "the saved config"):
         "Refuse (before anything is overwritten) to resume with other values of `keys` than the committed run's."
         info = self.info()
         if info is None or "config" not in info: return

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, count_params, human_count, enable_tf32
 from .models.blocks import compile_blocks, compile_seconds
-from .config import Config, load_config, save_config, ConfigError
+from .config import Config, load_config, save_config, ConfigError, resume_keys
 from .registry import registry, load_builtin_parts
 from .cli import cli_parser, parse_cli, cli_errors, error_line
 from .modes import (build_generator, build_text_encoder, build_image_encoder, build_latent_space,
@@ -500,7 +500,7 @@ def start_launch(cfg: Config) -> tuple:
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     # None for a new run; a run to resume is checked before its saved config is overwritten
     info = run_dir.info()
-    _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), saved_config=str(out_dir/"config.yaml")),
+    _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), resume_keys(), saved_config=str(out_dir/"config.yaml")),
                            run_dir.check_writable(out_dir), run_dir.lock(), report_partial_states(run_dir)))
     if acc.is_main_process: save_config(cfg, out_dir/"config.yaml")
     return acc, run_dir, out_dir, info
