@@ -500,7 +500,8 @@ def start_launch(cfg: Config) -> tuple:
     run_dir, out_dir = RunDir(Path(ck.checkpoint_path)/ck.experiment_id), Path(ck.output_path)/ck.experiment_id
     # None for a new run; a run to resume is checked before its saved config is overwritten
     info = run_dir.info()
-    _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), resume_keys(), saved_config=str(out_dir/"config.yaml")),
+    saved = str(out_dir/"config.yaml")
+    _on_main(acc, lambda: (run_dir.check_resume(cfg.to_yaml_dict(), resume_keys(), saved_config=saved),
                            run_dir.check_writable(out_dir), run_dir.lock(), report_partial_states(run_dir)))
     if acc.is_main_process: save_config(cfg, out_dir/"config.yaml")
     return acc, run_dir, out_dir, info
