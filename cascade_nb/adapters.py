@@ -55,10 +55,7 @@ ADAPTERS = registry("adapter", how="@register_adapter('name') on an `Adapter` su
 
 def register_adapter(name: str):
     "Class decorator: register an `Adapter` subclass as the `adapter: name` type (its `kind`)."
-    def add(cls):
-        cls.kind = name
-        return ADAPTERS.register(name, cls)
-    return add
+    return ADAPTERS.register(name, named="kind")
 
 # %% ../nbs/60_adapters.ipynb #67285a6c
 def fuse_lora(parts: list) -> tuple:

@@ -55,10 +55,7 @@ METRICS = registry("metric", how="@register_metric('name') on a metric class in 
 
 def register_metric(name: str):
     "Class decorator: make a metric class available as `name` in `eval_metrics` (its `name`)."
-    def add(cls):
-        cls.name = name
-        return METRICS.register(name, cls)
-    return add
+    return METRICS.register(name, named="name")
 
 def _result_key(name: str, key: str) -> str: return f"{name}/{key}" if key else name
 

@@ -36,11 +36,13 @@ class Registry(dict):
     @property
     def words(self) -> str: return self.kind.replace("_", " ")
 
-    def register(self, name: str, obj=None):
-        "Register `obj` as `name` and return it; without `obj`, a decorator that does so."
+    def register(self, name: str, obj=None, named: str | None = None):
+        """Register `obj` as `name` and return it; without `obj`, a decorator that does so. `named`: the attribute of
+        the part that is set to `name` (a metric's `name`, an adapter type's `kind`)."""
         if not (isinstance(name, str) and name and name == name.strip()):
             raise ValueError(f"{self.words} name {name!r}: expected a non-empty name without surrounding spaces")
         def add(o):
+            if named: setattr(o, named, name)
             self[name] = o
             return o
         return add if obj is None else add(obj)

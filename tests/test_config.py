@@ -2,7 +2,7 @@
 from fractions import Fraction
 import pytest
 from cascade_nb.config import ConfigError, key_sections, load_config, save_config
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from official_configs import OFFICIAL_CONFIGS, OFFICIAL_KEYS
 
 def test_every_official_key_is_known():
@@ -111,3 +111,11 @@ def test_a_fresh_process_that_imports_only_the_config_gives_the_same_verdict():
     bad choice is refused in one line naming the key and the registered choices (`BUILTIN_PARTS`)."""
     res = run_cli("-c", FRESH)
     assert "same verdict" in res.stdout, res.stdout + res.stderr
+
+def test_resume_keys_are_the_sections_own():
+    "Each section names the keys a resume must keep; the LoRA and ControlNet sections add theirs (adapter_args too)."
+    from cascade_nb.config import resume_keys, SECTIONS, load_config
+    load_config(ROOT / "configs" / "lora_demo.yaml", ["webdataset_path=data_samples/emoji"])
+    keys = resume_keys()
+    assert {"model_version", "mode", "optimizer", "rank", "adapter", "adapter_args", "controlnet_blocks"} <= set(keys)
+    assert SECTIONS["lora"].resume_keys and "adapter_args" in SECTIONS["lora"].resume_keys
