@@ -85,11 +85,12 @@ def gradient_norm(acc, opt, params, clip: float):
 
 def update_ema(run: Run) -> float | None:
     """The EMA's step at this update's decay towards the weights the run evaluates (`evaluation_view`: schedule-free
-    AdamW's x, not y); the decay, or None for a run without an EMA."""
+    AdamW's x, not y); the decay, or None when the EMA does not step at this update (or the run has none)."""
     if run.ema is None: return None
     t = run.cfg.train
     beta = ema_beta_at(run.state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.)
-    with evaluation_view(run): run.ema.update_(run.acc.unwrap_model(run.net), beta)
+    if beta is not None:
+        with evaluation_view(run): run.ema.update_(run.acc.unwrap_model(run.net), beta)
     return beta
 
 # %% ../nbs/41_train.ipynb #3016ac91
