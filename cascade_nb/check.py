@@ -14,18 +14,19 @@ from .config import Config, ConfigError, load_config
 from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .registry import registry, load_builtin_parts
 from .modes import TRAINING_MODES
-from .optimizers import optimizer_groups
+from .optimizers import optimizer_groups, OPTIMIZERS, LrRange
+from .lora_training import adapter_keys
 from .train_state import register_training_hook
 from .train import LAUNCH_CHECKS, register_launch_check
 from .memory import GB, plan_memory, suggest, meta_generator
 
 # %% auto #0
-__all__ = ['LEVELS', 'CHECKS', 'register_check', 'USUAL_LR', 'ADAPTER_SCALES', 'EFFECTIVE_STEP', 'REFERENCE_STEP',
-           'TRAINED_NAMES', 'WARMUP_SHARE', 'PRODIGY_D_COEF', 'MAX_EPOCHS', 'DATA_TARGET_MODES', 'Finding', 'DataStats',
-           'CheckContext', 'scan_data', 'run_checks', 'LrRange', 'check_lr', 'check_adapter_step',
-           'check_caption_dropout', 'check_tag_dropout', 'check_launch', 'check_lr_multipliers', 'check_schedule',
-           'check_fit', 'epochs', 'check_epochs', 'check_data', 'check_workers', 'check_cache', 'check_config',
-           'format_report', 'main', 'launch_check', 'memory_line', 'FirstUpdateMemory']
+__all__ = ['LEVELS', 'CHECKS', 'register_check', 'EFFECTIVE_STEP', 'REFERENCE_STEP', 'TRAINED_NAMES', 'WARMUP_SHARE',
+           'PRODIGY_D_COEF', 'MAX_EPOCHS', 'Finding', 'DataStats', 'CheckContext', 'scan_data', 'run_checks',
+           'usual_lr', 'check_lr', 'adapter_scale', 'check_adapter_step', 'check_caption_dropout', 'check_tag_dropout',
+           'check_launch', 'check_lr_multipliers', 'check_schedule', 'check_fit', 'epochs', 'check_epochs',
+           'check_data', 'check_workers', 'check_cache', 'check_config', 'format_report', 'main', 'launch_check',
+           'memory_line', 'FirstUpdateMemory']
 
 # %% ../nbs/71_check.ipynb #e6a66e7a
 LEVELS = ("error", "warning", "note")
@@ -127,16 +128,9 @@ def run_checks(ctx: CheckContext, names=None) -> list[Finding]:
     return sorted(found, key=lambda f: LEVELS.index(f.level))
 
 # %% ../nbs/71_check.ipynb #efb101a1
-class LrRange(NamedTuple):
-    "The learning rates an optimizer is usually run with; `is_step`: the lr is the step size (not a multiplier)."
-    lo: float
-    hi: float
-    is_step: bool = True
-
-_ADAM = LrRange(1e-5, 1e-2)
-USUAL_LR: dict[str, LrRange] = {"adamw": _ADAM, "adamw8bit": _ADAM, "schedulefree_adamw": _ADAM, "adafactor": _ADAM,
-                                "came": _ADAM, "lion": LrRange(1e-6, 3e-3), "prodigy": LrRange(0.1, 10., False)}
-"Optimizer name -> `LrRange` (see the prose); an optimizer not listed is not checked."
+def usual_lr(name: str) -> LrRange | None:
+    "The rates optimizer `name` is usually run with: its own `usual_lr` (see the prose); None: not checked."
+    return OPTIMIZERS.choose(name).usual_lr
 
 # %% ../nbs/71_check.ipynb #90601d88
 def _lr(cfg: Config) -> float:
@@ -145,9 +139,9 @@ def _lr(cfg: Config) -> float:
 
 @register_check("lr")
 def check_lr(ctx: CheckContext) -> list[Finding]:
-    "The learning rate against the optimizer's `USUAL_LR`."
+    "The learning rate against the optimizer's `usual_lr`."
     t = ctx.cfg.train
-    if (r := USUAL_LR.get(t.optimizer)) is None: return ctx.skip("lr", f"no usual range for optimizer {t.optimizer!r}")
+    if (r := usual_lr(t.optimizer)) is None: return ctx.skip("lr", f"no usual range for optimizer {t.optimizer!r}")
     if r.lo <= (lr := _lr(ctx.cfg)) <= r.hi: return []
     how = " (scale_lr: lr × batch_size)" if t.scale_lr else ""
     return [Finding("warning", "lr", f"{lr:.3g}{how} is far {'below' if lr < r.lo else 'above'} the {r.lo:g}..{r.hi:g} "
@@ -155,15 +149,13 @@ def check_lr(ctx: CheckContext) -> list[Finding]:
                     f"set lr between {r.lo:g} and {r.hi:g} (the official recipes train adamw at 1e-4)")]
 
 # %% ../nbs/71_check.ipynb #846e5d96
-def _lora_scale(cfg):
-    "The chosen adapter type's own factor (`Adapter.step_scale`: alpha/rank for LoRA, DoRA, LoHa, a factorized LoKr)."
-    from cascade_nb.lora_training import adapter_keys
+def adapter_scale(cfg):
+    """(scale, its formula, the formula's values): the factor between the adapter's parameters and the weights they
+    change, the chosen adapter type's own (`Adapter.step_scale`: alpha/rank for LoRA, DoRA, LoHa, a factorized LoKr);
+    None for a mode without adapters (`has_adapters`) or a type without such a factor (nothing to check)."""
+    if not TRAINING_MODES.choose(cfg.train.mode).has_adapters: return None
     cls, keys = adapter_keys(cfg.lora)
     return cls.step_scale(keys)
-
-ADAPTER_SCALES: dict[str, Callable] = {"lora": _lora_scale}
-"""Adapter mode -> `fn(cfg) -> (scale, its formula, the formula's values)`: the factor between the adapter's
-parameters and the weights they change; None when the adapter type has no such factor (nothing to check)."""
 
 EFFECTIVE_STEP = (1e-6, 1e-2)
 "The effective adapter step sizes (lr × scale) of recipes that learn, widened (see the prose)."
@@ -175,9 +167,9 @@ REFERENCE_STEP = 1e-4 / 4
 def check_adapter_step(ctx: CheckContext) -> list[Finding]:
     "The effective step size lr × scale of an adapter mode, against `EFFECTIVE_STEP`."
     cfg = ctx.cfg
-    if cfg.train.mode not in ADAPTER_SCALES or not USUAL_LR.get(cfg.train.optimizer, LrRange(0, 0, False)).is_step:
-        return []
-    if (scaled := ADAPTER_SCALES[cfg.train.mode](cfg)) is None: return []
+    # an lr that multiplies an estimated step (Prodigy), or no usual range: nothing to compare
+    r = usual_lr(cfg.train.optimizer)
+    if r is None or not r.is_step or (scaled := adapter_scale(cfg)) is None: return []
     # the adapters' own LR when `param_groups` gives them one
     group_lr = cfg.train.param_groups.get("adapters", {}).get("lr")
     (scale, formula, values), lr = scaled, _lr(cfg) * (1 if group_lr is None else group_lr / cfg.train.lr)
@@ -302,8 +294,6 @@ def check_fit(ctx: CheckContext) -> list[Finding]:
 # %% ../nbs/71_check.ipynb #820550a9
 MAX_EPOCHS = 100
 "Epochs over the data above which a run from pretrained weights is warned about (see the prose)."
-DATA_TARGET_MODES = {"full", "lora", "controlnet"}
-"Training modes whose target is the training image itself (not a teacher's prediction)."
 
 def _data(ctx: CheckContext, name: str) -> DataStats | None:
     "The data scan for check `name`, or None (recorded as skipped) when it is off or failed."
@@ -321,7 +311,8 @@ def epochs(cfg: Config, samples: int) -> float:
 def check_epochs(ctx: CheckContext) -> list[Finding]:
     "More than MAX_EPOCHS passes over the data from pretrained weights."
     cfg = ctx.cfg
-    if cfg.train.mode not in DATA_TARGET_MODES or not cfg.model.generator_checkpoint_path: return []
+    if not TRAINING_MODES.choose(cfg.train.mode).learns_from_images or not cfg.model.generator_checkpoint_path:
+        return []
     if (d := _data(ctx, "epochs")) is None or not d.samples: return []
     if not d.complete: return ctx.skip("epochs", f"the scan stopped at {d.samples} samples: the data is larger")
     if (e := epochs(cfg, d.samples)) <= MAX_EPOCHS: return []

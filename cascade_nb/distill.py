@@ -140,7 +140,8 @@ class TeacherMode(FullTraining):
     ("What the distillation modes share: the frozen teacher, its conditioning, its sample row and the student's "
      "sampling defaults.")
     student_from_teacher = True   # the student starts as an exact copy of the teacher (lcm, progressive)
-    takes_loss_weights = False    # the loss matches the teacher: no per-sample loss_weight
+    # the loss matches the teacher: no per-sample loss_weight, and the target is not the training image
+    takes_loss_weights = learns_from_images = False
     student_kind = FullTraining   # whose memory terms the student has (LCM-LoRA's: LoraTraining's)
 
     @classmethod

@@ -138,7 +138,8 @@ class TrainingMode(TrainedGroups, BatchInputs):
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
     stages = ("c",)              # the stages it trains (`encode` makes Stage C's inputs); StageBTraining's: ("b",)
     name = None                  # set by @register_training_mode
-    takes_loss_weights = True    # its loss weights each sample by `extras`' `weight` (a mixture's loss_weight)
+    # its loss weights each sample by `extras`' `weight`; its target is the training image (not a teacher's prediction)
+    takes_loss_weights = learns_from_images = True
     base_is_rebuilt = False      # True: the state leaves out the frozen base, rebuilt from its files on resume
     predicts_prior = has_adapters = False   # LoRA: `prior: true` samples target its base; `adapter_scaled(net, s)`
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,

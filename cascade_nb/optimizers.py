@@ -7,7 +7,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/optimizers.html.md"""
 # %% ../nbs/40a_optimizers.ipynb #c13d844a
 from __future__ import annotations
 import contextlib, difflib, functools, inspect, io, math, re
-from typing import Optional
+from typing import NamedTuple, Optional
 import torch
 from torch import nn
 from .core import human_count, seeded_rand
@@ -17,10 +17,10 @@ from .typed_yaml import Range, coerce, POSITIVE, AT_LEAST_0
 from .ema import local_shard, resharded
 
 # %% auto #0
-__all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'OPTIMIZERS', 'register_optimizer', 'GROUP_KEYS',
+__all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'ADAM_LR', 'OPTIMIZERS', 'register_optimizer', 'GROUP_KEYS',
            'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay', 'polynomial_decay',
-           'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'OptimizerSpec', 'FusedAdamW',
-           'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
+           'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'LrRange', 'OptimizerSpec',
+           'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
            'on_load_optimizer_args', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups',
            'group_settings', 'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'on_load_optimization',
            'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view']
@@ -106,12 +106,22 @@ def set_lr(optimizer, base_lrs: list[float], schedule, update: int) -> float:
     return optimizer.param_groups[0]["lr"]
 
 # %% ../nbs/40a_optimizers.ipynb #29f78889
+class LrRange(NamedTuple):
+    "The learning rates an optimizer is usually run with; `is_step`: the lr is the step size (not a multiplier)."
+    lo: float
+    hi: float
+    is_step: bool = True
+
+ADAM_LR = LrRange(1e-5, 1e-2)
+"The Adam family's usual rates: the official 1e-4, the demos' 1e-3 to 4e-3, a decade beyond (`cascade_nb.check`)."
+
 class OptimizerSpec:
     "A registered optimizer: `build` from the config's `train` keys, its options, its state bytes, what it needs."
     package: str | None = None      # the module `build` imports, e.g. 'bitsandbytes'
     install: str | None = None      # what installs it, e.g. "bitsandbytes" or "cascade_nb[optimizers]"
     fsdp_refusal: str | None = None  # why it cannot step FSDP2's sharded (DTensor) parameters; None: it can
     options: dict[str, tuple] = {}  # the `optimizer_args` it takes: name -> (type, default, Range or None)
+    usual_lr: LrRange | None = None  # the rates it is usually run with (`python -m cascade_nb.check`); None: any
     @staticmethod
     def refusal(t) -> str | None:
         "Why it cannot train with these `train` keys (said when the config loads); None: it can."
@@ -144,6 +154,7 @@ register_optimizer = OPTIMIZERS.register
 @register_optimizer("adamw")
 class FusedAdamW(OptimizerSpec):
     "torch's AdamW, fused: one kernel for all tensors, and a non-finite update skipped on the device."
+    usual_lr = ADAM_LR
     @staticmethod
     def build(params, t, lr):
         return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
@@ -172,6 +183,7 @@ def check_optimizer_args(name: str, given: dict, where: str = "config") -> dict:
 class AdamW8bit(OptimizerSpec):
     """bitsandbytes' 8-bit AdamW: each moment in one byte, quantised in blocks of 256 with an fp32 scale per block
     (on CPU too); tensors under 4096 weights keep fp32 moments."""
+    usual_lr = ADAM_LR
     package, install = "bitsandbytes", "cascade_nb[optimizers]"
     fsdp_refusal = "bitsandbytes' 8-bit AdamW cannot update FSDP2's sharded (DTensor) parameters"
     @staticmethod
@@ -199,6 +211,7 @@ _FACTORED_FSDP = "it factors each weight matrix by rows and columns, and FSDP2 g
 @register_optimizer("adafactor")
 class Adafactor(OptimizerSpec):
     "transformers' Adafactor at a fixed LR: a factored second moment, a first moment only with `beta1`."
+    usual_lr = ADAM_LR
     package, install = "transformers", "transformers"
     fsdp_refusal = f"Adafactor cannot update FSDP2's shards: {_FACTORED_FSDP}"
     options = {"beta1": (Optional[float], None, Range(0, 1, hi_open=True)),
@@ -217,6 +230,7 @@ class Adafactor(OptimizerSpec):
 @register_optimizer("came")
 class CAME(OptimizerSpec):
     "CAME: Adafactor's factored second moment with a factored confidence, and a first moment (`came-pytorch`)."
+    usual_lr = ADAM_LR
     package, install = "came_pytorch", "cascade_nb[optimizers]"
     fsdp_refusal = f"CAME cannot update FSDP2's shards: {_FACTORED_FSDP}"
     options = {"beta3": (float, 0.9999, Range(0, 1)), "clip_threshold": (float, 1.0, Range(0, lo_open=True))}
@@ -235,6 +249,7 @@ class CAME(OptimizerSpec):
 @register_optimizer("lion")
 class Lion(OptimizerSpec):
     "Lion: the sign of a momentum blend as the update, one moment of state (`lion-pytorch`)."
+    usual_lr = LrRange(1e-6, 3e-3)    # a sign update: 3 to 10 times smaller rates than AdamW (Chen et al. 2023)
     package, install = "lion_pytorch", "cascade_nb[optimizers]"
     options = {"betas": (tuple[float, float], (0.9, 0.99), Range(0, 1, hi_open=True)),
                "decoupled_weight_decay": (bool, False, None)}
@@ -249,6 +264,7 @@ class Lion(OptimizerSpec):
 @register_optimizer("prodigy")
 class Prodigy(OptimizerSpec):
     "Prodigy: Adam whose step size `d` it estimates as it trains; `lr` multiplies it (1.0), `d_coef` scales it."
+    usual_lr = LrRange(0.1, 10., is_step=False)    # `lr` multiplies the step size it estimates
     package, install = "prodigyopt", "cascade_nb[optimizers]"
     fsdp_refusal = "Prodigy's step size comes from dot products over whole parameters; FSDP2 gives each process shards"
     options = {"d_coef": (float, 1.0, Range(0, lo_open=True)), "d0": (float, 1e-6, Range(0, lo_open=True)),
@@ -483,6 +499,7 @@ def schedule_free_view(opt, net: nn.Module | None = None):
 @register_optimizer("schedulefree_adamw")
 class ScheduleFreeAdamW(OptimizerSpec):
     "Schedule-free AdamW (Defazio et al. 2024; Meta's `schedulefree`): no LR decay; it trains y and releases x."
+    usual_lr = ADAM_LR
     package, install = "schedulefree", "cascade_nb[optimizers]"
     options = {"warmup_steps": (int, 0, Range(0)), "r": (float, 0.0, Range(0)),
                "weight_lr_power": (float, 2.0, Range(0))}
