@@ -45,7 +45,7 @@ def test_cli_report_writes_the_page(run):
 
 @pytest.mark.parametrize("extra, message", [
     (["eval_drift_prompts=null"], "key 'eval_drift_prompts' is not set"),
-    (["eval_features=dinoo"], "'dinoo' is not a feature space (did you mean 'dino'?)"),
+    (["eval_features=dinoo"], "key 'eval_features': 'dinoo' is not a registered feature space; did you mean 'dino'?"),
     (["eval_metrics=[subject_fidelity]"], "rule 'stopping_rule' needs ['subject_fidelity', 'drift']"),
     (["eval_seeds=1"], "key 'eval_seeds': 1 is out of range"),
 ])

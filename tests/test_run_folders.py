@@ -75,7 +75,7 @@ def test_a_report_chain_from_a_shared_folder_touches_nothing_outside(trained, tm
     res = eval_cli(capsys, monkeypatch, run.parent, "--checkpoint", "shared_run", "--captions", "2", "--steps", "1",
                    "--report")
     # refused before any sampling, in one line
-    assert res.returncode == 2 and "key 'eval_features'" in res.stderr and "is not a feature space" in res.stderr
+    assert res.returncode == 2 and "key 'eval_features'" in res.stderr and "is not a registered feature space" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
     assert (home / ".bashrc").read_text() == "# my shell\n" and (home / "victim.png").read_bytes() == b"mine"
     info = json.loads((run / "info.json").read_text())
