@@ -27,6 +27,8 @@ for line in sys.stdin:
         code = 1
         try:
             os.chdir(os.path.dirname(nb))
+            # the server's requests stay its own: the notebook (and what it runs) reads nothing from them
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             for fd, path in ((1, out), (2, err)): os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
             ok, _ = nbdev.test.test_nb(nb, skip_flags=skip.split(), basepath=base, showerr=True)
             code = 0 if ok else 1
