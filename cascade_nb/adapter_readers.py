@@ -572,6 +572,7 @@ def read_official(sd: dict, params: dict, metadata: dict | None = None, config: 
 def read_cascade_nb(sd: dict, params: dict, metadata: dict | None = None, config: dict | None = None) -> Reading:
     "What cascade_nb's own `load_lora`/`merge_lora` add for a file in its layout (any adapter type), tokens aside."
     rd = Reading("cascade_nb")
+    options = json.loads((metadata or {}).get("cascade_nb.adapter_options") or "{}")   # checked by `header_fields`
     for path, entry in adapter_entries(sd).items():
         cls, t, alpha = entry
         # a text-encoder adapter (`text_model.` in a whole file) patches what `params` holds under `text_encoder.`;
@@ -583,9 +584,10 @@ def read_cascade_nb(sd: dict, params: dict, metadata: dict | None = None, config
             rd.warnings.append(f"{path}: no such parameter in the model (a file for another model?)"); continue
         try: entry_fits(path, entry, {path: params[p].shape})
         except ValueError as e: rd.warnings.append(f"{e}: not merged"); continue
-        a, W = adapter_from_entry(entry, params[p].shape), params[p]
+        a, W = adapter_from_entry(entry, params[p].shape, options), params[p]
         rank = getattr(a, "rank", None)
-        scale = alpha / rank if rank and cls.kind in ("lora", "loha", "lokr") else 1.0
+        step = cls.step_scale({"lora_alpha": alpha, "rank": rank, **a.options()}) if rank else None
+        scale = step[0] if step else 1.0
         with torch.no_grad(): delta = a.update(W.float())
         if delta.is_meta:
             rd.warnings.append(f"{path}: {cls.kind} depends on the base weights; pass --model to evaluate it")

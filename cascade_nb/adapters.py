@@ -148,11 +148,15 @@ class Adapter(nn.Module):
         return None if t is None or not cls.splits_exactly(t, alpha) else (t, alpha)
 
     @classmethod
-    def from_tensors(cls, tensors: dict, alpha: float, shape) -> "Adapter":
-        "The adapter that `tensors` and `alpha` describe, for a weight of `shape` (load, resume, merge)."
+    def from_tensors(cls, tensors: dict, alpha: float, shape, options: dict | None = None) -> "Adapter":
+        """The adapter that `tensors` and `alpha` describe, for a weight of `shape` (load, resume, merge); `options`:
+        the file header's `adapter_options`, of which it keeps the ones its type declares (`options()` gives them back,
+        so a file loaded and saved again keeps them)."""
         self = cls.__new__(cls)
         Adapter.__init__(self, shape, alpha)
         for name, t in tensors.items(): setattr(self, name, nn.Parameter(t.detach().float().clone()))
+        declared = (set(cls.keys) | set(cls.own_options)) - {"rank", "lora_alpha"}   # the tensors give those two
+        self._options = {k: v for k, v in (options or {}).items() if k in declared}
         return self
 
     @classmethod
@@ -190,8 +194,8 @@ class LoRA(Adapter):
     def build(cls, W, rank=4, lora_alpha=1.0, lora_dropout=0.0, lora_init="reference", **keys):
         return cls(W.shape, rank, lora_alpha, lora_dropout, lora_init, **keys)
     @classmethod
-    def from_tensors(cls, tensors, alpha, shape):
-        self = super().from_tensors(tensors, alpha, shape)
+    def from_tensors(cls, tensors, alpha, shape, options=None):
+        self = super().from_tensors(tensors, alpha, shape, options)
         self.rank, self.dropout = self.lora_down.shape[0], 0.0
         return self
     @classmethod

@@ -14,7 +14,8 @@ from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic
 from .hub import weights_file
 from .adapters import FullDiff, param_owner, split_rows
-from .lora_file import (require_lora_only, alpha_value, adapter_entries, adapter_from_entry, adapter_kind,
+from .lora_file import (require_lora_only, alpha_value, adapter_entries, adapter_file_options,
+                                  adapter_from_entry, adapter_kind,
                                   check_entry, load_adapter_file, lora_entries, lora_state_dict, lora_tokens,
                                   merge_lora)
 from .train_tokens import add_train_tokens, load_tokens, token_state_dict
@@ -331,15 +332,16 @@ def load_lora_file(path, generator: nn.Module, tokenizer=None, text_model=None, 
     reference file needs the `module_filters` (and `train_tokens`) it was trained with."""
     # a hub id names a .safetensors file (fetched into the hub cache); a local path may also be a peft folder
     path = weights_file(path)
+    options = {}
     if path.is_dir(): lora = load_peft_adapter(path, generator)
     else:
-        lora = load_adapter_file(path)
+        lora, options = load_adapter_file(path), adapter_file_options(path)
         if any(k.startswith("lora_unet_") for k in lora): lora = from_kohya(lora, generator)
         elif is_reference_lora(lora):
             lora = {**from_reference(lora, generator, module_filters or ()),
                     **_reference_tokens(lora, tokenizer, text_model, train_tokens)}
     adapters, te = split_text_encoder({k: v for k, v in lora.items() if not k.startswith("tokens.")})
-    merge_lora(generator, adapters, scale)
+    merge_lora(generator, adapters, scale, options)
     if tokenizer is not None and text_model is not None: load_tokens(tokenizer, text_model, lora)
-    if text_model is not None: merge_lora(text_model, te, scale)
+    if text_model is not None: merge_lora(text_model, te, scale, options)
     return lora

@@ -18,7 +18,7 @@ from .adapters import ADAPTERS, Adapter, LoRA, param_owner, shapes_of, base_stat
 __all__ = ['full_tensor', 'lora_state_dict', 'lora_entries', 'require_lora_only', 'adapter_kind', 'alpha_value', 'check_entry',
            'entry_fits', 'entry_finite', 'adapter_entries', 'load_adapter_file', 'weight_shapes', 'adapter_from_entry',
            'lora_delta', 'load_lora', 'adapter_options', 'layer_records', 'lora_tokens', 'token_names', 'save_lora',
-           'adapter_metadata', 'merge_lora', 'unmerge_lora']
+           'adapter_metadata', 'adapter_file_options', 'merge_lora', 'unmerge_lora']
 
 # %% ../nbs/60a_lora_file.ipynb #ae91af72
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -147,10 +147,11 @@ def weight_shapes(model: nn.Module) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in base_state_dict(model).items()}
 
 # %% ../nbs/60a_lora_file.ipynb #58a36265
-def adapter_from_entry(entry: tuple, shape) -> Adapter:
-    "The adapter (on the CPU, fp32, eval mode) of one `adapter_entries` entry, for a weight of `shape`."
+def adapter_from_entry(entry: tuple, shape, options: dict | None = None) -> Adapter:
+    """The adapter (on the CPU, fp32, eval mode) of one `adapter_entries` entry, for a weight of `shape`; `options`:
+    its file's header options (`adapter_file_options`)."""
     cls, tensors, alpha = entry
-    return cls.from_tensors(tensors, alpha, shape).eval()
+    return cls.from_tensors(tensors, alpha, shape, options).eval()
 
 # %% ../nbs/60a_lora_file.ipynb #89cd71ce
 def lora_delta(down, up, alpha: float, shape) -> torch.Tensor:
@@ -158,16 +159,17 @@ def lora_delta(down, up, alpha: float, shape) -> torch.Tensor:
     return LoRA.from_tensors({"lora_down": down, "lora_up": up}, alpha, shape).eval().update().detach()
 
 # %% ../nbs/60a_lora_file.ipynb #2b958cad
-def load_lora(model: nn.Module, lora: dict, freeze: bool = True) -> list[str]:
-    """Adapt `model` with the state dict `lora` (any adapter types; adds the adapters where missing, then copies the
-    weights)."""
+def load_lora(model: nn.Module, lora: dict, freeze: bool = True, options: dict | None = None) -> list[str]:
+    """Adapt `model` with the state dict `lora` (any adapter types; adds the adapters where missing, with the file's
+    header `options`, then copies the weights)."""
     entries = adapter_entries(lora, weight_shapes(model), finite=True)
     have = lora_layers(model)
     missing = [p for p in entries if p not in have]
     for p in missing:
         owner, name = param_owner(model, p)
         W = getattr(owner, name)
-        parametrize.register_parametrization(owner, name, adapter_from_entry(entries[p], W.shape).train().to(W.device))
+        parametrize.register_parametrization(owner, name,
+                                             adapter_from_entry(entries[p], W.shape, options).train().to(W.device))
     if freeze: model.requires_grad_(False)
     layers = lora_layers(model)
     with torch.no_grad():
@@ -280,26 +282,39 @@ def adapter_metadata(lora: dict, layout: str = "cascade_nb", base: str | None = 
     return meta
 
 
+# %% ../nbs/60a_lora_file.ipynb #f24afe0a
+def adapter_file_options(path) -> dict:
+    """The adapter type's options a file's header records (`cascade_nb.adapter_options`, `{}` where it has none, e.g.
+    a kohya or reference file), for `load_lora`/`merge_lora` to hand back to the type; a header field that is not a
+    JSON object is a one-line ValueError naming the file."""
+    raw = safetensors_header(path)[0].get("cascade_nb.adapter_options") or "{}"
+    try: options = json.loads(raw)
+    except ValueError: options = None
+    if not isinstance(options, dict):
+        raise ValueError(f"{path}: header key 'cascade_nb.adapter_options' is {raw[:60]!r}; expected a JSON object")
+    return options
+
 # %% ../nbs/60a_lora_file.ipynb #2371a444
 @torch.no_grad()
-def merge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
-    """Fold a LoRA state dict (any adapter types) into `model`'s weights in place: W ← W + scale·ΔW (computed in fp32
-    for the types whose ΔW depends on W). A DoRA's original W is kept on `model` for `unmerge_lora`."""
+def merge_lora(model: nn.Module, lora: dict, scale: float = 1.0, options: dict | None = None) -> nn.Module:
+    """Fold a LoRA state dict (any adapter types; `options`: its file's header ones) into `model`'s weights in place:
+    W ← W + scale·ΔW (computed in fp32 for the types whose ΔW depends on W). A DoRA's original W is kept on `model`
+    for `unmerge_lora`."""
     kept = model.__dict__.setdefault("_lora_kept_weights", {})
     for p, entry in adapter_entries(lora, weight_shapes(model), finite=True).items():
         W = model.get_parameter(p)
-        a = adapter_from_entry(entry, W.shape).to(W.device)
+        a = adapter_from_entry(entry, W.shape, options).to(W.device)
         if a.keeps_original: kept[p] = W.detach().clone()
         W.add_(a.update(W.float()).to(W.dtype), alpha=scale)
     return model
 
 @torch.no_grad()
-def unmerge_lora(model: nn.Module, lora: dict, scale: float = 1.0) -> nn.Module:
+def unmerge_lora(model: nn.Module, lora: dict, scale: float = 1.0, options: dict | None = None) -> nn.Module:
     "Undo `merge_lora(model, lora, scale)` (in the reverse order), each type by its own inverse (`Adapter.unmerge`)."
     kept = model.__dict__.get("_lora_kept_weights", {})
     for p, entry in reversed(adapter_entries(lora, weight_shapes(model)).items()):
         W = model.get_parameter(p)
-        a = adapter_from_entry(entry, W.shape).to(W.device)
+        a = adapter_from_entry(entry, W.shape, options).to(W.device)
         if a.keeps_original and p not in kept:
             raise ValueError(f"unmerge_lora: {p} is a {a.kind} merged elsewhere; its original weight was not kept")
         W.copy_(kept.pop(p) if a.keeps_original else a.unmerge(W, scale).to(W.dtype))

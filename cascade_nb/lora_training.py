@@ -23,8 +23,8 @@ from .lora_converters import (TEXT_ENCODER_FILTERS, KOHYA_TE_STEMS, from_kohya, 
                                         is_reference_lora, load_lora_file, split_text_encoder,
                                         text_encoder_from_kohya, text_encoder_state_dict)
 from .train_tokens import TokenDeltas, add_train_tokens, load_tokens, token_state_dict
-from .lora_file import (adapter_metadata, adapter_options, load_adapter_file, load_lora, lora_state_dict,
-                                  lora_tokens, merge_lora, token_names)
+from .lora_file import (adapter_metadata, adapter_file_options, adapter_options, load_adapter_file,
+                                  load_lora, lora_state_dict, lora_tokens, merge_lora, token_names)
 from .prior_preservation import has_prior_entries, prior_extras, prior_loss
 
 # %% auto #0
@@ -281,16 +281,17 @@ def load_lora_checkpoint(path, generator: nn.Module, text_model: nn.Module | Non
 
 
 def _load_checkpoint(path, generator, text_model, module_filters):
-    sd = load_adapter_file(weights_file(path))
+    path = weights_file(path)
+    sd, options = load_adapter_file(path), adapter_file_options(path)
     if any(k.startswith(("lora_unet_", *KOHYA_TE_STEMS)) for k in sd):   # kohya's layout: ours for this generator
         sd = {**from_kohya(sd, generator), **{k: v for k, v in sd.items() if k.startswith("tokens.")}}
     ref = is_reference_lora(sd)
     sd, te = split_text_encoder(sd)
     if te and (text_model is None or not lora_layers(text_model)):
         raise ValueError(f"{path} has text-encoder adapters: set the text_encoder_adapter it was trained with")
-    if te: load_lora(text_model, te, freeze=False)
+    if te: load_lora(text_model, te, freeze=False, options=options)
     load_lora(generator, from_reference(sd, generator, module_filters) if ref
-              else {k: v for k, v in sd.items() if not k.startswith("tokens.")})
+              else {k: v for k, v in sd.items() if not k.startswith("tokens.")}, options=options)
     ids, rows = ((sd.get("embeddings.indices"), sd.get("embeddings.embeddings")) if ref
                  else (sd.get("tokens.ids"), sd.get("tokens.embeddings")))
     if ids is None or not len(ids): return
@@ -356,10 +357,11 @@ def lora_weights(net: LoraNet, tokenizer, cfg) -> Weights:
 def add_file_tokens(path, tokenizer, text_model) -> list[str]:
     """The tokens and text-encoder adapters (merged) of a LoRA file in cascade_nb's layout or kohya's (`lora_te_`
     keys; it holds no tokens) into a text encoder; the tokens' names."""
-    sd = load_adapter_file(weights_file(path))
+    path = weights_file(path)
+    sd = load_adapter_file(path)
     if any(k.startswith(KOHYA_TE_STEMS) for k in sd): names, te = [], split_text_encoder(text_encoder_from_kohya(sd))[1]
     else: names, te = load_tokens(tokenizer, text_model, sd), split_text_encoder(sd)[1]
-    merge_lora(text_model, te)
+    merge_lora(text_model, te, options=adapter_file_options(path))
     return names
 
 # %% ../nbs/60e_lora_training.ipynb #ddf0513c

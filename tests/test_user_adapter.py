@@ -1,12 +1,13 @@
 """A user's adapter type with one option of its own (tests/user_adapter.py, a module under `imports:`): `adapter_args`
-sets the option and is checked when the config loads; the tiny LoRA run trains with it, a kill and resume ends bit for
-bit where the uninterrupted run was, `export --to cascade_nb` writes it with its option in the header, and `lora check`
-reads it like a built-in type (issue 45)."""
+sets the option and is checked when the config loads; the LoRA demo (configs/lora_demo.yaml, with its new token, on a
+tiny stand-in for the demo model) trains with it, a kill and resume ends bit for bit where the uninterrupted run was,
+`export --to cascade_nb` writes it with its option in the header, the lone file loads with its option back on the type,
+and `lora check` reads it like a built-in type (issue 45)."""
 import json, os
 import pytest
 from safetensors import safe_open
 from conftest import ROOT, run_cli
-from test_lora_train import lora_args, info
+from test_lora_train import info, pretrained_tiny
 from test_train import resumes_to_the_killed_state
 
 TESTS = ROOT / "tests"
@@ -31,9 +32,17 @@ def test_option_reaches_the_type():
     cls, keys = adapter_keys(cfg.lora)
     assert (cls.kind, keys) == ("pair", {"rank": 4, "lora_alpha": 1.0, "init_std": 0.05})
 
+def demo_args(tmp, name, *extra):
+    "configs/lora_demo.yaml as shipped (its filters, rank, new token, lr), a few small updates on a tiny base."
+    base = pretrained_tiny(tmp / "pretrained.safetensors")
+    return [ROOT / "configs" / "lora_demo.yaml", f"generator_checkpoint_path={base}", f"experiment_id={name}",
+            f"checkpoint_path={tmp}/ckpt", f"output_path={tmp}/out", "num_workers=0", "batch_size=4", "log_every=1", "warmup_updates=1", "sample_steps=2", *extra]
+
 def test_user_type_trains_resumes_exports_and_is_checked(tmp_path):
+    from cascade_nb.lora_file import adapter_file_options, adapter_options, load_adapter_file, load_lora
+    from cascade_nb.models.stage_c import load_stage_c
     run = tmp_path / "ckpt" / "u"
-    resumes_to_the_killed_state(run, lora_args(tmp_path, "u", "updates=6", "save_every=2", *USER))
+    resumes_to_the_killed_state(run, demo_args(tmp_path, "u", "updates=6", "save_every=2", *USER))
     assert info(tmp_path, "u")["update"] == 6
     with safe_open(str(run / "lora.safetensors"), "pt") as f: keys, meta = set(f.keys()), f.metadata()
     assert meta["cascade_nb.adapter_type"] == "pair"
@@ -45,6 +54,11 @@ def test_user_type_trains_resumes_exports_and_is_checked(tmp_path):
     with safe_open(str(out), "pt") as f: exported = f.metadata()
     assert exported["cascade_nb.adapter_type"] == "pair"
     assert json.loads(exported["cascade_nb.adapter_options"]) == {"init_std": 0.05}
+    import user_adapter  # noqa: F401  (registers 'pair' here, as `imports:` does in a run)
+    model = load_stage_c(tmp_path / "pretrained.safetensors")
+    load_lora(model, {k: v for k, v in load_adapter_file(out).items() if not k.startswith("tokens.")},
+              options=adapter_file_options(out))
+    assert adapter_options(model) == {"init_std": 0.05}   # the lone file's option, back on the type
     res = run_cli("-m", "cascade_nb.lora", "check", out, "--model", tmp_path / "pretrained.safetensors",
                   "--import", "user_adapter", env=ENV, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

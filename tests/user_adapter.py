@@ -25,8 +25,8 @@ class PairLoRA(Adapter):
     @classmethod
     def build(cls, W, rank=4, lora_alpha=1.0, init_std=0.02): return cls(W.shape, rank, lora_alpha, init_std)
     @classmethod
-    def from_tensors(cls, tensors, alpha, shape):
-        self = super().from_tensors(tensors, alpha, shape)
+    def from_tensors(cls, tensors, alpha, shape, options=None):
+        self = super().from_tensors(tensors, alpha, shape, options)
         self.rank = self.pair_a.shape[0]
         return self
     @classmethod
