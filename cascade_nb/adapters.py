@@ -16,9 +16,10 @@ from .config import ConfigError
 from .optimizers import first_match
 
 # %% auto #0
-__all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'match_filters', 'lora_targets', 'register_adapter', 'fuse_lora',
-           'split_rows', 'cat_rows', 'Adapter', 'LoRA', 'shapes_of', 'param_owner', 'apply_lora', 'base_state_dict',
-           'is_adapter', 'lora_layers', 'scaled_adapters', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff']
+__all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'match_filters', 'lora_targets', 'register_lora_init',
+           'register_adapter', 'fuse_lora', 'split_rows', 'cat_rows', 'Adapter', 'LoRA', 'shapes_of', 'param_owner',
+           'apply_lora', 'base_state_dict', 'is_adapter', 'lora_layers', 'scaled_adapters', 'LoKr', 'LoHa', 'DoRA',
+           'OFT', 'FullDiff']
 
 # %% ../nbs/60_adapters.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -45,8 +46,14 @@ def _init_peft(down: torch.Tensor, up: torch.Tensor):
     "Hu et al. 2021 / peft: D Kaiming-uniform (a = sqrt 5, std 1/sqrt(3 n_in)), U = 0."
     nn.init.kaiming_uniform_(down.view(down.shape[0], -1), a=math.sqrt(5)); nn.init.zeros_(up)
 
-LORA_INITS = {"reference": _init_reference, "peft": _init_peft}
+LORA_INITS = registry("lora_init", {"reference": _init_reference, "peft": _init_peft},
+                      how="@register_lora_init('name') on a function (down, up) in a module the config lists in "
+                          "'imports'")
 "`lora_init` name → function(down, up) initialising a fresh adapter in place; both start at a zero update."
+
+def register_lora_init(name: str):
+    "Decorator: register `init(down, up)` (in place, the update starting at zero) as the `lora_init: name` choice."
+    return LORA_INITS.register(name)
 
 # %% ../nbs/60_adapters.ipynb #177488b0
 ADAPTERS = registry("adapter", how="@register_adapter('name') on an `Adapter` subclass in a module the config lists "
@@ -173,12 +180,11 @@ class LoRA(Adapter):
     names, lycoris_algo, peft_refuses = ("lora_down", "lora_up"), ("lora", {}), None
     def __init__(self, shape, rank: int = 4, alpha: float = 1.0, dropout: float = 0.0, init: str = "reference"):
         super().__init__(shape, alpha)
-        if init not in LORA_INITS: raise ValueError(f"lora_init {init!r}: expected one of {sorted(LORA_INITS)}")
         n_out = shape[0]
         self.rank, self.dropout = rank, dropout
         self.lora_down = nn.Parameter(torch.empty(rank, *shape[1:]))                      # (r, in[, k, k])
         self.lora_up = nn.Parameter(torch.empty(n_out, rank, *[1] * (len(shape) - 2)))  # (out, r[, 1, 1])
-        with torch.no_grad(): LORA_INITS[init](self.lora_down, self.lora_up)
+        with torch.no_grad(): LORA_INITS.choose(init)(self.lora_down, self.lora_up)
 
     @property
     def scale(self) -> float: return self.alpha / self.rank

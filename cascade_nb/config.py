@@ -13,25 +13,23 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 import yaml
 from .registry import Registry, ConfigError, load_builtin_parts
-from .typed_yaml import (Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, PROBABILITY, DECAY, coerce,
+from .typed_yaml import (REQUIRED, Choice, Range, POSITIVE, AT_LEAST_0, AT_LEAST_1, PROBABILITY, DECAY,
+                                   coerce,
                                    read_yaml, read_yaml_file, read_json_file, MAX_CONFIG_BYTES, MAX_YAML_VALUES,
                                    _numeric)
 from .filters import DatasetFilter, CaptionsGetter, CaptionRecipe
-_all_ = ["ConfigError", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1", "PROBABILITY", "DECAY",
+_all_ = ["ConfigError", "REQUIRED", "Choice", "Range", "POSITIVE", "AT_LEAST_0", "AT_LEAST_1", "PROBABILITY", "DECAY",
          "coerce", "read_yaml", "MAX_CONFIG_BYTES", "MAX_YAML_VALUES"]
 
 # %% auto #0
-__all__ = ['REQUIRED', 'STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SECTIONS', 'BUILTIN_SECTIONS', 'RUN_NAME', 'NULL_TURNS_OFF',
-           'LOAD_CHECKS', 'key_sections', 'config_section', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
+__all__ = ['STAGE_C_PRESETS', 'STAGE_B_PRESETS', 'SECTIONS', 'BUILTIN_SECTIONS', 'RUN_NAME', 'NULL_TURNS_OFF', 'LOAD_CHECKS',
+           'key_sections', 'config_section', 'ModelConfig', 'GDFConfig', 'DataConfig', 'TrainConfig',
            'CheckpointConfig', 'check_experiment_id', 'LogConfig', 'resume_keys', 'key_range', 'check_range', 'Config',
            'config_from_dict', 'load_config', 'import_modules', 'register_load_check', 'need', 'config_from_run',
-           'dump_config', 'save_config', 'ConfigError', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1',
-           'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
+           'dump_config', 'save_config', 'ConfigError', 'REQUIRED', 'Choice', 'Range', 'POSITIVE', 'AT_LEAST_0',
+           'AT_LEAST_1', 'PROBABILITY', 'DECAY', 'coerce', 'read_yaml', 'MAX_CONFIG_BYTES', 'MAX_YAML_VALUES']
 
 # %% ../nbs/01_config.ipynb #906819ef
-REQUIRED: Any = "___REQUIRED___"
-"Default of a field that a training config must set."
-
 STAGE_C_PRESETS = ("3.6B", "1B", "tiny")
 STAGE_B_PRESETS = ("3B", "700M", "tiny")
 
@@ -432,6 +430,8 @@ def config_from_dict(raw: dict, overrides=(), training: bool = True, source: str
     sections, owners = {s: {} for s in SECTIONS}, key_sections()
     for k, (v, src) in values.items():
         if k not in owners: raise ConfigError(f"{src}: unknown key '{k}'{_suggest(k)}")
+        if v is None and src != "override" and SECTIONS[owners[k]].__dataclass_fields__[k].default is REQUIRED:
+            continue   # a dumped config's null: unset
         tp = typing.get_type_hints(SECTIONS[owners[k]])[k]
         try:
             if k == "experiment_id": check_experiment_id(v)

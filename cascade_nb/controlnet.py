@@ -12,20 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
 from .core import seeded_rand, images_to_device
+from .ema import full_tensor
 from .hub import weights_file
 from .models.effnet import efficientnet_v2_features
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 from .config import ConfigError, config_section
-from .typed_yaml import AT_LEAST_0
+from .typed_yaml import AT_LEAST_0, Choice
+from .registry import registry
 from .modes import TrainingMode, FullTraining, MemoryTerms, register_training_mode
 
 # %% auto #0
-__all__ = ['FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet', 'controlnet_config',
-           'load_controlnet', 'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks', 'InpaintFilter',
-           'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'make_filter', 'ControlNetConfig', 'meta_controlnet',
-           'control_points', 'ControlNetNet', 'merge_base_lora', 'trained_controlnet', 'controlnet_param_group',
-           'ControlNetTraining']
+__all__ = ['CONTROLNET_FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet',
+           'controlnet_config', 'load_controlnet', 'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks',
+           'InpaintFilter', 'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'register_controlnet_filter', 'make_filter',
+           'ControlNetConfig', 'meta_controlnet', 'control_points', 'ControlNetNet', 'merge_base_lora',
+           'trained_controlnet', 'controlnet_param_group', 'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -124,6 +126,7 @@ def load_controlnet(path_or_sd, proj_blocks, device='cpu', dtype=None) -> Contro
 class BaseFilter:
     "A control-image maker: `__call__(images01, generator=None) -> (control, preview RGB in [0, 1])`."
     num_channels = 3
+    needs_effnet = False   # built with the Stage C EfficientNet encoder (`effnet=`)
     def __call__(self, images01: torch.Tensor, generator: torch.Generator | None = None):
         raise NotImplementedError
 
@@ -248,7 +251,7 @@ class SRFilter(BaseFilter):
 # %% ../nbs/61_controlnet.ipynb #db237b0c
 class SREffnetFilter(BaseFilter):
     "EfficientNet latent (16 ch) of the image downscaled by `scale_factor`, upsampled ×1/scale_factor (nearest)."
-    num_channels = 16
+    num_channels, needs_effnet = 16, True
     def __init__(self, scale_factor: float = 0.5, effnet: nn.Module | None = None):
         if effnet is None:
             raise ValueError("SREffnetFilter needs the Stage C EfficientNet encoder (effnet_checkpoint_path)")
@@ -296,19 +299,25 @@ class IdentityFilter(BaseFilter):
         return out, _gray3(preview) * images01
 
 # %% ../nbs/61_controlnet.ipynb #281cc772
-FILTERS = {c.__name__: c for c in (CannyFilter, InpaintFilter, SRFilter, SREffnetFilter, IdentityFilter)}
+CONTROLNET_FILTERS = registry("controlnet_filter", {c.__name__: c for c in (CannyFilter, InpaintFilter, SRFilter,
+                                                                           SREffnetFilter, IdentityFilter)},
+                              how="@register_controlnet_filter('Name') on a BaseFilter subclass in a module the config "
+                                  "lists in 'imports'")
+"`controlnet_filter` name → `BaseFilter` subclass: how a ControlNet run makes its control image from a training image."
+
+def register_controlnet_filter(name: str):
+    "Class decorator: register a `BaseFilter` subclass as the `controlnet_filter: name` choice."
+    return CONTROLNET_FILTERS.register(name)
 
 def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None = None) -> BaseFilter:
     "The filter called `name` (official controlnet_filter) with `params` (controlnet_filter_params)."
-    if name not in FILTERS:
-        raise ValueError(f"controlnet_filter: unknown filter {name!r}; expected one of {sorted(FILTERS)}")
+    cls = CONTROLNET_FILTERS.choose(name)
     params = dict(params or {})
-    if name == "SREffnetFilter": params["effnet"] = effnet
-    try: return FILTERS[name](**params)
+    if cls.needs_effnet: params["effnet"] = effnet
+    try: return cls(**params)
     except TypeError as e:
         import inspect
-        raise ValueError(f"controlnet_filter_params {params} do not fit "
-                         f"{name}{inspect.signature(FILTERS[name])}: {e}") from None
+        raise ValueError(f"controlnet_filter_params {params} do not fit {name}{inspect.signature(cls)}: {e}") from None
 
 # %% ../nbs/61_controlnet.ipynb #9af5a5bf
 @config_section("controlnet", ranges=dict(controlnet_blocks=AT_LEAST_0),
@@ -317,7 +326,7 @@ def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None 
 class ControlNetConfig:
     "ControlNet training (official train_c_controlnet keys)."
     controlnet_blocks: Optional[list[int]] = None
-    controlnet_filter: Optional[str] = None  # CannyFilter, InpaintFilter, SRFilter, SREffnetFilter, IdentityFilter
+    controlnet_filter: Optional[Choice["controlnet_filter"]] = None  # CannyFilter, InpaintFilter, SRFilter, ...
     controlnet_filter_params: Optional[dict[str, Any]] = None
     controlnet_bottleneck_mode: Optional[Literal["effnet", "simple", "large"]] = None
     controlnet_checkpoint_path: Optional[str] = None
@@ -330,7 +339,7 @@ EFFNET_SAVED_PER_PIXEL = 780
 def meta_controlnet(cfg, gen: nn.Module) -> nn.Module:
     "The config's ControlNet (filter channels in, generator width out) on the meta device."
     c = cfg.controlnet
-    c_in = make_filter(c.controlnet_filter, c.controlnet_filter_params).num_channels
+    c_in = CONTROLNET_FILTERS.choose(c.controlnet_filter).num_channels   # a class fact: no filter, no EfficientNet
     with torch.device("meta"):
         return ControlNet(c_in, gen.config["c_hidden"][0], c.controlnet_blocks, c.controlnet_bottleneck_mode)
 
@@ -495,5 +504,5 @@ class ControlNetTraining(TrainingMode):
         "`controlnet.safetensors`: the ControlNet's state dict in the official layout."
         net = accelerator.unwrap_model(net)
         net = getattr(net, "_orig_mod", net)
-        return {"controlnet": {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+        return {"controlnet": {k: full_tensor(v).detach().cpu()
                                for k, v in net.controlnet.state_dict().items()}}

@@ -12,13 +12,17 @@ from torch import nn
 from .core import Weights
 
 # %% auto #0
-__all__ = ['local_shard', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'as_dtensor', 'gather_ema',
-           'ema_weights', 'released_ema']
+__all__ = ['local_shard', 'full_tensor', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'as_dtensor',
+           'gather_ema', 'ema_weights', 'released_ema']
 
 # %% ../nbs/40_ema.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     "This process's part of `t`: the local shard of a sharded DTensor (FSDP2), else `t` itself."
     return t.to_local() if hasattr(t, "to_local") else t
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    "All of `t`: a sharded DTensor (FSDP2) gathered (collective: call on every process), else `t` itself."
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 # %% ../nbs/40_ema.ipynb #585bb46e
 @torch.no_grad()

@@ -12,18 +12,14 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic, safetensors_header
+from .ema import full_tensor
 from .adapters import ADAPTERS, Adapter, LoRA, param_owner, shapes_of, base_state_dict, lora_layers
 
 # %% auto #0
-__all__ = ['full_tensor', 'lora_state_dict', 'lora_entries', 'require_lora_only', 'adapter_kind', 'alpha_value', 'check_entry',
-           'entry_fits', 'entry_finite', 'adapter_entries', 'load_adapter_file', 'weight_shapes', 'adapter_from_entry',
-           'lora_delta', 'load_lora', 'adapter_options', 'layer_records', 'lora_tokens', 'token_names', 'save_lora',
+__all__ = ['lora_state_dict', 'lora_entries', 'require_lora_only', 'adapter_kind', 'alpha_value', 'check_entry', 'entry_fits',
+           'entry_finite', 'adapter_entries', 'load_adapter_file', 'weight_shapes', 'adapter_from_entry', 'lora_delta',
+           'load_lora', 'adapter_options', 'layer_records', 'lora_tokens', 'token_names', 'save_lora',
            'adapter_metadata', 'adapter_file_options', 'merge_lora', 'unmerge_lora']
-
-# %% ../nbs/60a_lora_file.ipynb #ae91af72
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    "A plain tensor from a possibly FSDP2-sharded DTensor (collective: call on every process)."
-    return t.full_tensor() if hasattr(t, 'full_tensor') else t
 
 # %% ../nbs/60a_lora_file.ipynb #c9b4730a
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib, json, math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 from .core import seeded_rand, images_to_device, Weights
@@ -52,7 +52,7 @@ class LoraConfig:
     lora_alpha: Optional[float] = None    # None: scale 1/rank as the reference (alpha = 1)
     lora_dropout: float = 0.0
     # up ~ N(0,1), down = 0 (train_c_lora.py), or peft's Kaiming down, up = 0 (explanations/differences_from_reference)
-    lora_init: Literal["reference", "peft"] = "reference"
+    lora_init: Choice["lora_init"] = "reference"
     train_tokens: Optional[list[tuple[str, Optional[str]]]] = None  # [[token, init_regex or null], ...]
     lora_checkpoint_path: Optional[str] = None
     prior_loss_weight: float = 1.0        # lambda on the `prior: true` entries' samples (prior prediction)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, asdict, fields
 import torch
 from .registry import registry
+from .ema import full_tensor
 
 # %% auto #0
 __all__ = ['TRAINING_HOOKS', 'TrainState', 'register_training_hook', 'NonFiniteLossError', 'check_finite', 'NonFiniteGuard',
@@ -88,7 +89,7 @@ class NonFiniteGuard:
         if self.inner is None:
             if check_finite(grad_norm, self.state, self.max_streak): self.opt.step()
             return
-        g = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        g = full_tensor(grad_norm)
         bad = (~torch.isfinite(g.detach().float())).float().reshape(())   # 0-dim, as the kernel's step counters
         if self.counts is None:
             self.counts = torch.tensor([0., self.state.nonfinite_streak, self.state.nonfinite_streak],

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json, re, warnings
 import torch
 from torch import nn
-from .lora_file import full_tensor, lora_tokens
+from .ema import full_tensor
+from .lora_file import lora_tokens
 
 # %% auto #0
 __all__ = ['TokenDeltas', 'add_train_tokens', 'token_state_dict', 'load_tokens']

@@ -16,7 +16,7 @@ from .registry import REGISTRIES, Registry, UnknownChoice, ConfigError
 
 # %% auto #0
 __all__ = ['MAX_CONFIG_BYTES', 'MAX_YAML_VALUES', 'MAX_RECORD_BYTES', 'POSITIVE', 'AT_LEAST_0', 'AT_LEAST_1', 'PROBABILITY',
-           'DECAY', 'read_yaml', 'read_yaml_file', 'read_json_file', 'Range', 'Choice', 'coerce']
+           'DECAY', 'REQUIRED', 'read_yaml', 'read_yaml_file', 'read_json_file', 'Range', 'Choice', 'coerce']
 
 # %% ../nbs/00c_typed_yaml.ipynb #47c65637
 MAX_CONFIG_BYTES = 1 << 20
@@ -126,6 +126,18 @@ class Range:
 # %% ../nbs/00c_typed_yaml.ipynb #f00126e2
 POSITIVE, AT_LEAST_0, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
 PROBABILITY, DECAY = Range(0, 1, label="a probability"), Range(0, 1, hi_open=True)
+
+# %% ../nbs/00c_typed_yaml.ipynb #e8465958
+class _Required:
+    "The type of `REQUIRED`: one object, kept by copies and pickles, written to YAML as null."
+    def __repr__(self): return "REQUIRED"
+    def __copy__(self): return self
+    def __deepcopy__(self, memo): return self
+    def __reduce__(self): return "REQUIRED"    # pickled by name: the one object again
+    def to_yaml(self): return None
+
+REQUIRED: Any = _Required()
+"Default of a config key that a training config must set."
 
 # %% ../nbs/00c_typed_yaml.ipynb #cf5d841b
 class Choice(str):

@@ -98,7 +98,9 @@ cases = [("configs/demo.yaml", "mode=bogus", "key 'mode'", "full, lora"),
          ("configs/demo.yaml", "optimizer=bogus", "key 'optimizer'", "adamw8bit"),
          ("configs/demo.yaml", "sample_sampler=bogus", "key 'sample_sampler'", "ddim"),
          ("configs/demo.yaml", "noise_schedule=nonsense", "key 'noise_schedule'", "cosine"),
-         ("configs/lora_demo.yaml", "adapter=bogus", "key 'adapter'", "lokr")]
+         ("configs/lora_demo.yaml", "adapter=bogus", "key 'adapter'", "lokr"),
+         ("configs/lora_demo.yaml", "lora_init=bogus", "key 'lora_init'", "peft"),
+         ("configs/controlnet_demo.yaml", "controlnet_filter=CanyFilter", "key 'controlnet_filter'", "CannyFilter")]
 for path, override, key, choice in cases:
     try: load_config(path, [override])
     except ConfigError as e: assert key in str(e) and choice in str(e) and "\\n" not in str(e), str(e)

@@ -28,8 +28,8 @@ from .recipe import (LogSNRDensity, UniformTDensity, NormalDensity, CosmapDensit
     recipe_noise,
     RecipeConfig, RECIPE_RANGES, LOGSNR_DENSITIES, density_schedule, draws_as_registered, DRAW_KEYS, MODE_SCALE)
 from .core import GDF, Diffuser, Diffused, SampleStep, cfg_batch, cfg_scale, guide
-from .presets import (LOSS_WEIGHTS, TARGETS, SAMPLING_DEFAULTS, make_loss_weight, make_gdf,
-    stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift, TIMESTEP_SAMPLINGS, register_loss_weight,
+from .presets import (LOSS_WEIGHTS, TARGETS, register_target, SAMPLING_DEFAULTS, make_loss_weight,
+    make_gdf, stage_c_gdf, stage_b_gdf, gdf_from_config, training_shift, TIMESTEP_SAMPLINGS, register_loss_weight,
     register_timestep_sampling)
 
 # %% ../../nbs/19_gdf.ipynb #4a9374ec
@@ -58,6 +58,7 @@ __all__ = [
     # samplers, GDF, presets
     "BaseSampler", "DDIMSampler", "DDPMSampler", "LCMSampler", "SAMPLERS", "register_sampler", "renoise",
     "GDF", "Diffuser", "Diffused", "SampleStep", "cfg_batch", "cfg_scale", "guide",
-    "LOSS_WEIGHTS", "TARGETS", "SAMPLING_DEFAULTS", "make_loss_weight", "make_gdf", "stage_c_gdf", "stage_b_gdf",
+    "LOSS_WEIGHTS", "TARGETS", "register_target", "SAMPLING_DEFAULTS", "make_loss_weight", "make_gdf", "stage_c_gdf",
+    "stage_b_gdf",
     "gdf_from_config", "training_shift", "TIMESTEP_SAMPLINGS", "register_loss_weight", "register_timestep_sampling",
 ]

@@ -19,9 +19,9 @@ from .recipe import density_schedule, draws_as_registered, RecipeConfig
 from ..registry import registry
 
 # %% auto #0
-__all__ = ['LOSS_WEIGHTS', 'register_loss_weight', 'TARGETS', 'TIMESTEP_SAMPLINGS', 'register_timestep_sampling',
-           'SAMPLING_DEFAULTS', 'make_loss_weight', 'make_gdf', 'stage_c_gdf', 'stage_b_gdf', 'gdf_from_config',
-           'training_shift']
+__all__ = ['LOSS_WEIGHTS', 'register_loss_weight', 'TARGETS', 'register_target', 'TIMESTEP_SAMPLINGS',
+           'register_timestep_sampling', 'SAMPLING_DEFAULTS', 'make_loss_weight', 'make_gdf', 'stage_c_gdf',
+           'stage_b_gdf', 'gdf_from_config', 'training_shift']
 
 # %% ../../nbs/17_gdf.presets.ipynb #a83bafb5
 LOSS_WEIGHTS = registry("loss_weight", {
@@ -32,7 +32,10 @@ LOSS_WEIGHTS = registry("loss_weight", {
 register_loss_weight = LOSS_WEIGHTS.register
 ("`@register_loss_weight('name')` on a `BaseLossWeight` subclass (built with no arguments): "
  "`loss_weight: name` in configs.")
-TARGETS = {"epsilon": EpsilonTarget, "v": VTarget}
+TARGETS = registry("target", {"epsilon": EpsilonTarget, "v": VTarget})
+"What the network predicts (`target`): a `BaseTarget` subclass built with no arguments."
+register_target = TARGETS.register
+"`@register_target('name')` on a `BaseTarget` subclass: `make_gdf(target='name')`."
 
 # %% ../../nbs/17_gdf.presets.ipynb #f82e4462
 def _default_t(schedule: BaseSchedule):
@@ -76,13 +79,13 @@ def make_gdf(loss_weight: str = "p2", target: str = "epsilon", timestep_sampling
     """Stable Cascade's GDF (VP, CosineT) with a chosen loss weight, target, timestep sampling, offset noise and noise
     schedule (`SCHEDULES`; the reference: `cosine`, clamped to abar in [1e-4, 0.9999]), and a training `recipe`
     (`gdf.recipe.RecipeConfig`: range and density of the draws, input perturbation, loss type)."""
-    if target not in TARGETS: raise ValueError(f"unknown target {target!r}; expected one of {sorted(TARGETS)}")
     base = SCHEDULES.choose(schedule)()
     schedule = (TIMESTEP_SAMPLINGS.choose(timestep_sampling)(base) if draws_as_registered(recipe)
                 else density_schedule(timestep_sampling, base, recipe))
     r = recipe or RecipeConfig()
-    return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS[target](), noise_cond=CosineTNoiseCond(),
-               loss_weight=make_loss_weight(loss_weight, target), offset_noise=offset_noise,
+    return GDF(schedule=schedule, input_scaler=VPScaler(), target=TARGETS.choose(target)(),
+               noise_cond=CosineTNoiseCond(), loss_weight=make_loss_weight(loss_weight, target),
+               offset_noise=offset_noise,
                input_perturbation=r.input_perturbation, loss_type=r.loss_type, huber_c=r.loss_huber_c)
 
 # %% ../../nbs/17_gdf.presets.ipynb #b0bb2391
