@@ -30,7 +30,7 @@ __all__ = ['PROMPT_FIELDS', 'MAX_SIZE_FACTOR', 'MAX_PROMPTS', 'MAX_PROMPTS_BYTES
            'STAGE_B_KEYS', 'SamplePrompt', 'prompt_defaults', 'read_prompt_entries', 'largest_sample_side',
            'prompt_entry', 'no_negative_prompt', 'read_prompts', 'adapter_scaled', 'sample_prompt',
            'register_sample_decoder', 'LatentSpaceDecoder', 'check_cascade_decode', 'CascadeDecoder', 'sample_decoder',
-           'prompt_folder', 'write_prompt_samples', 'installed_stop_flag', 'sample_weights', 'log_prompt_samples',
+           'prompt_folder', 'write_prompt_samples', 'installed_stop_flag', 'prompt_images', 'log_prompt_samples',
            'PromptSamples', 'check_sample_prompts']
 
 # %% ../nbs/44_prompt_samples.ipynb #0c600f0e
@@ -319,7 +319,7 @@ def _each_prompt(prompts: list[SamplePrompt], sample, stop: StopFlag | None) -> 
         with stop.interruptible() if stop is not None else contextlib.nullcontext(): out.append(sample(p))
     return out
 
-def sample_weights(run, prompts: list[SamplePrompt], decoder=None, stop: StopFlag | None = None) -> dict:
+def prompt_images(run, prompts: list[SamplePrompt], decoder=None, stop: StopFlag | None = None) -> dict:
     """{'weights': images, 'ema': images} of `prompts` from the run's current weights and (when it keeps one on the
     training device, or of the trained tensors only, which are lent to `net`) its EMA, made by `decoder`
     (`sample_prompt`); all processes; no random stream of the run moves. A signal to `stop` ends the sampling of a
@@ -341,14 +341,14 @@ def sample_weights(run, prompts: list[SamplePrompt], decoder=None, stop: StopFla
 
 # %% ../nbs/44_prompt_samples.ipynb #f3110979
 def log_prompt_samples(run, prompts: list[SamplePrompt], decoder=None) -> Path | None:
-    """Sample `prompts` (`sample_weights` with `decoder`, all processes); the main process writes them
+    """Sample `prompts` (`prompt_images` with `decoder`, all processes); the main process writes them
     (`write_prompt_samples`) and logs each prompt's picture (the pair with an EMA) to the tracker with its text as
     caption. One process under the trainer's `StopFlag`: a stop signal before or during the sampling skips it (None)."""
     acc, update = run.acc, run.state.update
     stop = installed_stop_flag() if getattr(acc, "num_processes", 1) == 1 else None
     if stop:
         return acc.print(f"update {update}: prompt samples skipped: received {stop.signal} (the run saves and stops)")
-    try: images, folder = sample_weights(run, prompts, decoder, stop), prompt_folder(run.out_dir, update)
+    try: images, folder = prompt_images(run, prompts, decoder, stop), prompt_folder(run.out_dir, update)
     except StopWaiting as e:
         stop.waiting = False
         return acc.print(f"update {update}: prompt samples stopped by {e} and skipped (the run saves and stops)")
