@@ -6,13 +6,14 @@ Docs: https://cascade-nb.github.io/cascade_nb/controlnet.html.md"""
 
 # %% ../nbs/61_controlnet.ipynb #1ce45f39
 from __future__ import annotations
-import importlib.util, math, warnings
+import importlib.util, math, re, warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
 from .models.blocks import LayerNorm2d
 from .core import seeded_rand, images_to_device
 from .ema import full_tensor
+from .data.pipeline import CONTROL_MEMBER
 from .hub import weights_file
 from .models.effnet import efficientnet_v2_features
 from dataclasses import dataclass
@@ -25,9 +26,9 @@ from .modes import TrainingMode, FullTraining, MemoryTerms, register_training_mo
 # %% auto #0
 __all__ = ['CONTROLNET_FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet',
            'controlnet_config', 'load_controlnet', 'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks',
-           'InpaintFilter', 'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'register_controlnet_filter', 'make_filter',
-           'ControlNetConfig', 'meta_controlnet', 'control_points', 'ControlNetNet', 'merge_base_lora',
-           'trained_controlnet', 'controlnet_param_group', 'ControlNetTraining']
+           'InpaintFilter', 'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'DatasetControl',
+           'register_controlnet_filter', 'make_filter', 'ControlNetConfig', 'meta_controlnet', 'control_points',
+           'ControlNetNet', 'merge_base_lora', 'trained_controlnet', 'controlnet_param_group', 'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -124,11 +125,17 @@ def load_controlnet(path_or_sd, proj_blocks, device='cpu', dtype=None) -> Contro
 
 # %% ../nbs/61_controlnet.ipynb #6cad60ad
 class BaseFilter:
-    "A control-image maker: `__call__(images01, generator=None) -> (control, preview RGB in [0, 1])`."
+    """A control-image maker: `__call__(images01, generator=None) -> (control, preview RGB in [0, 1])` from a batch's
+    images; `control(batch, device, generator)` is what the training mode calls (from the images by default);
+    `data_options()` what the data must carry for it (nothing beyond images, by default)."""
     num_channels = 3
     needs_effnet = False   # built with the Stage C EfficientNet encoder (`effnet=`)
     def __call__(self, images01: torch.Tensor, generator: torch.Generator | None = None):
         raise NotImplementedError
+    def control(self, batch: dict, device, generator: torch.Generator | None = None):
+        "(control, preview) of a batch: this filter on its images, in [0, 1] on `device`."
+        return self(images_to_device(batch["images"], device), generator=generator)
+    def data_options(self) -> dict: return {}
 
 # %% ../nbs/61_controlnet.ipynb #21c3b2ae
 def _gray3(x: torch.Tensor) -> torch.Tensor:
@@ -298,12 +305,37 @@ class IdentityFilter(BaseFilter):
         preview = F.interpolate(out.norm(dim=1, keepdim=True).clamp(0, 1), size=(H, W), mode='nearest')
         return out, _gray3(preview) * images01
 
+# %% ../nbs/61_controlnet.ipynb #79fcdbd8
+class DatasetControl(BaseFilter):
+    "The control image each sample brings (member `member`, 3 ch), cropped and flipped with its image by the data."
+    def __init__(self, member: str = CONTROL_MEMBER):
+        if not (isinstance(member, str) and re.fullmatch(r"[\w-]+(\.[\w-]+)*\.(png|jpg|jpeg|webp)", member)):
+            raise ValueError(f"controlnet_filter_params: member {member!r}: expected a member name like "
+                             f"{CONTROL_MEMBER!r} (NNNN.{CONTROL_MEMBER} next to NNNN.png)")
+        self.member = member
+
+    def data_options(self) -> dict: return {"control_member": self.member}
+
+    def control(self, batch: dict, device, generator=None):
+        "(the batch's control images in [0, 1] on `device`, the same as the preview)."
+        if "controls" not in batch:
+            raise ValueError(f"controlnet_filter: dataset reads each sample's control image (member {self.member!r}); "
+                             "this batch has none (a cache of latents, or a loader the mode's data_options did not "
+                             "reach)")
+        control = images_to_device(batch["controls"], device)
+        return control, control
+
+    def __call__(self, images01, generator=None):
+        raise ValueError("controlnet_filter: dataset makes no control image from an image: it reads the data's "
+                         f"{self.member!r} members (`control`), or the image given to sample with (--control)")
+
 # %% ../nbs/61_controlnet.ipynb #281cc772
-CONTROLNET_FILTERS = registry("controlnet_filter", {c.__name__: c for c in (CannyFilter, InpaintFilter, SRFilter,
-                                                                           SREffnetFilter, IdentityFilter)},
+CONTROLNET_FILTERS = registry("controlnet_filter", {**{c.__name__: c for c in (CannyFilter, InpaintFilter, SRFilter,
+                                                                              SREffnetFilter, IdentityFilter)},
+                                                    "dataset": DatasetControl},
                               how="@register_controlnet_filter('Name') on a BaseFilter subclass in a module the config "
                                   "lists in 'imports'")
-"`controlnet_filter` name → `BaseFilter` subclass: how a ControlNet run makes its control image from a training image."
+"`controlnet_filter` name → `BaseFilter` subclass: how a ControlNet run gets its control image (image or data)."
 
 def register_controlnet_filter(name: str):
     "Class decorator: register a `BaseFilter` subclass as the `controlnet_filter: name` choice."
@@ -326,7 +358,7 @@ def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None 
 class ControlNetConfig:
     "ControlNet training (official train_c_controlnet keys)."
     controlnet_blocks: Optional[list[int]] = None
-    controlnet_filter: Optional[Choice["controlnet_filter"]] = None  # CannyFilter, InpaintFilter, SRFilter, ...
+    controlnet_filter: Optional[Choice["controlnet_filter"]] = None  # CannyFilter, ..., dataset (the data's images)
     controlnet_filter_params: Optional[dict[str, Any]] = None
     controlnet_bottleneck_mode: Optional[Literal["effnet", "simple", "large"]] = None
     controlnet_checkpoint_path: Optional[str] = None
@@ -472,11 +504,12 @@ class ControlNetTraining(TrainingMode):
 
     def _control(self, batch, device, training, rng):
         if "images" not in batch:
-            raise ValueError("ControlNet training needs the images of each batch (the filter runs on them), "
-                             "not cached latents only")
+            raise ValueError("ControlNet training needs the images of each batch (the filter runs on them, or its "
+                             "control images ride with them), not cached latents only")
         g = rng if training else torch.Generator().manual_seed(0)   # sampling/validation never shift the run's stream
-        with torch.no_grad(): control, _ = self.filter(images_to_device(batch["images"], device), generator=g)
+        with torch.no_grad(): control, _ = self.filter.control(batch, device, generator=g)
         return control
+    def data_options(self) -> dict: return self.filter.data_options()   # e.g. the control images' member
 
     def encode(self, batch, device, training=True, rng=None):
         "Batch → (x0, conds + the filter's control image `cnet_input`)."
@@ -494,9 +527,8 @@ class ControlNetTraining(TrainingMode):
 
     def preview_rows(self, batch, n: int = 8, size=None) -> dict:
         "{'control': RGB previews in [0, 1]} of the first `n` control images (a row for the sample grid)."
-        with torch.no_grad():
-            _, preview = self.filter(images_to_device(batch["images"][:n], "cpu"),
-                                     generator=torch.Generator().manual_seed(0))
+        first = {k: batch[k][:n] for k in ("images", "controls") if k in batch}
+        with torch.no_grad(): _, preview = self.filter.control(first, "cpu", generator=torch.Generator().manual_seed(0))
         if size is not None: preview = F.interpolate(preview, size=size, mode="bilinear", align_corners=False)
         return {"control": preview.clamp(0, 1)}
 

@@ -35,8 +35,13 @@ __all__ = ['TRAINING_MODES', 'BatchInputs', 'unwrap_state_dict', 'MemoryTerms', 
 # %% ../nbs/40b_modes.ipynb #ef61db21
 class BatchInputs:
     """The data hooks of the training-mode protocol, with Stage C's defaults: a batch → the network's inputs (`encode`),
-    per-sample extras for `loss` (`extras`), unconditional inputs for CFG (`uncond`). Reads the mode's `cfg`, `space`,
-    `tokenizer`, `text_model`, `image_model`, `c_clip_img` and `compute_dtype`."""
+    per-sample extras for `loss` (`extras`), unconditional inputs for CFG (`uncond`), and what its batches must carry
+    (`data_options`). Reads the mode's `cfg`, `space`, `tokenizer`, `text_model`, `image_model`, `c_clip_img` and
+    `compute_dtype`."""
+    def data_options(self) -> dict:
+        """What the data pipeline must add to images and captions for this mode, as `build_dataset` arguments (a
+        ControlNet that reads control images from the data: `control_member`); every loader of the run gets them."""
+        return {}
     def encode(self, batch, device, training=True, rng=None):
         "Batch → (x0 in the generator's space, CLIP conditions); caption dropout and image embeddings when training."
         d = self.cfg.data

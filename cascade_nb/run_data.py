@@ -115,8 +115,9 @@ def batch_stream(loader, skip: int = 0):
         epoch += 1
 
 # %% ../nbs/40f_run_data.ipynb #3c93d0ce
-def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu")):
-    "(this process's endless batch stream, fast-forwarded past `skip` batches; the fixed validation batches or None)."
+def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.device("cpu"), **options):
+    """(this process's endless batch stream, fast-forwarded past `skip` batches; the fixed validation batches or None);
+    `options`: what the mode's batches must carry (`TrainingMode.data_options`)."""
     from cascade_nb.data.pipeline import dataloader_from_config
     check = {}
     # refuse latents cached with another encoder / size / bucket set
@@ -124,12 +125,13 @@ def training_data(cfg: Config, micro_batch: int, skip: int = 0, device=torch.dev
         from cascade_nb.data.cache import cache_fingerprint, config_cache_parts
         check = dict(cache_fingerprint=cache_fingerprint(**config_cache_parts(cfg)))
     loader = dataloader_from_config(cfg.data, micro_batch, seed=cfg.train.seed,
-                                    pin_memory=cfg.data.pin_memory and device.type == "cuda", **check)
+                                    pin_memory=cfg.data.pin_memory and device.type == "cuda", **check, **options)
     val = None
     if cfg.data.val_webdataset_path and cfg.checkpoint.val_every:
         # `val_batches` global batches of the held-out source, whole on every process, in micro-batches
         n = cfg.data.val_batches * cfg.data.batch_size // micro_batch
-        val = [b for _, b in zip(range(n), batch_stream(whole_source(cfg, cfg.data.val_webdataset_path, micro_batch)))]
+        held_out = whole_source(cfg, cfg.data.val_webdataset_path, micro_batch, **options)
+        val = [b for _, b in zip(range(n), batch_stream(held_out))]
     return batch_stream(loader, skip=skip), val
 
 # %% ../nbs/40f_run_data.ipynb #4c6f4d0a
@@ -147,9 +149,10 @@ def whole_source(cfg: Config, source, batch_size: int, **overrides):
                                                        "augment": False, **overrides})
 
 # %% ../nbs/40f_run_data.ipynb #5f4bb163
-def preview_batch(cfg: Config, n: int = 8) -> dict:
-    "The first `n` samples of the held-out source (else of the training data): the sample grid's fixed inputs."
+def preview_batch(cfg: Config, n: int = 8, **options) -> dict:
+    """The first `n` samples of the held-out source (else of the training data): the sample grid's fixed inputs;
+    `options` as for `training_data`."""
     source = cfg.data.val_webdataset_path or cfg.data.webdataset_path
-    batch = next(iter(whole_source(cfg, source, n, drop_last=False)), None)
+    batch = next(iter(whole_source(cfg, source, n, drop_last=False, **options)), None)
     if batch is None: raise ConfigError(f"data: {source!r} yielded no sample for the sample grid")
     return batch

@@ -636,8 +636,8 @@ def train(cfg: Config) -> dict:
             if info is not None: resume_run(run, info)
 
             # --- data: this process's share of the stream (at the restored data position); the grid's inputs
-            stream, val_batches = training_data(cfg, micro_batch, skip=state.batches_drawn, device=device)
-            preview = preview_batch(cfg)
+            stream, val_batches = training_data(cfg, micro_batch, state.batches_drawn, device, **mode.data_options())
+            preview = preview_batch(cfg, **mode.data_options())
             start_logging(run, hooks)
     except StopWaiting: return stopped_in_setup(acc, stop, stream, info, run_dir, out_dir)
 

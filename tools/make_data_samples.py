@@ -9,6 +9,9 @@ Output (deterministic: rerunning gives byte-identical shards):
   name, e.g. "red apple") + `NNNN.json` (width, height, codepoint, group, source, license).
 - data_samples/masked/: 12 of the emoji with their white background cut out (`loss_mask`): even keys as RGBA
   `NNNN.png` (the alpha is the mask), odd keys as the RGB `NNNN.png` plus a grey `NNNN.mask.png` member.
+- data_samples/emoji_control/: the 32 emoji of the README's demo (configs/demo.yaml's filter) with a control image
+  each for a ControlNet that reads them from the data: `NNNN.png` + `NNNN.txt` + `NNNN.control.png`, the emoji's
+  silhouette (the `masked/` cut-out rule: white where the emoji is, black where its white background is).
 - data_samples/photos/: NNNN.jpg + NNNN.txt + NNNN.json, non-square photos from scikit-image's bundled data
   (public domain / CC0), a loose-folder source for the aspect-bucket path.
 """
@@ -98,14 +101,35 @@ def masked_samples(emoji_dir: Path):
         members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     for i in range(MASKED):
         rgb = Image.open(io.BytesIO(members[f"{i:04d}.png"])).convert("RGB")
-        # the background: near-white pixels connected to the (white) margin; white inside the emoji stays in the mask
-        mask = Image.fromarray(((255 - np.asarray(rgb)).max(-1) <= 8).astype(np.uint8) * 255).copy()   # writable
-        ImageDraw.floodfill(mask, (0, 0), 128)
-        mask = Image.fromarray((np.asarray(mask) != 128).astype(np.uint8) * 255, "L")
+        mask = silhouette(rgb)   # the background: near-white pixels connected to the margin
         s = {"__key__": f"{i:04d}", "txt": members[f"{i:04d}.txt"]}
         if i % 2 == 0: rgba = rgb.copy(); rgba.putalpha(mask); s["png"] = png_bytes(rgba)
         else: s["png"], s["mask.png"] = png_bytes(rgb), png_bytes(mask)
         yield s
+
+def silhouette(rgb: Image.Image) -> Image.Image:
+    "White where the emoji is, black on the near-white background connected to its margin (white inside it stays)."
+    import numpy as np
+    mask = Image.fromarray(((255 - np.asarray(rgb)).max(-1) <= 8).astype(np.uint8) * 255).copy()   # writable
+    ImageDraw.floodfill(mask, (0, 0), 128)
+    return Image.fromarray((np.asarray(mask) != 128).astype(np.uint8) * 255, "L")
+
+def control_samples(emoji_dir: Path):
+    "The demo's 32 emoji (configs/demo.yaml's dataset filter) with their silhouettes as control images."
+    import tarfile
+    from cascade_nb.config import load_config
+    keep = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml").data.dataset_filters
+    n = 0
+    for shard in sorted(emoji_dir.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for key in sorted({name.split(".")[0] for name in members}):
+            meta = json.loads(members[f"{key}.json"])
+            if not all(f(meta) for f in keep): continue
+            rgb = Image.open(io.BytesIO(members[f"{key}.png"])).convert("RGB")
+            yield {"__key__": f"{n:04d}", "png": members[f"{key}.png"], "txt": members[f"{key}.txt"],
+                   "control.png": png_bytes(silhouette(rgb))}
+            n += 1
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +145,10 @@ def main():
         for ext in ("png", "mask.png", "txt"):
             if ext in s: (masked / f"{s['__key__']}.{ext}").write_bytes(s[ext])
     print(f"masked: {MASKED} samples in {masked}")
+    control = out / "emoji_control"; control.mkdir(parents=True, exist_ok=True)
+    for n, s in enumerate(control_samples(out / "emoji"), 1):
+        for ext in ("png", "txt", "control.png"): (control / f"{s['__key__']}.{ext}").write_bytes(s[ext])
+    print(f"emoji_control: {n} samples in {control}")
     wheel = args.skimage_wheel or next(iter(sorted(glob.glob("/tmp/skimg/scikit_image-*.whl"))), None)
     if wheel is None: print("photos: skipped (no scikit-image wheel; see the docstring)"); return
     photos = out / "photos"; photos.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,8 @@ def format_report(rep: dict) -> str:
         c, w = rep["caption_chars"], rep["caption_words"]
         lines.append(f"caption length: chars min {c['min']} mean {c['mean']} max {c['max']}; "
                      f"words min {w['min']} mean {w['mean']} max {w['max']}")
+    if rep.get("members"):
+        lines.append("members beside the images: " + ", ".join(f"{k} {v}" for k, v in rep["members"].items()))
     lines.append("image sizes (HxW: count -> bucket):")
     lines += [f"  {s}: {n} -> {rep['bucket_of_size'][s]}" for s, n in list(rep["sizes"].items())[:30]]
     if len(rep["sizes"]) > 30: lines.append(f"  ... {len(rep['sizes']) - 30} more sizes")

@@ -16,10 +16,10 @@ from .sources import SkipCounter, _worker_seed
 from ..config import Config, ConfigError, need, register_load_check
 
 # %% auto #0
-__all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'COUNTS_ONLY', 'LATENT_COMPRESSION', 'bucket_sizes', 'saliency_map',
+__all__ = ['SMART_CROP_P', 'SMART_CROP_Q', 'CROPS', 'RIDERS', 'COUNTS_ONLY', 'LATENT_COMPRESSION', 'bucket_sizes', 'saliency_map',
            'saliency_center', 'closest_bucket', 'crop_box', 'jitter_box', 'resize_crop', 'resize_crop_chw',
-           'split_mask', 'images_to_float', 'pick_bucket', 'BucketResize', 'materialize_samples', 'collate_samples',
-           'BucketBatcher', 'resolution_at', 'bucket_at', 'resize_cover', 'size_rule', 'on_load_resolution_schedule',
+           'images_to_float', 'pick_bucket', 'BucketResize', 'materialize_samples', 'collate_samples', 'BucketBatcher',
+           'resolution_at', 'bucket_at', 'resize_cover', 'size_rule', 'on_load_resolution_schedule',
            'check_resolution_schedule', 'at_resolution']
 
 # %% ../../nbs/31_data.buckets.ipynb #166fbfdc
@@ -138,15 +138,21 @@ def resize_crop(img: Image.Image, size: tuple[int, int], crop: str = "center", r
     return out, (round(top), round(left))
 
 # %% ../../nbs/31_data.buckets.ipynb #e30eee35
+RIDERS = ("mask", "control")
+"""A sample's pixel arrays that ride with its image through crop, jitter and flip, each the image's decoded size: the
+loss mask (h, w) and a ControlNet's control image (h, w, 3); batched as `masks`, `controls`."""
+
 def resize_crop_chw(img: Image.Image, size: tuple[int, int], crop: str = "center", rng: random.Random | None = None,
-                    mask: np.ndarray | None = None, augment: dict | None = None):
+                    riders: dict | None = None, augment: dict | None = None) -> tuple[dict, tuple[int, int]]:
     """`resize_crop` for training: the box snapped to whole pixels and resampled by torch's uint8 antialiased bilinear
     kernel (PIL's filter, within a few levels at the box edges; ≈4× faster on CPU), straight into a contiguous
-    (3, H, W) uint8 array (collation is then a plain copy). Returns the array and the crop's (top, left).
-    A (h, w) uint8 `mask` rides along as a 4th channel, so it gets the very same box; `augment` ({hflip, jitter}, drawn
-    per sample by `data.pipeline.SampleAugment`) zooms the box (`jitter_box`) and mirrors the result."""
-    a = np.array(img) if mask is None else np.concatenate([np.asarray(img), mask[..., None]], -1)
-    a, aug = torch.from_numpy(a), augment or {}   # (h, w, 3 or 4) uint8
+    (3, H, W) uint8 array (collation is then a plain copy). Returns ({'image': array} with each rider, (c, H, W)) and
+    the crop's (top, left). `riders` ({name: (h, w[, c]) uint8 array}: a loss mask, a control image) ride along as
+    more channels, so they get the very same box; `augment` ({hflip, jitter}, drawn per sample by
+    `data.pipeline.SampleAugment`) zooms the box (`jitter_box`) and mirrors the result."""
+    riders = {k: r if r.ndim == 3 else r[..., None] for k, r in (riders or {}).items()}
+    a = np.concatenate([np.asarray(img), *riders.values()], -1) if riders else np.array(img)
+    a, aug = torch.from_numpy(a), augment or {}   # (h, w, 3 + riders' channels) uint8
     h, w = a.shape[:2]
     box = crop_box(h, w, size, crop, rng, _center_for(img, size, crop))
     top, left, bh, bw = jitter_box(box, *aug["jitter"]) if aug.get("jitter") else box
@@ -155,14 +161,11 @@ def resize_crop_chw(img: Image.Image, size: tuple[int, int], crop: str = "center
     if tuple(x.shape[1:]) != tuple(size):
         x = F.interpolate(x[None], size=tuple(size), mode="bilinear", antialias=True, align_corners=False)[0]
     if aug.get("hflip"): x = x.flip(-1)
-    return x.contiguous().numpy(), (t, l)
-
-# %% ../../nbs/31_data.buckets.ipynb #9d2f4a61
-def split_mask(chw: np.ndarray) -> dict:
-    "`resize_crop_chw`'s array → {image: (3, H, W)} and, when it carried a mask, {mask: (1, H, W)}, both contiguous."
-    if len(chw) == 3: return {"image": chw}
-    return {"image": np.ascontiguousarray(chw[:3]), "mask": np.ascontiguousarray(chw[3:])}
-
+    x, out, c = x.contiguous().numpy(), {}, 3
+    if not riders: return {"image": x}, (t, l)
+    out["image"] = np.ascontiguousarray(x[:3])
+    for k, r in riders.items(): out[k], c = np.ascontiguousarray(x[c:c + r.shape[-1]]), c + r.shape[-1]
+    return out, (t, l)
 
 # %% ../../nbs/31_data.buckets.ipynb #82fbdc3e
 def images_to_float(images: list[np.ndarray]) -> torch.Tensor:
@@ -198,8 +201,9 @@ class BucketResize:
                 yield {**s, "image": img.deferred_crop(bucket, self.crop, rng), "bucket": bucket,
                        "original_size": (oh, ow)}
                 continue
-            chw, (top, left) = resize_crop_chw(img, bucket, self.crop, rng, s.get("mask"), s.get("__augment__"))
-            yield {**s, **split_mask(chw), "bucket": bucket, "original_size": (oh, ow),
+            riders = {k: s[k] for k in RIDERS if k in s}
+            arrays, (top, left) = resize_crop_chw(img, bucket, self.crop, rng, riders, s.get("__augment__"))
+            yield {**s, **arrays, "bucket": bucket, "original_size": (oh, ow),
                    "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
 
 # %% ../../nbs/31_data.buckets.ipynb #7ab788ea
@@ -222,15 +226,16 @@ def materialize_samples(samples: list[dict], counter: SkipCounter | None = None)
 def collate_samples(samples: list[dict]) -> dict:
     """Stack one bucket's samples: (3, H, W) uint8 images → uint8 `images` (B, 3, H, W) (a quarter of float32's bytes
     through shared memory and the host→device copy; `images_to_device` makes them float in [0, 1] there), (1, H, W)
-    uint8 masks → `masks` (B, 1, H, W), tensors stacked, the rest as lists."""
+    uint8 masks → `masks` (B, 1, H, W) and control images → `controls` (B, 3, H, W), tensors stacked, the rest as
+    lists."""
     batch = {}
     for k in samples[0]:
         if k.startswith("__") and k != "__key__": continue
         vals = [s[k] for s in samples]
         name = {"image": "images", "caption": "captions", "__key__": "keys", "original_size": "original_sizes",
                 "crop_top_left": "crop_top_lefts", "source": "sources", "loss_weight": "loss_weights",
-                "prior": "priors", "mask": "masks"}.get(k, k)
-        if k in ("image", "mask") and isinstance(vals[0], np.ndarray): batch[name] = torch.from_numpy(np.stack(vals))
+                "prior": "priors", "mask": "masks", "control": "controls"}.get(k, k)
+        if k in ("image", *RIDERS) and isinstance(vals[0], np.ndarray): batch[name] = torch.from_numpy(np.stack(vals))
         elif k == "bucket": batch[name] = vals[0]
         elif isinstance(vals[0], torch.Tensor): batch[name] = torch.stack(vals)
         elif isinstance(vals[0], dict) and vals[0] and all(isinstance(v, torch.Tensor) for v in vals[0].values()):
@@ -377,12 +382,13 @@ def check_resolution_schedule(cfg: Config):
 
 # %% ../../nbs/31_data.buckets.ipynb #343d2788
 def at_resolution(batch: dict, cfg: Config, update: int, device) -> dict:
-    """`batch` at the side of update `update` (`resolution_schedule`): its images (and masks) moved to `device` and
-    scaled down there."""
+    """`batch` at the side of update `update` (`resolution_schedule`): its images (masks, controls) moved to `device`
+    and scaled down there."""
     side = resolution_at(cfg.data.resolution_schedule, update, cfg.data.image_size)
     if side == cfg.data.image_size or "images" not in batch: return batch
     bucket = bucket_at(batch.get("bucket") or tuple(batch["images"].shape[-2:]), side, cfg.data.multi_aspect_ratio)
     out = {**batch, "images": resize_cover(batch["images"].to(device, non_blocking=True), bucket), "bucket": bucket}
-    # a loss mask follows its images (the same cover and centre crop)
-    if "masks" in batch: out["masks"] = resize_cover(batch["masks"].to(device, non_blocking=True), bucket)
+    # a loss mask and a control image follow their images (the same cover and centre crop)
+    for k in ("masks", "controls"):
+        if k in batch: out[k] = resize_cover(batch[k].to(device, non_blocking=True), bucket)
     return out

@@ -21,17 +21,17 @@ from .sources import (SourceEntry, SkipCounter, SKIP_REASONS, IMAGE_EXTS, SHARD_
                                      ShardList,
                                      ResampledShardList, ShardReader, _worker_seed, is_remote, local_path, DataError)
 from .buckets import (bucket_sizes, closest_bucket, pick_bucket, crop_box, resize_crop_chw, BucketResize,
-                                     BucketBatcher, COUNTS_ONLY, split_mask)
+                                     BucketBatcher, COUNTS_ONLY)
 
 # %% auto #0
-__all__ = ['MASK_MEMBER', 'MASK_PIXELS_PER_IMAGE_PIXEL', 'MAX_CAPTION_CHARS', 'HFLIP_P', 'CACHE_INFO', 'as_captions_getter',
-           'as_dataset_filters', 'UnsupportedImage', 'split_alpha', 'to_rgb', 'BadMask', 'decode_mask', 'sample_mask',
-           'default_min_side', 'default_max_pixels', 'sample_loss_weight', 'with_caption_prefix', 'SampleDecoding',
-           'SampleDecoder', 'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform',
-           'SampleAugment', 'on_load_augment', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError',
-           'CachedDecoder', 'ImageTextDataset', 'resolve_crop', 'build_dataset', 'FilterReportingLoader',
-           'build_dataloader', 'dataloader_from_config', 'default_num_workers', 'sum_skips', 'effective_mix',
-           'inspect_source']
+__all__ = ['MASK_MEMBER', 'MASK_PIXELS_PER_IMAGE_PIXEL', 'CONTROL_MEMBER', 'MAX_CAPTION_CHARS', 'HFLIP_P', 'CACHE_INFO',
+           'as_captions_getter', 'as_dataset_filters', 'UnsupportedImage', 'split_alpha', 'to_rgb', 'BadMask',
+           'open_member', 'decode_mask', 'sample_mask', 'BadControl', 'decode_control', 'default_min_side',
+           'default_max_pixels', 'sample_loss_weight', 'with_caption_prefix', 'SampleDecoding', 'SampleDecoder',
+           'no_usable_shard_error', 'LazyImage', 'Shuffle', 'caption_rng', 'CaptionTransform', 'SampleAugment',
+           'on_load_augment', 'find_cache_info', 'safetensors_metadata', 'CacheMismatchError', 'CachedDecoder',
+           'ImageTextDataset', 'resolve_crop', 'build_dataset', 'FilterReportingLoader', 'build_dataloader',
+           'dataloader_from_config', 'default_num_workers', 'sum_skips', 'effective_mix', 'inspect_source']
 
 # %% ../../nbs/32_data.pipeline.ipynb #6e6685b5
 def as_captions_getter(spec) -> CaptionsGetter:
@@ -90,26 +90,32 @@ class BadMask(ValueError):
 MASK_PIXELS_PER_IMAGE_PIXEL = 64
 "A mask member may have at most this many pixels per pixel of its image (8× per side): a larger one is `bad_mask`."
 
+def open_member(data: bytes, size: tuple[int, int], bad: type, what: str) -> Image.Image:
+    """A pixel member of a sample (a mask, a control image) decoded; `bad` (an error with its skip reason) when it does
+    not decode, is far larger than its image of `size` (w, h) (refused from its header, before its pixels are
+    decoded) or has another aspect ratio."""
+    try:
+        m = Image.open(io.BytesIO(data))
+        if m.width * m.height > MASK_PIXELS_PER_IMAGE_PIXEL * size[0] * size[1]:
+            raise bad(f"{what} {m.width}x{m.height} is more than {MASK_PIXELS_PER_IMAGE_PIXEL}× the pixels of "
+                      f"image {size[0]}x{size[1]}")
+        m.load()
+    except bad: raise
+    except Exception as e: raise bad(f"the {what} does not decode: {e}") from e
+    if abs(math.log(m.width / m.height) - math.log(size[0] / size[1])) > 0.02:
+        raise bad(f"{what} {m.width}x{m.height} does not fit image {size[0]}x{size[1]}")
+    return m
+
 def decode_mask(data: bytes, size: tuple[int, int]) -> Image.Image:
     """A mask member as an `L` image of `size` (w, h), the image's decoded size; BadMask when it is far larger than
     the image or its aspect ratio differs. A mask with transparency counts only where it is opaque: its grey times its
     alpha (paint on a transparent layer is the mask; what is erased is not)."""
-    try:
-        m = Image.open(io.BytesIO(data))
-        # the header says the size: a huge mask is refused before its pixels are decoded
-        if m.width * m.height > MASK_PIXELS_PER_IMAGE_PIXEL * size[0] * size[1]:
-            raise BadMask(f"mask {m.width}x{m.height} is more than {MASK_PIXELS_PER_IMAGE_PIXEL}× the pixels of "
-                          f"image {size[0]}x{size[1]}")
-        m.load()
-    except BadMask: raise
-    except Exception as e: raise BadMask(f"the mask does not decode: {e}") from e
+    m = open_member(data, size, BadMask, "mask")
     if m.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (m.mode == "P" and "transparency" in m.info):
         rgba = m.convert("RGBA")
         m = Image.fromarray((np.asarray(rgba.convert("L"), np.uint16) * np.asarray(rgba.getchannel("A")) // 255)
                             .astype(np.uint8), "L")
     m = _deep_to_l(m) if m.mode in _DEEP_GREY else m.convert("L")
-    if abs(math.log(m.width / m.height) - math.log(size[0] / size[1])) > 0.02:
-        raise BadMask(f"mask {m.width}x{m.height} does not fit image {size[0]}x{size[1]}")
     return m if m.size == tuple(size) else m.resize(size, Image.Resampling.BILINEAR)
 
 def sample_mask(loss_mask: str, member: bytes | None, alpha: Image.Image | None, size) -> np.ndarray | None:
@@ -119,6 +125,24 @@ def sample_mask(loss_mask: str, member: bytes | None, alpha: Image.Image | None,
     if member is not None and loss_mask in ("member", "auto"): return np.asarray(decode_mask(member, size))
     if alpha is not None and loss_mask in ("alpha", "auto"): return np.asarray(alpha)
     return np.full(tuple(size)[::-1], 255, np.uint8)
+
+# %% ../../nbs/32_data.pipeline.ipynb #cd18e43a
+CONTROL_MEMBER = "control.png"
+"The member of a sample (`NNNN.control.png`) that holds its control image when a ControlNet reads them from the data."
+
+class BadControl(ValueError):
+    "A control-image member that does not decode or does not fit its image; counted as `bad_control`."
+    skip_reason = "bad_control"
+
+def decode_control(data: bytes, size: tuple[int, int]) -> np.ndarray:
+    """A control-image member as an (h, w, 3) uint8 RGB array of `size` (w, h), the image's decoded size (`open_member`:
+    `BadControl` where it does not fit). A grey map (depth, edges) becomes grey RGB, a high-depth one scaled to 8 bits;
+    transparency composes over black (strokes drawn on an empty layer are the control, the empty layer is not)."""
+    m = open_member(data, size, BadControl, "control image")
+    if m.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (m.mode == "P" and "transparency" in m.info):
+        m = Image.alpha_composite(Image.new("RGBA", m.size, (0, 0, 0, 255)), m.convert("RGBA"))
+    m = (_deep_to_l(m) if m.mode in _DEEP_GREY else m).convert("RGB")
+    return np.asarray(m if m.size == tuple(size) else m.resize(size, Image.Resampling.BILINEAR))
 
 # %% ../../nbs/32_data.pipeline.ipynb #e2a2d5f4
 def default_min_side(image_size: int) -> int:
@@ -153,7 +177,7 @@ def with_caption_prefix(caption: str, prefix: str = "") -> str:
 # %% ../../nbs/32_data.pipeline.ipynb #99a377e1
 class SampleDecoding:
     """How `SampleDecoder` decodes one raw sample: with its settings (`filters`, `getter`, `sources`, `min_side`,
-    `max_pixels`, `buckets`, `p_random_ratio`, `lazy`, `loss_mask`) and its bucket draws (`_rng`)."""
+    `max_pixels`, `buckets`, `p_random_ratio`, `lazy`, `loss_mask`, `control_member`) and its bucket draws (`_rng`)."""
     def decode(self, s: dict) -> tuple[dict | None, str | None]:
         "One raw sample → (decoded sample, None) or (None, skip reason)."
         meta = {}
@@ -173,6 +197,8 @@ class SampleDecoding:
         if not isinstance(caption, str) or not caption.strip(): return None, "empty_caption"
         ext = next((e for e in IMAGE_EXTS if e in s), None)
         if ext is None: return None, "missing_image"
+        control = s.get(self.control_member) if self.control_member else None
+        if self.control_member and control is None: return None, "missing_control"
         out = {"__key__": s["__key__"], "__url__": s.get("__url__"), "caption": caption.strip(),
                "meta": meta, "source": source, "loss_weight": loss_weight, "prior": entry.prior,
                "__caption_prefix__": entry.caption_prefix, "__hflip__": entry.hflip}
@@ -192,14 +218,15 @@ class SampleDecoding:
             if self.max_pixels and img.width * img.height > self.max_pixels: return None, "too_large"
             member = s.get(MASK_MEMBER)
             if self.lazy and self.buckets:
-                out["image"] = LazyImage(s[ext], draft, img.height, img.width, member, self.loss_mask)
+                out["image"] = LazyImage(s[ext], draft, img.height, img.width, member, self.loss_mask, control)
                 out["original_size"] = (h, w)
                 return out, None
             img.load()
             out["image"], alpha = split_alpha(img)
             out["original_size"] = (h, w)
             if self.loss_mask != "off": out["mask"] = sample_mask(self.loss_mask, member, alpha, out["image"].size)
-        except (UnsupportedImage, BadMask) as e: return None, e.skip_reason
+            if control is not None: out["control"] = decode_control(control, out["image"].size)
+        except (UnsupportedImage, BadMask, BadControl) as e: return None, e.skip_reason
         except Exception: return None, "bad_image"
         return out, None
 
@@ -209,9 +236,11 @@ class SampleDecoder(SampleDecoding):
     nothing usable."""
     def __init__(self, counter: SkipCounter, captions_getter=None, dataset_filters=None, min_side: int = 16,
                  n_shards: int = 1, strict: bool = True, buckets=None, p_random_ratio: float = 0.0, seed: int = 0,
-                 max_pixels: int | None = None, lazy: bool = False, sources=None, loss_mask: str = "off"):
-        # lazy: header checks only, pixels decoded when the batch is emitted (`LazyImage`); loss_mask: `sample_mask`'s
-        self.lazy, self.loss_mask = lazy, loss_mask
+                 max_pixels: int | None = None, lazy: bool = False, sources=None, loss_mask: str = "off",
+                 control_member: str | None = None):
+        # lazy: header checks only, pixels decoded when the batch is emitted (`LazyImage`); loss_mask: `sample_mask`'s;
+        # control_member: the member each sample's control image is read from (a sample without one is skipped)
+        self.lazy, self.loss_mask, self.control_member = lazy, loss_mask, control_member
         self.counter, self.getter, self.filters = (counter, as_captions_getter(captions_getter),
                                                    as_dataset_filters(dataset_filters))
         self.min_side, self.n_shards, self.strict, self.bad_shards, self.max_pixels = (min_side, n_shards, strict, [],
@@ -295,9 +324,10 @@ class LazyImage:
     """An image's compressed bytes (header already checked) that become a bucket-sized uint8 array when its batch is
     emitted."""
     def __init__(self, data: bytes, draft: tuple[int, int] | None = None, height: int = 0, width: int = 0,
-                 mask_data: bytes | None = None, loss_mask: str = "off"):
+                 mask_data: bytes | None = None, loss_mask: str = "off", control_data: bytes | None = None):
         self.data, self.draft, self.height, self.width = data, draft, height, width   # the size it will decode to
         self.mask_data, self.loss_mask = mask_data, loss_mask   # its mask member's bytes, and `sample_mask`'s choice
+        self.control_data = control_data                        # its control image member's bytes
         self.bucket, self.crop, self.rng_state = None, None, None
 
     def deferred_crop(self, bucket, crop: str, rng: random.Random) -> "LazyImage":
@@ -313,10 +343,12 @@ class LazyImage:
         if self.draft: img.draft("RGB", self.draft)
         img.load(); img, alpha = split_alpha(img)
         mask = sample_mask(self.loss_mask, self.mask_data, alpha, img.size)
+        riders = {} if mask is None else {"mask": mask}
+        if self.control_data is not None: riders["control"] = decode_control(self.control_data, img.size)
         rng = random.Random(); rng.setstate(self.rng_state)
-        chw, (top, left) = resize_crop_chw(img, self.bucket, self.crop, rng, mask, s.get("__augment__"))
+        arrays, (top, left) = resize_crop_chw(img, self.bucket, self.crop, rng, riders, s.get("__augment__"))
         oh, ow = s["original_size"]
-        return {**s, **split_mask(chw), "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
+        return {**s, **arrays, "crop_top_left": (round(top * oh / img.height), round(left * ow / img.width))}
 
 # %% ../../nbs/32_data.pipeline.ipynb #39552c9e
 class Shuffle:
@@ -501,7 +533,7 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
                   cache_fingerprint: str | None = None, allow_pipe: bool = False,
                   split_by_node: bool = True, caption_recipe: CaptionRecipe | None = None,
                   weighted: bool = True, hflip: bool = False, crop_jitter: float = 0.0, loss_mask: str = "off",
-                  augment: bool = True) -> ImageTextDataset:
+                  augment: bool = True, control_member: str | None = None) -> ImageTextDataset:
     "Batches of one aspect bucket each from `source` (folder, tar(s), brace pattern, URL or list); see the table above."
     entries, shards = resolve_sources(source, folder_chunk, allow_pipe)
     # a mixture's weights (`weighted=False`: each entry once, as validation and sample grids read a source)
@@ -514,6 +546,9 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
     info = find_cache_info(shards)   # cached shards: latents instead of images
     recipe = caption_recipe or CaptionRecipe()
     if info is not None or cache_fingerprint is not None:
+        if control_member:
+            raise ConfigError(f"data: {source} is a cache of latents and text embeddings: it holds no control images "
+                              f"(member {control_member!r}); a ControlNet that reads them trains from the images")
         if changing := recipe.keys_in_use():
             raise ConfigError(f"data: {source} is a cache of fixed captions and their text embeddings, so "
                               f"{', '.join(changing)} cannot change them; turn them off or train from the images")
@@ -524,7 +559,7 @@ def build_dataset(source, batch_size: int, *, image_size: int = 768, multi_aspec
         body = [SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
                               n_distinct, buckets=buckets, p_random_ratio=p_random_ratio, seed=seed,
                               max_pixels=max_pixels or default_max_pixels(image_size), lazy=True, sources=entries,
-                              loss_mask=loss_mask),
+                              loss_mask=loss_mask, control_member=control_member),
                 CaptionTransform(recipe, seed, resampled),
                 # flips and jitter (`augment=False`: validation, sample grids and evaluation read samples unchanged)
                 SampleAugment(hflip, crop_jitter, seed, resampled)
@@ -644,15 +679,18 @@ def effective_mix(entries, samples: dict) -> list[dict]:
 # %% ../../nbs/32_data.pipeline.ipynb #bfd11ad5
 def inspect_source(source, image_size: int = 768, multi_aspect_ratio=None, captions_getter=None, dataset_filters=None,
                    min_side: int | None = None, limit: int | None = None, allow_pipe: bool = False) -> dict:
-    """Read `source` once and summarise it: samples, skips per reason, caption lengths, size histogram, buckets, and
-    the mixture's effective mix (`effective_mix`)."""
+    """Read `source` once and summarise it: samples, skips per reason, caption lengths, size histogram, buckets, the
+    pictures that ride with the images (masks, control images: `members`), and the mixture's effective mix."""
     entries, shards = resolve_sources(source, allow_pipe=allow_pipe)
     counter = SkipCounter()
     dec = SampleDecoder(counter, captions_getter, dataset_filters, min_side or default_min_side(image_size),
                         len(shards), strict=False, max_pixels=default_max_pixels(image_size), sources=entries)
     buckets = bucket_sizes(image_size, multi_aspect_ratio)
-    sizes, chars, words, n, per_entry = Counter(), [], [], 0, Counter()
-    for s in dec(ShardReader(counter, allow_pipe)(shards)):
+    sizes, chars, words, n, per_entry, members = Counter(), [], [], 0, Counter(), Counter()
+    def tally(raw):   # `0001.mask.png`, `0001.control.png`: members named by two parts
+        for r in raw:
+            members.update(k for k in r if "." in k and not k.startswith("__")); yield r
+    for s in dec(tally(ShardReader(counter, allow_pipe)(shards))):
         sizes[(s["image"].height, s["image"].width)] += 1
         chars.append(len(s["caption"])); words.append(len(s["caption"].split()))
         n += 1; per_entry[s["source"]] += 1
@@ -662,6 +700,6 @@ def inspect_source(source, image_size: int = 768, multi_aspect_ratio=None, capti
     filters = {k: counter.filters[k] for k in ("kept", "excluded")} if dec.filters else {}
     return dict(source=str(source), shards=len(shards), samples=n, skipped=dict(counter.total), filters=filters,
                 mix=effective_mix(entries, per_entry), bad_shards=dec.bad_shards, errors=dec.shard_errors,
-                caption_chars=stats(chars), caption_words=stats(words),
+                caption_chars=stats(chars), caption_words=stats(words), members=dict(sorted(members.items())),
                 sizes={f"{h}x{w}": c for (h, w), c in sizes.most_common()},
                 bucket_of_size={f"{h}x{w}": "{}x{}".format(*closest_bucket(h, w, buckets)) for (h, w) in sizes})

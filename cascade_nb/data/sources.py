@@ -24,7 +24,7 @@ from ..typed_yaml import read_yaml
 __all__ = ['SKIP_REASONS', 'KEPT_REASONS', 'FILTER_COUNTS', 'IMAGE_EXTS', 'OTHER_IMAGE_EXTS', 'SAMPLE_EXTS', 'REMOTE_CLIENTS',
            'SOURCE_KEYS', 'SOURCE_WEIGHT', 'SOURCE_REPEATS', 'SOURCE_LOSS_WEIGHT', 'REMOTE_TIMEOUT_S', 'SHARD_END',
            'SkipCounter', 'format_skips', 'DataError', 'SourceNotFoundError', 'split_key', 'folder_split', 'is_remote',
-           'local_path', 'folder_keys', 'resolve_shards', 'check_remote', 'SourceEntry', 'source_entry',
+           'local_path', 'folder_files', 'folder_keys', 'resolve_shards', 'check_remote', 'SourceEntry', 'source_entry',
            'source_entries', 'on_load_sources', 'resolve_sources', 'epoch_visits', 'ShardList', 'ResampledShardList',
            'remote_timeout', 'remote_options', 'is_timeout', 'failure_reason', 'open_url', 'ShardReader', 'safe_key',
            'write_shards', 'pack_folder']
@@ -48,6 +48,9 @@ SKIP_REASONS = {
     "caption_cut": "the caption was longer than `MAX_CAPTION_CHARS` and was cut to that length: the sample is KEPT",
     "bad_json": "the .json member is not a valid JSON object (or its `loss_weight` is not a number >= 0)",
     "bad_mask": "the key's .mask.png member does not decode, or its aspect ratio is not its image's",
+    "missing_control": "a ControlNet run reads control images from the data (controlnet_filter: dataset), and the key "
+                       "has no such member (e.g. .control.png)",
+    "bad_control": "the key's control-image member does not decode, or its aspect ratio is not its image's",
     "bad_cache": "a cached sample that is corrupt or lacks the expected tensors",
     "other_file": "a file in a loose folder that is not an image, caption or JSON (README, .DS_Store, ...)",
 }
@@ -148,16 +151,26 @@ def local_path(url: str) -> Path:
 # %% ../../nbs/30_data.sources.ipynb #4b0d88ef
 SAMPLE_EXTS = (*IMAGE_EXTS, *OTHER_IMAGE_EXTS, "txt", "json", "mask.png")
 
+def folder_files(root: Path) -> tuple[dict[str, dict[str, Path]], list[str]]:
+    """{key: {member: path}} of a folder of loose files (`folder_split`), and the names that belong to no sample. A
+    picture named after another key's image rides with it as a member, the way a shard names members: `0001.pose.png`
+    beside `0001.png` is member `pose.png` of `0001` (a word of letters, so `2023.05.01.jpg` stays a key of its own)."""
+    files = [(p, ke) for p in root.iterdir() if p.is_file() for ke in [folder_split(p.name)]]
+    images = {ke[0] for _, ke in files if ke and ke[1] in IMAGE_EXTS}
+    out, other = {}, []
+    for p, ke in files:
+        stem, _, word = ke[0].rpartition(".") if ke else ("", "", "")
+        if ke and ke[1] in IMAGE_EXTS and stem in images and re.fullmatch(r"[A-Za-z][\w-]*", word):
+            ke = (stem, f"{word.lower()}.{ke[1]}")
+        if ke and (ke[1] in SAMPLE_EXTS or "." in ke[1]): out.setdefault(ke[0], {})[ke[1]] = p
+        else: other.append(p.name)
+    return out, sorted(other)
+
 def folder_keys(root: Path) -> tuple[list[str], int, list[str]]:
     """Sorted sample keys of a folder of loose files (any key with an image, caption or JSON file), the image count,
     other files."""
-    found, other = [], []
-    for p in root.iterdir():
-        if not p.is_file(): continue
-        ke = folder_split(p.name)
-        if ke and ke[1] in SAMPLE_EXTS: found.append(ke)
-        else: other.append(p.name)
-    return sorted({k for k, _ in found}), sum(ext in IMAGE_EXTS for _, ext in found), sorted(other)
+    members, other = folder_files(root)
+    return sorted(members), sum(ext in IMAGE_EXTS for m in members.values() for ext in m), other
 
 # %% ../../nbs/30_data.sources.ipynb #50cddc1a
 def _resolve_one(src: str, folder_chunk: int, allow_pipe: bool = False) -> list[dict]:
@@ -493,11 +506,7 @@ class ShardReader:
             self._skip("other_file", len(shard["other_files"]))
             warnings.warn(f"data: {root} holds {len(shard['other_files'])} file(s) that are not samples, ignored: "
                           f"{', '.join(shard['other_files'][:5])}{' ...' if len(shard['other_files']) > 5 else ''}")
-        wanted = set(shard["keys"])
-        by_key: dict[str, dict] = {}
-        for p in root.iterdir():
-            ke = folder_split(p.name)
-            if ke and ke[0] in wanted: by_key.setdefault(ke[0], {})[ke[1]] = p
+        by_key = folder_files(root)[0]
         for key in shard["keys"]:
             sample = {"__key__": key, "__url__": shard["url"]}
             for ext, p in by_key.get(key, {}).items():

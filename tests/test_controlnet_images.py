@@ -1,0 +1,55 @@
+"""A ControlNet that reads control images made beforehand from the data (`controlnet_filter: dataset`, issue 49):
+configs/controlnet_images_demo.yaml as shipped (data_samples/emoji_control: each emoji with its silhouette as
+`NNNN.control.png`) on a tiny stand-in for the demo model. The control images reach the ControlNet (the released
+ControlNet reads 3 channels and learned), a kill inside a checkpoint commit resumes bit-identically (crop jitter and
+flips draw per sample, the control image with its image), 2 processes stay in sync, and `data pack` / `inspect` carry
+and count the control members."""
+import shutil, tarfile
+from pathlib import Path
+from safetensors.torch import load_file
+from conftest import ROOT, free_port, run_cli
+from test_lora_train import pretrained_tiny, info
+from test_train import resumes_to_the_killed_state
+
+DRIVER = ROOT / "tests" / "train_driver.py"
+DEMO = ROOT / "configs" / "controlnet_images_demo.yaml"
+
+def demo_args(tmp: Path, name: str, *extra) -> list:
+    "configs/controlnet_images_demo.yaml as shipped, a few small updates on a tiny base, writing under `tmp`."
+    base = pretrained_tiny(tmp / "pretrained.safetensors")
+    return [DEMO, f"generator_checkpoint_path={base}", f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt",
+            f"output_path={tmp}/out", "num_workers=0", "batch_size=4", "log_every=1", "warmup_updates=1",
+            "sample_steps=2", "tracker=none", *extra]
+
+def test_dataset_controls_train_and_resume_bit_identically(tmp_path):
+    run = tmp_path / "ckpt" / "c"
+    resumes_to_the_killed_state(run, demo_args(tmp_path, "c", "updates=6", "save_every=2"))
+    assert info(tmp_path, "c")["update"] == 6
+    sd = load_file(str(run / "controlnet.safetensors"))
+    from cascade_nb.controlnet import controlnet_config
+    assert controlnet_config(sd)["c_in"] == 3                                   # the RGB control images
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if k.startswith("projections.") and k.endswith(".2.weight"))
+
+def test_dataset_controls_on_two_processes(tmp_path):
+    res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
+                  "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync",
+                  *demo_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8"),
+                  env={"OMP_NUM_THREADS": "1"})
+    assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
+    assert info(tmp_path, "ddp")["num_processes"] == 2
+
+def test_pack_and_inspect_carry_the_control_members(tmp_path):
+    "A loose folder's `NNNN.control.png` is packed into the shard beside `NNNN.png` and counted by inspect."
+    folder = tmp_path / "loose"
+    shutil.copytree(ROOT / "data_samples" / "emoji_control", folder)
+    (folder / "0003.control.png").unlink()
+    run_cli("-m", "cascade_nb.data", "pack", folder, tmp_path / "shards")
+    with tarfile.open(next((tmp_path / "shards").glob("*.tar"))) as tar: names = tar.getnames()
+    assert "0000.control.png" in names and "0003.control.png" not in names and "0003.png" in names
+    out = run_cli("-m", "cascade_nb.data", "inspect", tmp_path / "shards", "--image-size", "16").stdout
+    assert "members beside the images: control.png 31" in out, out
+    # a ControlNet run reading them skips the sample without one, with the reason
+    from cascade_nb.data.pipeline import build_dataset
+    ds = build_dataset(tmp_path / "shards", 8, image_size=16, resampled=False, shuffle_buffer=0,
+                       control_member="control.png", drop_last=False)
+    assert sum(len(b["keys"]) for b in ds) == 31 and ds.counter.total["missing_control"] == 1
