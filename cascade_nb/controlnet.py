@@ -490,6 +490,7 @@ class ControlNetTraining(TrainingMode):
         "(the run's base generator with its `controlnet.safetensors` attached, that file): how a finished run samples."
         return _controlnet_released_generator(cls, cfg=cfg, run=run, ema=ema)
 
+    follows_control = True
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         "Freeze the generator (a released run's comes with its ControlNet), make the filter, attach the ControlNet."
         released = generator.controlnet if isinstance(generator, ControlNetNet) else None

@@ -147,6 +147,7 @@ class TrainingMode(TrainedGroups, BatchInputs):
     takes_loss_weights = learns_from_images = True
     base_is_rebuilt = False      # True: the state leaves out the frozen base, rebuilt from its files on resume
     predicts_prior = has_adapters = False   # LoRA: `prior: true` samples target its base; `adapter_scaled(net, s)`
+    follows_control = False      # its samples follow a control image (`--control`, a batch's `controls`): ControlNet
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,
                  compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model = cfg, generator, tokenizer, text_model

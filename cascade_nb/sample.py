@@ -20,7 +20,8 @@ from .gdf.samplers import SAMPLERS
 
 # %% auto #0
 __all__ = ['TEXT_CONDS', 'GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'load_run', 'negative_conds', 'sample_run',
-           'chunk_seed', 'sample_chunks', 'unused_paths', 'save_png', 'check_finite_weights', 'sample_parser', 'main']
+           'read_control', 'chunk_seed', 'sample_chunks', 'unused_paths', 'save_png', 'check_finite_weights',
+           'sample_parser', 'main']
 
 # %% ../nbs/42_sample.ipynb #c1881518
 def run_config(checkpoint_dir):
@@ -95,15 +96,19 @@ def negative_conds(mode, conds: dict, negative_prompt: str = "") -> dict:
 @torch.no_grad()
 def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None = None,
                cfg_scale: float | None = None, sampler: str | None = None, seed: int = 0, size: int | None = None,
-               device="cpu", net=None, negative_prompt: str = "", decode=None) -> torch.Tensor:
+               device="cpu", net=None, negative_prompt: str = "", decode=None,
+               control: torch.Tensor | None = None) -> torch.Tensor:
     """Images in [0, 1], `n` per prompt, from a run loaded with `load_run` (or from `net`, e.g. an EMA, with its
     conditioning); CFG pushes away from `negative_prompt` (`negative_conds`); `decode(x0, conds, uncond)`
-    turns the latents into images (default: the mode's latent space decode)."""
+    turns the latents into images (default: the mode's latent space decode); `control` (1, or one per image, 3, size,
+    size) in [0, 1]: what a ControlNet run follows (`read_control`: its filter's input, a `dataset` run's control
+    image)."""
     captions = [p for p in prompts for _ in range(n)]
     size = size or cfg.data.image_size
     probe = torch.zeros(1, 3, size, size, device=device)
     shape = (len(captions), *mode.space.encode(probe).shape[1:])
     batch = {"captions": captions, "images": probe.expand(len(captions), -1, -1, -1)}
+    if control is not None: batch["images"] = batch["controls"] = control.to(device).expand(len(captions), -1, -1, -1)
     _, conds = mode.encode(batch, device, training=False)
     overrides = {k: v for k, v in dict(sample_steps=steps, sample_cfg=cfg_scale, sample_sampler=sampler).items()
                  if v is not None}
@@ -112,6 +117,23 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
     uncond = negative_conds(mode, conds, negative_prompt)
     x0 = sample_latents(net if net is not None else mode.net, gdf, conds, uncond, shape, cfg, seed=seed, device=device)
     return mode.space.decode(x0.float()) if decode is None else decode(x0.float(), conds, uncond)
+
+# %% ../nbs/42_sample.ipynb #986437e7
+def read_control(path, size: int, mode=None) -> torch.Tensor:
+    """A user's control image (`--control`) as (1, 3, size, size) in [0, 1]: decoded as the data's control members are
+    (`decode_control`: transparency over black, grey as grey RGB), its centre square resized by the training crop's
+    kernel; a one-line error for a file that is no image, or (`mode` given) a run that follows no control image."""
+    import io
+    from PIL import Image
+    from cascade_nb.data.pipeline import decode_control
+    from cascade_nb.data.buckets import resize_crop_chw
+    if mode is not None and not mode.follows_control:
+        raise ValueError(f"--control: a '{mode.name}' run follows no control image (a ControlNet run does)")
+    data = Path(path).read_bytes()
+    try: w, h = Image.open(io.BytesIO(data)).size
+    except Exception as e: raise ValueError(f"--control {path}: not an image ({' '.join(str(e).split())})") from None
+    arrays, _ = resize_crop_chw(Image.fromarray(decode_control(data, (w, h))), (size, size), "center")
+    return torch.from_numpy(arrays["image"])[None].float() / 255
 
 # %% ../nbs/42_sample.ipynb #66e02fb3
 def chunk_seed(seed: int, k: int) -> int:
@@ -184,6 +206,9 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
     p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
+    p.add_argument("--control", default=None, metavar="IMAGE",
+                   help="a ControlNet run's control: the image its filter reads (with controlnet_filter: dataset, the "
+                        "control image itself: a pose map, a silhouette); centre square, resized to the run's size")
     return add_import_option(p)
 
 # %% ../nbs/42_sample.ipynb #957bccdb
@@ -197,11 +222,13 @@ def main(argv=None):
         *paths, grid = unused_paths(output_dir(a.out), names, a.overwrite)
         mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema, best=a.best)
         check_finite_weights(mode.net, mode.weights_file)
+        control = read_control(a.control, cfg.data.image_size, mode) if a.control else None
         if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
     shown = {}
     with cli_errors(OSError):   # a disk that fills up, a file that appeared meanwhile
         for start, images in sample_chunks(mode, gdf, cfg, a.prompt, a.n, a.batch, a.seed, steps=a.steps,
-                                           cfg_scale=a.cfg, sampler=a.sampler, negative_prompt=a.negative_prompt):
+                                           cfg_scale=a.cfg, sampler=a.sampler, negative_prompt=a.negative_prompt,
+                                           control=control):
             for i, img in enumerate(images, start):
                 save_png(img, paths[i], a.overwrite); print(paths[i])
                 if i // a.n < GRID_MAX and i % a.n < GRID_MAX: shown.setdefault(i // a.n, []).append(img)

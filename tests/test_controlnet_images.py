@@ -2,8 +2,8 @@
 configs/controlnet_images_demo.yaml as shipped (data_samples/emoji_control: each emoji with its silhouette as
 `NNNN.control.png`) on a tiny stand-in for the demo model. The control images reach the ControlNet (the released
 ControlNet reads 3 channels and learned), a kill inside a checkpoint commit resumes bit-identically (crop jitter and
-flips draw per sample, the control image with its image), 2 processes stay in sync, and `data pack` / `inspect` carry
-and count the control members."""
+flips draw per sample, the control image with its image), `python -m cascade_nb.sample --control IMAGE` follows a
+user's control image, 2 processes stay in sync, and `data pack` / `inspect` carry and count the control members."""
 import shutil, tarfile
 from pathlib import Path
 from safetensors.torch import load_file
@@ -29,6 +29,18 @@ def test_dataset_controls_train_and_resume_bit_identically(tmp_path):
     from cascade_nb.controlnet import controlnet_config
     assert controlnet_config(sd)["c_in"] == 3                                   # the RGB control images
     assert any(v.abs().sum() > 0 for k, v in sd.items() if k.startswith("projections.") and k.endswith(".2.weight"))
+    # sampled with a user's control image: another control image, another sample (same prompt and seed)
+    from cascade_nb.sample import main
+    controls = ROOT / "data_samples" / "emoji_control"
+    out = {}
+    for key in ("0000", "0005"):
+        paths = main(["--checkpoint", str(run), "--prompt", "octopus", "--n", "1", "--steps", "2", "--out",
+                      str(tmp_path / key), "--control", str(controls / f"{key}.control.png")])
+        out[key] = paths[0].read_bytes()
+    assert out["0000"] != out["0005"]
+    res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "x", "--control", tmp_path / "none.png",
+                  check=False)
+    assert res.returncode == 2 and "none.png" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 def test_dataset_controls_on_two_processes(tmp_path):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", ROOT / "configs" / "accelerate" / "cpu_2proc.yaml",
@@ -37,6 +49,17 @@ def test_dataset_controls_on_two_processes(tmp_path):
                   env={"OMP_NUM_THREADS": "1"})
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     assert info(tmp_path, "ddp")["num_processes"] == 2
+
+def test_control_on_a_run_that_follows_none_is_refused(tmp_path):
+    from cascade_nb.sample import read_control
+    class Full: follows_control, name = False, "full"
+    import pytest
+    with pytest.raises(ValueError, match="a 'full' run follows no control image"):
+        read_control(ROOT / "data_samples" / "emoji_control" / "0000.control.png", 16, Full())
+    (tmp_path / "x.png").write_text("not an image")
+    with pytest.raises(ValueError, match="x.png: not an image"): read_control(tmp_path / "x.png", 16)
+    c = read_control(ROOT / "data_samples" / "emoji_control" / "0000.control.png", 16)
+    assert c.shape == (1, 3, 16, 16) and 0 <= c.min() < c.max() <= 1
 
 def test_pack_and_inspect_carry_the_control_members(tmp_path):
     "A loose folder's `NNNN.control.png` is packed into the shard beside `NNNN.png` and counted by inspect."
