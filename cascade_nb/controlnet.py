@@ -389,6 +389,9 @@ class ControlNetNet(nn.Module):
         super().__init__()
         self.generator, self.controlnet = generator, controlnet
 
+    @property
+    def config(self) -> dict: return getattr(self.generator, "config", {})   # the generator's (the pipeline reads it)
+
     def forward(self, x, r, cnet_input=None, **conds):
         cnet = self.controlnet(cnet_input.to(x.dtype)) if cnet_input is not None else None
         return self.generator(x, r, cnet=cnet, **conds)
@@ -491,6 +494,14 @@ class ControlNetTraining(TrainingMode):
         return _controlnet_released_generator(cls, cfg=cfg, run=run, ema=ema)
 
     follows_control = True
+    @classmethod
+    def control_input(cls, cfg, images01: torch.Tensor, device="cpu") -> torch.Tensor:
+        """The ControlNet's input for images in [0, 1] (B, 3, H, W) outside training (`generate --control`, the
+        pipeline's `control`): the run's filter on them (`dataset`: the images are the control images)."""
+        c = cfg.controlnet
+        with torch.no_grad():
+            f = make_filter(c.controlnet_filter, c.controlnet_filter_params)
+            return f.control({"images": images01, "controls": images01}, device, torch.Generator().manual_seed(0))[0]
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         "Freeze the generator (a released run's comes with its ControlNet), make the filter, attach the ControlNet."
         released = generator.controlnet if isinstance(generator, ControlNetNet) else None

@@ -17,7 +17,7 @@ from .sample import unused_paths, save_png
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['STAGE_FILES', 'slug', 'make_parser', 'image_names', 'check_models_dir', 'main']
+__all__ = ['STAGE_FILES', 'slug', 'make_parser', 'image_names', 'check_models_dir', 'run_control', 'main']
 
 # %% ../nbs/51_generate.ipynb #11e2e17f
 def slug(text: str, max_len: int = 40) -> str:
@@ -54,6 +54,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-encoder", default=None, help="CLIP image encoder dir or hub id (for --image)")
     p.add_argument("--image", default=None, help="image file for image variation (CLIP image embedding)")
     p.add_argument("--init-image", default=None, help="image file for img2img")
+    p.add_argument("--control", default=None, metavar="IMAGE",
+                   help="control image a ControlNet run (--stage-c-weights RUN) follows: what its filter reads (with "
+                        "controlnet_filter: dataset, the control image itself); centre crop, resized to the image")
     p.add_argument("--t-start", type=float, default=1.0, help="img2img noise level in (0, 1]; the reference uses 0.8")
     p.add_argument("--device", default=None, help="e.g. cuda, cpu (default: the best available)")
     p.add_argument("--dtype", default=None,
@@ -89,6 +92,20 @@ def check_models_dir(models, skip=()) -> Path:
         if (d/f).exists(): readable_weights(d/f)
     return d
 
+# %% ../nbs/51_generate.ipynb #831f2178
+def run_control(run, image, size: tuple[int, int]):
+    """The Stage C input of the ControlNet run `run` (`--stage-c-weights`) for the control image file `image` at
+    `size` (h, w): the image read as `sample --control` reads it, through the run's filter; one-line errors when
+    there is no run or it follows no control image."""
+    from cascade_nb.sample import run_config, read_control
+    from cascade_nb.modes import resolve_mode
+    if run is None or not Path(run).is_dir():
+        raise ValueError(f"--control: it steers a ControlNet run's Stage C; pass the run as --stage-c-weights "
+                         f"(got {run})")
+    cfg = run_config(run)
+    mode = resolve_mode(cfg)
+    return mode.control_input(cfg, read_control(image, size, mode))
+
 # %% ../nbs/51_generate.ipynb #dae1bc70
 def main(argv=None) -> int:
     args = parse_cli(make_parser(), argv)
@@ -100,7 +117,7 @@ def main(argv=None) -> int:
         # files of these names already there: said now too (a random seed is known only after the sampling)
         if args.seed is not None:
             unused_paths(out_dir, image_names(args.prompts, args.n, args.seed, not args.no_previews), args.overwrite)
-        for f in (args.image, args.init_image):
+        for f in (args.image, args.init_image, args.control):
             if f is not None and not Path(f).is_file(): raise FileNotFoundError(2, "no such image file", f)
         if args.stage_c_weights is not None:
             w = Path(args.stage_c_weights)
@@ -115,11 +132,13 @@ def main(argv=None) -> int:
                                         device=args.device, dtype=args.dtype, offload=args.offload,
                                         stage_c_weights=args.stage_c_weights)
         load = lambda f: None if f is None else Image.open(f).convert("RGB")
+        control = None if args.control is None else run_control(args.stage_c_weights, args.control,
+                                                               (args.height, args.width))
         out = pipe.run(args.prompts, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                        steps_c=args.steps_c, cfg_c=args.cfg_c, shift_c=args.shift_c, steps_b=args.steps_b,
                        cfg_b=args.cfg_b, seed=args.seed, images_per_prompt=args.n, image=load(args.image),
                        init_image=load(args.init_image), t_start=args.t_start, previews=not args.no_previews,
-                       sampler_c=args.sampler_c)
+                       sampler_c=args.sampler_c, control=control)
     except (ValueError, OSError) as e:   # missing/corrupt files, bad option values: one line, no traceback
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2

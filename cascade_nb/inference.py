@@ -240,9 +240,9 @@ class CascadeStages(ModelStore):
     def sample_c(self, text: dict, text_u: dict, size: tuple[int, int], steps: int = 20, cfg: float | None = 4.0,
                  shift: float = 2.0, generator: torch.Generator | None = None, clip_img: torch.Tensor | None = None,
                  t_start: float = 1.0, x_init: torch.Tensor | None = None, cnet=None,
-                 sampler: str = "ddpm") -> torch.Tensor:
+                 sampler: str = "ddpm", control: torch.Tensor | None = None) -> torch.Tensor:
         """Stage C: (B, 16, h_c, w_c) latents for CLIP text conditions `text` (unconditional: `text_u`, zero image);
-        `sampler` from SAMPLERS."""
+        `sampler` from SAMPLERS; `control`: the input of a ControlNet run's Stage C (`cnet_input`), in both branches."""
         B = text['clip_text'].shape[0]
         with self.use('stage_c') as stage_c:
             config = getattr(stage_c, 'config', {})
@@ -250,6 +250,10 @@ class CascadeStages(ModelStore):
             cond = dict(text, clip_img=zeros_img if clip_img is None else clip_img)
             uncond = dict(text_u, clip_img=zeros_img)
             if cnet is not None: cond['cnet'] = uncond['cnet'] = list(cnet)   # the same hints in both CFG branches
+            if control is not None:
+                if not hasattr(stage_c, "controlnet"):
+                    raise ValueError("control: this Stage C has no ControlNet (give a ControlNet run's weights)")
+                cond['cnet_input'] = uncond['cnet_input'] = control.to(self.device).expand(B, -1, -1, -1)
             return self._sample(self.gdf_c, stage_c, cond, uncond, (B, config.get('c_out', 16), *size), steps, cfg,
                                 shift, generator, t_start, x_init, sampler)
 
@@ -286,7 +290,8 @@ class CascadePipeline(CascadeStages):
     def run(self, prompts, negative_prompt="", height: int = 1024, width: int = 1024, steps_c: int = 20,
             cfg_c: float | None = 4.0, shift_c: float = 2.0, steps_b: int = 10, cfg_b: float | None = 1.1,
             shift_b: float = 1.0, seed: int | None = None, images_per_prompt: int = 1, image=None, init_image=None,
-            t_start: float = 1.0, cnet=None, previews: bool = True, sampler_c: str = "ddpm") -> CascadeOutput:
+            t_start: float = 1.0, cnet=None, previews: bool = True, sampler_c: str = "ddpm",
+            control: torch.Tensor | None = None) -> CascadeOutput:
         "Generate images for `prompts` (a string or a list); see the notebook for every option."
         prompts, negs = expand_prompts(prompts, negative_prompt, images_per_prompt)
         B = len(prompts)
@@ -305,7 +310,7 @@ class CascadePipeline(CascadeStages):
         if init_image is not None:                                      # img2img
             x_init, steps = img2img_start(self, init_image, B, size_c, t_start, shift_c, steps_c, g)
         latent_c = self.sample_c(text, text_u, size_c, steps, cfg_c, shift_c, g, clip_img, t_start, x_init, cnet,
-                                 sampler_c)
+                                 sampler_c, control)
         preview = None
         if previews and self.has('previewer'):
             with self.use('previewer') as previewer: preview = previewer(latent_c).clamp(0, 1).cpu()

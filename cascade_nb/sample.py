@@ -119,10 +119,11 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
     return mode.space.decode(x0.float()) if decode is None else decode(x0.float(), conds, uncond)
 
 # %% ../nbs/42_sample.ipynb #986437e7
-def read_control(path, size: int, mode=None) -> torch.Tensor:
-    """A user's control image (`--control`) as (1, 3, size, size) in [0, 1]: decoded as the data's control members are
-    (`decode_control`: transparency over black, grey as grey RGB), its centre square resized by the training crop's
-    kernel; a one-line error for a file that is no image, or (`mode` given) a run that follows no control image."""
+def read_control(path, size: int | tuple[int, int], mode=None) -> torch.Tensor:
+    """A user's control image (`--control`) as (1, 3, h, w) in [0, 1] (`size`: a side, or (h, w)): decoded as the data's
+    control members are (`decode_control`: transparency over black, grey as grey RGB), its centre cropped to the
+    aspect ratio and resized by the training crop's kernel; a one-line error for a file that is no image, or (`mode`
+    given) a run that follows no control image."""
     import io
     from PIL import Image
     from cascade_nb.data.pipeline import decode_control
@@ -132,7 +133,8 @@ def read_control(path, size: int, mode=None) -> torch.Tensor:
     data = Path(path).read_bytes()
     try: w, h = Image.open(io.BytesIO(data)).size
     except Exception as e: raise ValueError(f"--control {path}: not an image ({' '.join(str(e).split())})") from None
-    arrays, _ = resize_crop_chw(Image.fromarray(decode_control(data, (w, h))), (size, size), "center")
+    size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    arrays, _ = resize_crop_chw(Image.fromarray(decode_control(data, (w, h))), size, "center")
     return torch.from_numpy(arrays["image"])[None].float() / 255
 
 # %% ../nbs/42_sample.ipynb #66e02fb3
