@@ -22,10 +22,11 @@ from .lora_converters import (kohya_parts, refuse_text_encoder, to_diffusers_mod
 from .lora_file import (adapter_entries, adapter_metadata, load_adapter_file,
                                   lora_tokens, token_names, weight_shapes)
 from .adapter_readers import is_embedding_file
+from .ema import WEIGHTS_FIELD, WEIGHTS_KINDS, weights_kind
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'peft_files', 'ExportContext', 'comfy_ready', 'export_adapter', 'AdapterSource', 'header_fields',
-           'read_source', 'source_layout', 'source_lora']
+           'read_source', 'source_layout', 'source_lora', 'source_weights']
 
 # %% ../nbs/60g_adapter_exports.ipynb #3bc5d15d
 def _peft_kind(lora: dict) -> str:
@@ -137,10 +138,11 @@ LAYOUTS = Registry("adapter_layout", {"cascade_nb": _export_cascade_nb, "officia
 def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None, text_model: nn.Module | None = None,
                    base: str | None = None, module_filters=None, options: dict | None = None,
                    overwrite: bool = False, text_shapes: dict | None = None,
-                   text_width: int | None = None) -> tuple[list[Path], list[str]]:
+                   text_width: int | None = None, weights: str | None = None) -> tuple[list[Path], list[str]]:
     """Write `lora` (cascade_nb's layout, tokens included) as `layout` at `out`, with metadata; (paths, warnings).
     `model`: the Stage C (official order; with its weights, ComfyUI-exact DoRA/OFT in kohya files); `text_model`: the
-    text model with the run's `train_tokens` added; `options`: the adapter type's (`adapter_options`). `out` must not
+    text model with the run's `train_tokens` added; `options`: the adapter type's (`adapter_options`); `weights`: which
+    of a run's weights `lora` holds (`WEIGHTS_FIELD`, `ema` or `live`), said in every file's header. `out` must not
     exist unless `overwrite`, and never lies in a run directory (`output_target`). Every entry is checked first
     (`adapter_entries`: against `model`'s weights and the text encoder's `text_shapes` where given, finite), and the
     tokens (`lora_tokens`, rows `text_width` wide where given): nothing is written that a consumer cannot load."""
@@ -155,7 +157,8 @@ def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None,
     lora_tokens(lora, text_width or (emb.embedding_dim if emb is not None else None),
                 emb.num_embeddings if emb is not None else None)
     meta = adapter_metadata(_adapters_only(lora), layout, base, token_names(lora), module_filters, options)
-    ctx = ExportContext(model, text_model, {**meta, "modelspec.title": Path(out).stem})
+    ctx = ExportContext(model, text_model, {**meta, "modelspec.title": Path(out).stem,
+                                            **({WEIGHTS_FIELD: weights} if weights else {})})
     # a folder, a read-only place, a full disk: one line naming --out, not the temporary file being written
     try: return writer(lora, Path(out), ctx), ctx.warnings
     except (OSError, SafetensorError) as e:
@@ -188,21 +191,28 @@ def header_fields(path, metadata: dict) -> dict:
             want = " or ".join("null" if k is type(None) else {dict: "an object", list: "a list"}[k]
                                for k in (kind if isinstance(kind, tuple) else (kind,)))
             raise ValueError(f"{path}: header key {key!r} is {metadata[key][:60]!r}; expected {want}")
+    if (kind := metadata.get(WEIGHTS_FIELD)) is not None and kind not in WEIGHTS_KINDS:
+        raise ValueError(f"{path}: header key {WEIGHTS_FIELD!r} is {kind[:60]!r}; expected one of "
+                         f"{list(WEIGHTS_KINDS)}")
     return metadata
 
 def _read_weights(path) -> tuple[dict, dict]:
     "(tensors, checked header metadata) of a `.safetensors` file, its header read before any tensor."
     return load_adapter_file(path), header_fields(path, safetensors_header(path)[0])
 
-def read_source(path) -> AdapterSource:
-    "The adapter at `path`: a run directory, a peft adapter folder or a safetensors file (one-line errors otherwise)."
+def read_source(path, ema: bool | None = None) -> AdapterSource:
+    """The adapter at `path`: a run directory (its LoRA file as `ema` chooses, `released_file`), a peft adapter folder
+    or a safetensors file (one-line errors otherwise)."""
+    from cascade_nb.modes import released_file
+    from cascade_nb.lora_training import LoraTraining
     path = Path(path)
     run_config = info = None
     if path.is_dir() and (path / "info.json").exists():
         record = read_json_file(info := path / "info.json", "run record")
         run_config = record.get("config") if isinstance(record, dict) else None
-        path = path / "lora.safetensors"
-        if not path.exists(): raise FileNotFoundError(2, "the run has no lora.safetensors yet", str(path))
+        path = released_file(path, LoraTraining.released_name, ema)
+    elif ema is not None:
+        raise ValueError(f"--ema/--no-ema choose among a run directory's weights, and {path} is not one (no info.json)")
     if path.is_dir():
         if not (path / "adapter_config.json").exists():
             raise FileNotFoundError(2, "neither a run directory (info.json) nor a peft folder (adapter_config.json)",
@@ -238,3 +248,8 @@ def source_lora(src: AdapterSource, model: nn.Module | None, module_filters=None
     if layout == "official": return from_reference(src.sd, model, module_filters or ())
     if layout == "peft": return load_peft_adapter(src.path, model)
     raise ConfigError(f"{src.path} is an embedding file, not a LoRA")
+
+def source_weights(src: AdapterSource) -> str | None:
+    """Which of a run's weights a source holds (a `WEIGHTS_KINDS` key): its header's `WEIGHTS_FIELD`, or a run
+    directory's file by its name; None for a file that does not say (one from another program)."""
+    return src.metadata.get(WEIGHTS_FIELD) or (weights_kind(src.path) if src.info_path else None)

@@ -14,8 +14,9 @@ from .core import safetensors_header
 from .hub import weights_file
 
 # %% auto #0
-__all__ = ['cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'error_line', 'cli_errors', 'at_least', 'finite_number',
-           'output_dir', 'run_dir_of', 'output_target', 'Stopped', 'stop_on_signals', 'readable_weights']
+__all__ = ['cli_parser', 'add_import_option', 'cli_choice', 'parse_cli', 'add_ema_option', 'error_line', 'cli_errors', 'at_least',
+           'finite_number', 'output_dir', 'run_dir_of', 'output_target', 'Stopped', 'stop_on_signals',
+           'readable_weights']
 
 # %% ../nbs/01a_cli.ipynb #551fe829
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +60,15 @@ def parse_cli(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     ns = subs.choices[argv[i]].parse_intermixed_args(argv[i + 1:])
     setattr(ns, subs.dest, argv[i])
     return ns
+
+# %% ../nbs/01a_cli.ipynb #cliema02
+def add_ema_option(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--ema / --no-ema`: which of a run's weights a command takes, as `ema`: True (the EMA), False (the live
+    weights) or None (the EMA where the run keeps one)."""
+    p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
+                   help="the run's EMA weights (an error where it keeps none); --no-ema: its live weights "
+                        "(default: the EMA where the run keeps one)")
+    return p
 
 # %% ../nbs/01a_cli.ipynb #e28a5dde
 def error_line(e: BaseException) -> str:

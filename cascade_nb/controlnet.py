@@ -411,11 +411,11 @@ def _controlnet_base_tokens(cfg, tokenizer, text_model) -> list[str]:
 
 # %% ../nbs/61_controlnet.ipynb #3e8bc1fa
 def _controlnet_released_generator(cls, cfg, run, ema):
-    """`ControlNetTraining.released_generator`: the base generator of `run` with its `controlnet_ema.safetensors` (with
-    `ema`, when it kept an EMA) or `controlnet.safetensors`."""
+    """`ControlNetTraining.released_generator`: the base generator of `run` with its `controlnet_ema.safetensors` or
+    `controlnet.safetensors` as `ema` chooses (`released_file`)."""
     from cascade_nb.lora_training import lora_base_generator
     from cascade_nb.modes import released_file
-    path = released_file(run, "controlnet", ema)
+    path = released_file(run, cls.released_name, ema)
     base = lora_base_generator(cfg, run, what="ControlNet")
     merge_base_lora(cfg, base)
     return ControlNetNet(base, load_controlnet(path, cfg.controlnet.controlnet_blocks)), path
@@ -464,7 +464,7 @@ def controlnet_param_group(name: str) -> str:
 @register_training_mode("controlnet")
 class ControlNetTraining(TrainingMode):
     "ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` is released."
-    supports_ema = True    # of the ControlNet's trained tensors only (`base_is_rebuilt`): controlnet_ema.safetensors
+    supports_ema, released_name = True, "controlnet"   # its EMA: of the ControlNet's tensors only (`base_is_rebuilt`)
     base_is_rebuilt = True   # the state holds the ControlNet, not the frozen generator
     trains_generator = False
     param_group_names, param_group = CONTROLNET_PARAM_GROUPS, staticmethod(controlnet_param_group)
@@ -485,11 +485,11 @@ class ControlNetTraining(TrainingMode):
             rows["ControlNet backbone activations"] = batch * px * EFFNET_SAVED_PER_PIXEL * prec.compute
         return MemoryTerms(sum(p.numel() for p in meta_controlnet(cfg, generator).parameters()), 4, "none", rows)
     @classmethod
-    def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool = True) -> list[str]:
+    def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool | None = None) -> list[str]:
         "The tokens and text-encoder adapters of the LoRA its base was trained with (`lora_checkpoint_path`), if any."
         return _controlnet_base_tokens(cfg, tokenizer, text_model)
     @classmethod
-    def released_generator(cls, cfg, run, ema: bool = True):
+    def released_generator(cls, cfg, run, ema: bool | None = None):
         "(the run's base generator with its `controlnet.safetensors` attached, that file): how a finished run samples."
         return _controlnet_released_generator(cls, cfg=cfg, run=run, ema=ema)
 

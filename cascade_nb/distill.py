@@ -111,7 +111,8 @@ def load_teacher(cfg: Config, device="cpu") -> tuple[nn.Module, Config]:
                           "Stage C .safetensors")
     if path.is_dir():
         from cascade_nb.sample import run_generator
-        tcfg, teacher, _ = run_generator(path, ema=dc.teacher_ema, device=device)
+        # teacher_ema: its EMA where the run kept one (`released_file`'s default), else its live weights
+        tcfg, teacher, _ = run_generator(path, ema=None if dc.teacher_ema else False, device=device)
         return teacher.float(), tcfg
     # its own config (cascade_nb's metadata; official files by shape), unless given
     from cascade_nb.models.stage_c import load_stage_c
@@ -375,7 +376,7 @@ class LCMTraining(ConsistencyLoss, TeacherMode):
         if (lora := cls.for_config(cfg)) is not cls: return lora.memory_terms(cfg, generator, batch, side, prec)
         return super().memory_terms(cfg, generator, batch, side, prec)
     @classmethod
-    def released_generator(cls, cfg, run, ema: bool = True):
+    def released_generator(cls, cfg, run, ema: bool | None = None):
         "A student's weights (an LCM-LoRA run's: `LCMLoraTraining.released_generator`)."
         if (lora := cls.for_config(cfg)) is not cls: return lora.released_generator(cfg, run, ema)
         return super().released_generator(cfg, run, ema)
@@ -422,6 +423,7 @@ class LCMLoraTraining(LCMTraining):
     ("LCM-LoRA (Luo et al. 2023b): `mode: lcm` with `module_filters` trains LoRA adapters on the student; the adapted "
      "student is its own target.")
     student_kind = LoraTraining   # its memory terms: LoRA's (adapters train, the base is frozen), plus the teacher
+    released_name = LoraTraining.released_name   # lora.safetensors, exported like any LoRA
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
@@ -429,9 +431,10 @@ class LCMLoraTraining(LCMTraining):
     @classmethod
     def extra_memory(cls, cfg, generator): return {}   # the student is its own target
     @classmethod
-    def released_generator(cls, cfg, run, ema: bool = True):
+    def released_generator(cls, cfg, run, ema: bool | None = None):
         "The run's `lora.safetensors` merged into the teacher, the base it was trained on."
-        return merged_lora_run(cfg, run, load_teacher(cfg)[0])   # the frozen base: the student started as the teacher
+        # the frozen base: the student started as the teacher
+        return merged_lora_run(cfg, run, load_teacher(cfg)[0], ema)
 
     def student_net(self, cfg, generator, *models, **kw) -> nn.Module:
         "The network that trains: `LoraTraining`'s, adapters on the frozen student."

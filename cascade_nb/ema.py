@@ -6,14 +6,16 @@ Docs: https://cascade-nb.github.io/cascade_nb/ema.html.md"""
 
 # %% ../nbs/40_ema.ipynb #5a2afd4e
 from __future__ import annotations
-import contextlib, copy
+import contextlib, copy, os
+from pathlib import Path
 import torch
 from torch import nn
-from .core import Weights
+from .core import Weights, safetensors_header
 
 # %% auto #0
-__all__ = ['local_shard', 'full_tensor', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'as_dtensor',
-           'gather_ema', 'ema_weights', 'released_ema']
+__all__ = ['WEIGHTS_FIELD', 'WEIGHTS_KINDS', 'local_shard', 'full_tensor', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded',
+           'EMA', 'as_dtensor', 'gather_ema', 'ema_weights', 'released_ema', 'labelled', 'weights_kind',
+           'weights_label']
 
 # %% ../nbs/40_ema.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -160,3 +162,31 @@ def released_ema(ema: EMA, acc, mode, net: nn.Module, names: list[str]) -> dict:
         # copies: a state dict may alias the weights, which get their own values back on leaving
         return {f"{n}_ema": Weights({k: v.clone() for k, v in sd.items()}, getattr(sd, "metadata", None))
                 for n, sd in mode.released(acc, net).items()}
+
+# %% ../nbs/40_ema.ipynb #ema0w02
+WEIGHTS_FIELD = "cascade_nb.weights"
+"The header field of every file written from a run's weights (released, best, exported): which weights it holds."
+WEIGHTS_KINDS = {"ema": "the EMA", "live": "the live weights"}
+"The values of `WEIGHTS_FIELD`, and how the commands name them."
+
+def labelled(released: dict) -> dict:
+    """A run's files to write (name → state dict), each with `WEIGHTS_FIELD` in its header: `ema` for the EMA's
+    (`{name}_ema`), `live` for the others; a file (the state's `ema.safetensors`) carries it already."""
+    kind = lambda name: "ema" if name.endswith("_ema") else "live"
+    return {n: sd if isinstance(sd, (str, os.PathLike)) else Weights(sd, {**getattr(sd, "metadata", {}),
+                                                                          WEIGHTS_FIELD: kind(n)})
+            for n, sd in released.items()}
+
+# %% ../nbs/40_ema.ipynb #ema0w05
+def weights_kind(path) -> str:
+    """Which weights a run's file holds, a `WEIGHTS_KINDS` key: its header's `WEIGHTS_FIELD`, or for a file written
+    before the field, its name (`*_ema*`)."""
+    kind = safetensors_header(path)[0].get(WEIGHTS_FIELD)
+    if kind is None: return "ema" if "_ema" in Path(path).stem else "live"
+    if kind not in WEIGHTS_KINDS:
+        raise ValueError(f"{path}: header key {WEIGHTS_FIELD!r} is {kind!r}; expected one of {list(WEIGHTS_KINDS)}")
+    return kind
+
+def weights_label(path) -> str:
+    "`path` and which weights it holds, as the commands print it: `RUN/generator_ema.safetensors (the EMA)`."
+    return f"{path} ({WEIGHTS_KINDS[weights_kind(path)]})"

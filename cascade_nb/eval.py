@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .config import Config, ConfigError
 from .registry import load_builtin_parts, registry
 from .core import save_safetensors_atomic, images_to_device
-from .ema import ema_weights, released_ema
+from .ema import ema_weights, released_ema, labelled, weights_kind
 from .optimizers import evaluation_view
 from .train_state import register_training_hook
 from .sample import load_run, sample_run
@@ -316,7 +316,7 @@ def eval_step(evaluator: Evaluator, acc, mode, gdf, net, ema, state, metrics_pat
         with open(metrics_path, "a") as f: f.write(json.dumps({"update": update, **logged}) + "\n")
         from cascade_nb.train import tracker_image
         tracker_image(acc, "eval", _save_eval_grid(evaluator, samples, Path(out_dir)/f"eval_{update:06d}.png"), update)
-        for name, sd in released.items():
+        for name, sd in labelled(released).items():
             fname = f"{name}_best.safetensors"
             save_safetensors_atomic(sd, run_dir.path/fname)
             (run_dir.path/"best.json").write_text(json.dumps({"metric": evaluator.best_metric,
@@ -374,7 +374,7 @@ class InTrainingEvaluation:
 
 # %% ../nbs/43_eval.ipynb #c4f8874a
 def _parser() -> argparse.ArgumentParser:
-    from cascade_nb.cli import at_least, finite_number, add_import_option
+    from cascade_nb.cli import at_least, finite_number, add_import_option, add_ema_option
     load_builtin_parts()   # so that --metrics' help names the report card's metrics too
     p = argparse.ArgumentParser(prog="python -m cascade_nb.eval",
                                 description="Evaluate cascade_nb training runs: caption retrieval, FID/KID, CLIP "
@@ -393,7 +393,6 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: the run's sample_sampler)")
     # the seed becomes a torch generator's seed: bounded as `sample --seed` is, so 1e20 is refused when parsed
     p.add_argument("--seed", type=at_least(0, at_most=2**32 - 1), default=0, help="0 to 2**32 - 1")
-    p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--json", default=None, help="also write {run: {metric: value}} to this file")
     p.add_argument("--report", action="store_true", help="also write each run's report card (report.md and "
@@ -402,7 +401,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report-dir", default=None, metavar="DIR", help="with --report and one --checkpoint: write the "
                    "report card into DIR instead (from the metrics.jsonl and pictures DIR holds)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json file and report card")
-    return add_import_option(p)
+    return add_import_option(add_ema_option(p))
 
 # %% ../nbs/43_eval.ipynb #eb2e24da
 def main(argv=None) -> dict:
@@ -417,7 +416,7 @@ def main(argv=None) -> dict:
         import_modules(a.imports, "--import")
         if a.json: output_target(a.json, a.overwrite, "--json")
         for run in a.checkpoint:
-            mode, gdf, cfg = load_run(run, ema=not a.no_ema, best=a.best)
+            mode, gdf, cfg = load_run(run, ema=a.ema, best=a.best)
             # where each report goes, checked now rather than after the sampling
             if a.report: folders.append(REPORTS["markdown"].folder(run, cfg, a.report_dir, a.overwrite))
             if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
@@ -438,7 +437,7 @@ def main(argv=None) -> dict:
     keys = list(dict.fromkeys(k for r in results for k in r))
     print(f"{len(evaluator.captions)} captions, seed {a.seed}, {len(evaluator.ref_captions)} reference images")
     print("\t".join(["metric", *a.checkpoint]))
-    print("\t".join(["weights", *(Path(w).name for w in weights)]))
+    print("\t".join(["weights", *(f"{Path(w).name} ({weights_kind(w)})" for w in weights)]))
     for k in keys: print("\t".join([k, *(f"{r[k]:.4g}" if k in r else "-" for r in results)]))
     by_run = dict(zip(a.checkpoint, results))
     if a.json:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from .config import import_modules
 from .cli import (cli_parser, parse_cli, cli_errors, at_least, output_dir, readable_weights, error_line,
-    add_import_option, cli_choice)
+    add_import_option, add_ema_option, cli_choice)
+from .ema import weights_label
 from .inference import CascadePipeline, to_pil
-from .sample import unused_paths, save_png
+from .sample import unused_paths, save_png, run_weights
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
@@ -44,7 +45,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-c", choices=("3.6B", "1B"), default=None, help="Stage C preset (default: inferred)")
     p.add_argument("--stage-c-weights", default=None,
                    help="a Stage C .safetensors, a hub id (hf://owner/repo/file.safetensors[@revision]) or a training "
-                        "run directory (e.g. a distilled student) used instead of --models' stage_c*")
+                        "run directory (e.g. a distilled student; --ema/--no-ema choose its weights) used instead of "
+                        "--models' stage_c*")
     p.add_argument("--sampler-c", default="ddpm",
                    help=f"Stage C sampler, a registered one: {', '.join(SAMPLERS)} or one of "
                         "--import's (lcm for an LCM student, e.g. --steps-c 4 --cfg-c 1)")
@@ -64,7 +66,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", action="store_true", help="load one stage at a time (low memory)")
     p.add_argument("--no-previews", action="store_true", help="don't write the Stage C previews")
     p.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
-    return add_import_option(p)
+    return add_import_option(add_ema_option(p))
 
 # %% ../nbs/51_generate.ipynb #09876847
 def image_names(prompts: list[str], n: int, seed: int, previews: bool) -> list[str]:
@@ -119,6 +121,7 @@ def main(argv=None) -> int:
             unused_paths(out_dir, image_names(args.prompts, args.n, args.seed, not args.no_previews), args.overwrite)
         for f in (args.image, args.init_image, args.control):
             if f is not None and not Path(f).is_file(): raise FileNotFoundError(2, "no such image file", f)
+        stage_c = ""
         if args.stage_c_weights is not None:
             w = Path(args.stage_c_weights)
             if w.is_dir() and not (w/"info.json").exists():
@@ -126,11 +129,13 @@ def main(argv=None) -> int:
                                         str(w))
             # the option's text, not `w`: a Path would fold the '//' of a hub id
             if not w.is_dir(): readable_weights(args.stage_c_weights)
+            # a run's weights as --ema/--no-ema choose (a run without the EMA asked for: said now), named at the end
+            else: stage_c = f"; Stage C from {weights_label(run_weights(w, args.ema))}"
         check_models_dir(args.models, skip=("stage_c",) if args.stage_c_weights else ())
         pipe = CascadePipeline.from_dir(args.models, stage_c=args.stage_c, stage_b=args.stage_b,
                                         text_encoder=args.text_encoder, image_encoder=args.image_encoder,
                                         device=args.device, dtype=args.dtype, offload=args.offload,
-                                        stage_c_weights=args.stage_c_weights)
+                                        stage_c_weights=args.stage_c_weights, ema=args.ema)
         load = lambda f: None if f is None else Image.open(f).convert("RGB")
         control = None if args.control is None else run_control(args.stage_c_weights, args.control,
                                                                (args.height, args.width))
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
     except OSError as e:   # a file of that name appeared meanwhile, a full disk
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
-    print(f"wrote {len(previews)} image(s) to {out_dir} (seed {out.seed})")
+    print(f"wrote {len(previews)} image(s) to {out_dir} (seed {out.seed}{stage_c})")
     return 0
 
 # %% ../nbs/51_generate.ipynb #01c2d0a0

@@ -109,19 +109,23 @@ def _stage_loader(d: Path, stem: str, subfolder: str, load_official: Callable, d
     raise FileNotFoundError(f"CascadePipeline.from_dir: no {stem}*.safetensors and no diffusers {subfolder}/ in {d}")
 
 # %% ../nbs/50_inference.ipynb #36825840
-def stage_c_weights_loader(path, preset: str | None, dtype, device) -> Callable:
-    """A loader for a Stage C from a weights file (official or cascade_nb's) or a training run directory (its released
-    weights, EMA first); a hub id (`hf://...`) is a weights file."""
+def _is_run_dir(path) -> bool:
     # `path` stays as given: Path() would fold the '//' of a hub id
-    if parse_hub_spec(path) is None and Path(path).is_dir():
+    return path is not None and parse_hub_spec(path) is None and Path(path).is_dir()
+
+def stage_c_weights_loader(path, preset: str | None, dtype, device, ema: bool | None = None) -> Callable:
+    """A loader for a Stage C from a weights file (official or cascade_nb's) or a training run directory (its released
+    weights, the EMA or the live ones as `ema` chooses: `released_file`); a hub id (`hf://...`) is a weights file."""
+    if _is_run_dir(path):
         from cascade_nb.sample import run_generator
-        return lambda: run_generator(path, device=device)[1].to(dtype)
+        return lambda: run_generator(path, ema, device=device)[1].to(dtype)
     from cascade_nb.models.stage_c import load_stage_c
     return lambda: load_stage_c(path, preset=preset, dtype=dtype, device=device)
 
 # %% ../nbs/50_inference.ipynb #a7d2aa0e
-def run_text_loader(path, tokenizer, load_text: Callable) -> Callable:
-    "`load_text`, and for a training run directory what the run trained in the text encoder added (a LoRA's tokens)."
+def run_text_loader(path, tokenizer, load_text: Callable, ema: bool | None = None) -> Callable:
+    """`load_text`, and for a training run directory what the run trained in the text encoder added (a LoRA's tokens,
+    from the file `ema` chooses)."""
     path = Path(path)
     if not path.is_dir(): return load_text
     from cascade_nb.sample import run_config
@@ -130,7 +134,7 @@ def run_text_loader(path, tokenizer, load_text: Callable) -> Callable:
     def load():
         # each load (offload reloads): the prompts are tokenized after the text encoder is loaded
         text_model = load_text()
-        resolve_mode(cfg).add_released_tokens(cfg, path, tokenizer, text_model)
+        resolve_mode(cfg).add_released_tokens(cfg, path, tokenizer, text_model, ema)
         return text_model
     return load
 
@@ -273,17 +277,21 @@ class CascadePipeline(CascadeStages):
     @classmethod
     def from_dir(cls, models_dir, stage_c: str | None = None, stage_b: str | None = None, text_encoder=None,
                  image_encoder=None, device=None, dtype=None, offload: bool = False,
-                 stage_c_weights=None) -> CascadePipeline:
+                 stage_c_weights=None, ema: bool | None = None) -> CascadePipeline:
         """Pipeline over a directory of official checkpoints (stage_c*, stage_b*, stage_a, ...) or diffusers folders
         (prior/, decoder/, vqgan/);
         `stage_c_weights` (a file or a training run directory, e.g. a distilled student or a LoRA run with its tokens)
-        replaces the directory's Stage C."""
+        replaces the directory's Stage C; for a run directory, `ema` chooses its EMA or live weights."""
+        if ema is not None and not _is_run_dir(stage_c_weights):
+            given = "not given" if stage_c_weights is None else f"{stage_c_weights}, not a run directory"
+            raise ValueError(f"--ema/--no-ema (ema={ema}) choose among a training run's weights, and --stage-c-weights "
+                             f"(stage_c_weights) is {given}")
         device = torch.device(device) if device is not None else default_device()
         dtype = pipeline_dtype(device, dtype)
         sources = dir_sources(models_dir, stage_c, stage_b, text_encoder, image_encoder, device, dtype)
         if stage_c_weights is not None:
-            sources["stage_c"] = stage_c_weights_loader(stage_c_weights, stage_c, dtype, device)
-            sources["text_model"] = run_text_loader(stage_c_weights, sources["tokenizer"], sources["text_model"])
+            sources["stage_c"] = stage_c_weights_loader(stage_c_weights, stage_c, dtype, device, ema)
+            sources["text_model"] = run_text_loader(stage_c_weights, sources["tokenizer"], sources["text_model"], ema)
         return cls(**sources, device=device, dtype=dtype, offload=offload)
 
     @torch.no_grad()

@@ -10,12 +10,15 @@ import json, sys
 from pathlib import Path
 import torch
 from torch import nn
-from .adapter_exports import AdapterSource, LAYOUTS, export_adapter, read_source, source_layout, source_lora
+from .adapter_exports import (AdapterSource, LAYOUTS, export_adapter, read_source, source_layout, source_lora,
+                                        source_weights)
+from .ema import WEIGHTS_KINDS
 from .adapter_readers import CONSUMERS, Reading, clip_g_params, consumer_params, text_encoder_params
 from .lora_training import text_encoder_size, text_encoder_weight_shapes
 
 # %% auto #0
-__all__ = ['DELTA_LIMIT', 'meta_stage_c', 'run_export', 'reading_table', 'merge_reading', 'value_notes', 'run_check', 'main']
+__all__ = ['DELTA_LIMIT', 'meta_stage_c', 'source_label', 'run_export', 'reading_table', 'merge_reading', 'value_notes',
+           'run_check', 'main']
 
 # %% ../nbs/60h_lora.ipynb #2a89e65f
 def _config(path, overrides=()):
@@ -46,14 +49,19 @@ def _text_model_with_tokens(cfg, lora):
     add_train_tokens(tokenizer, text_model, cfg.lora.train_tokens)
     return text_model
 
-def run_export(source, layout: str, out, config_path=None, model_arg=None, overwrite: bool = False
-               ) -> tuple[list[Path], list[str]]:
-    """`export`: the adapter at `source` (run dir, file or folder) as `layout` at `out` (an existing one replaced
-    only with `overwrite`); `model_arg`: a Stage C checkpoint (or training YAML) whose weights a `.diff` or ComfyUI's
-    DoRA/OFT forms need."""
+def source_label(src: AdapterSource) -> str:
+    "The file a command read, and which of a run's weights it holds where it says (`source_weights`)."
+    return f"{src.path} ({WEIGHTS_KINDS[kind]})" if (kind := source_weights(src)) else str(src.path)
+
+def run_export(source, layout: str, out, config_path=None, model_arg=None, overwrite: bool = False,
+               ema: bool | None = None) -> tuple[list[Path], list[str], str]:
+    """`export`: the adapter at `source` (run dir, its file as `ema` chooses; a file or folder) as `layout` at `out`
+    (an existing one replaced only with `overwrite`), its header saying which of a run's weights it holds;
+    `model_arg`: a Stage C checkpoint (or training YAML) whose weights a `.diff` or ComfyUI's DoRA/OFT forms need.
+    (paths, warnings, `source_label`)."""
     from cascade_nb.cli import output_target
     output_target(out, overwrite)   # before the slow reading
-    src = read_source(source)
+    src = read_source(source, ema)
     cfg = _run_cfg(src, config_path)
     model = _check_params(model_arg, cfg)[1] if model_arg else meta_stage_c(cfg) if cfg is not None else None
     filters = cfg.lora.module_filters if cfg is not None else None
@@ -64,8 +72,10 @@ def run_export(source, layout: str, out, config_path=None, model_arg=None, overw
     options = json.loads(src.metadata.get("cascade_nb.adapter_options") or "{}")
     # the run's text encoder, else (a lone file) CLIP-G's width: an embedding file's `clip_g` vector is CLIP-G's
     text_width = text_encoder_size(cfg)[0] if cfg is not None else 1280 if layout == "embedding" else None
-    return export_adapter(lora, layout, out, model, text_model, base, filters, options, overwrite,
-                          text_encoder_weight_shapes(cfg) if cfg is not None else None, text_width)
+    paths, warns = export_adapter(lora, layout, out, model, text_model, base, filters, options, overwrite,
+                                  text_encoder_weight_shapes(cfg) if cfg is not None else None, text_width,
+                                  source_weights(src))
+    return paths, warns, source_label(src)
 
 # %% ../nbs/60h_lora.ipynb #0ca5fbd3
 def _check_params(model_arg, cfg=None):
@@ -141,10 +151,12 @@ def value_notes(rd: Reading):
         elif (top := float(d.abs().max())) > DELTA_LIMIT:
             rd.warnings.append(f"{name}: its ΔW reaches {top:.3g} (a weight is of order 1): a scale looks wrong")
 
-def run_check(source, consumer: str | None = None, model_arg=None, config_path=None) -> tuple[Reading, str]:
-    "`check`: the reading of `consumer` (our layout: cascade_nb, else comfyui) of the adapter at `source`; its table."
+def run_check(source, consumer: str | None = None, model_arg=None, config_path=None,
+              ema: bool | None = None) -> tuple[Reading, str]:
+    """`check`: the reading of `consumer` (our layout: cascade_nb, else comfyui) of the adapter at `source` (a run
+    directory's file as `ema` chooses, named first); its table."""
     from cascade_nb.cli import cli_choice
-    src = read_source(source)
+    src = read_source(source, ema)
     consumer = consumer or ("cascade_nb" if source_layout(src) == "cascade_nb" else "comfyui")
     reader = cli_choice(CONSUMERS, consumer, "--for")
     # the run's model and filters: --config, else a training YAML given as --model, else the run directory's
@@ -157,12 +169,13 @@ def run_check(source, consumer: str | None = None, model_arg=None, config_path=N
 
     if (layout := source_layout(src)) in ("cascade_nb", "peft") and consumer not in ("peft", "official", "cascade_nb"):
         rd.warnings.append(f"a {layout}-layout file: for {consumer}, export it with --to kohya")
-    return rd, reading_table(rd, merge_reading(model, rd) if model is not None else None)
+    table = reading_table(rd, merge_reading(model, rd) if model is not None else None)
+    return rd, f"{source_label(src)}\n{table}" if src.info_path else table
 
 # %% ../nbs/60h_lora.ipynb #b23b4dc6
 def _parser(doc: str):
     "The command line of `main`: the subcommands export and check."
-    from cascade_nb.cli import cli_parser, add_import_option
+    from cascade_nb.cli import cli_parser, add_import_option, add_ema_option
     p = cli_parser("cascade_nb.lora", doc)
     sub = p.add_subparsers(dest="command", required=True, metavar="export|check")
     e = sub.add_parser("export", help="write a LoRA in another program's layout, with metadata")
@@ -180,7 +193,7 @@ def _parser(doc: str):
                                                   "in cascade_nb's layout, else comfyui)")
     c.add_argument("--model", help="training YAML or Stage C checkpoint to merge the file into (per-layer |dW|)")
     c.add_argument("--config", help="training YAML with the run's module_filters (official layout)")
-    for sub_parser in (e, c): add_import_option(sub_parser)
+    for sub_parser in (e, c): add_import_option(add_ema_option(sub_parser))
     return p
 
 # %% ../nbs/60h_lora.ipynb #2b0c740b
@@ -188,9 +201,9 @@ def main(argv=None) -> int:
     """Export a LoRA for another program, or check how one reads a LoRA file.
 
     python -m cascade_nb.lora export RUN_DIR_or_FILE --to cascade_nb|official|kohya|peft|embedding --out PATH
-        [--overwrite] [--config TRAINING.yaml] [--model CONFIG_or_CHECKPOINT] [--import MODULE]
+        [--overwrite] [--config TRAINING.yaml] [--model CONFIG_or_CHECKPOINT] [--ema|--no-ema] [--import MODULE]
     python -m cascade_nb.lora check FILE_or_DIR [--for cascade_nb|comfyui|kohya|peft|official]
-        [--model CONFIG_or_CHECKPOINT] [--config TRAINING.yaml] [--import MODULE]
+        [--model CONFIG_or_CHECKPOINT] [--config TRAINING.yaml] [--ema|--no-ema] [--import MODULE]
     Exit status of check: 1 when the consumer skips a key, refuses the file or a scale looks wrong, 0 otherwise;
     2 for bad input.
     """
@@ -200,11 +213,12 @@ def main(argv=None) -> int:
         from cascade_nb.config import import_modules
         import_modules(args.imports, "--import")
         if args.command == "export":
-            paths, warns = run_export(args.source, args.to, args.out, args.config, args.model, args.overwrite)
+            paths, warns, source = run_export(args.source, args.to, args.out, args.config, args.model,
+                                              args.overwrite, args.ema)
             for w in warns: print(f"warning: {w}", file=sys.stderr)
-            print("\n".join(map(str, paths)))
+            print("\n".join(map(str, paths)) + f"\nfrom {source}")
             return 0
-        rd, table = run_check(args.source, args.consumer, args.model, args.config)
+        rd, table = run_check(args.source, args.consumer, args.model, args.config, args.ema)
     print(table)
     return 1 if rd.refused or rd.skipped or rd.warnings or not (rd.deltas or rd.embedding is not None) else 0
 

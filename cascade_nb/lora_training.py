@@ -180,10 +180,10 @@ def lora_base_generator(cfg, run, what: str = "LoRA") -> nn.Module:
     return build_generator(replace(cfg, model=replace(cfg.model, generator_checkpoint_path=base)))
 
 # %% ../nbs/60e_lora_training.ipynb #aea67130
-def merged_lora_run(cfg, run, base: nn.Module, ema: bool = True) -> tuple[nn.Module, Path]:
-    """(`base` with the run's `lora_ema.safetensors` (with `ema`, when it kept an EMA) or `lora.safetensors` merged in,
-    that file): how a LoRA run samples (`TrainingMode.released_generator`)."""
-    path = released_file(run, "lora", ema)
+def merged_lora_run(cfg, run, base: nn.Module, ema: bool | None = None) -> tuple[nn.Module, Path]:
+    """(`base` with the run's `lora_ema.safetensors` or `lora.safetensors` merged in as `ema` chooses
+    (`released_file`), that file): how a LoRA run samples (`TrainingMode.released_generator`)."""
+    path = released_file(run, LoraTraining.released_name, ema)
     # the adapters; the trained tokens go into a text encoder (`LoraTraining.add_released_tokens`)
     load_lora_file(path, base)
     return base, path
@@ -399,6 +399,7 @@ class LoraTraining(TrainingMode):
     """LoRA (+ token) training of Stage C: frozen generator and text encoder, adapters and token deltas train,
     `lora.safetensors` is released."""
     supports_ema = True    # of the adapters and token rows only (`base_is_rebuilt`), released as `lora_ema.safetensors`
+    released_name = "lora"
     trains_generator, base_is_rebuilt = False, True   # the state: adapters and token rows, not the frozen generator
     predicts_prior = True  # `prior: true` samples: the target is the base's prediction (adapters off)
     has_adapters = True    # `adapter_scaled`: sample prompts at another strength, the base at strength 0
@@ -457,14 +458,14 @@ class LoraTraining(TrainingMode):
         return {"lora": lora_weights(getattr(net, "_orig_mod", net), self.tokenizer, self.cfg)}
 
     @classmethod
-    def released_generator(cls, cfg, run, ema: bool = True):
+    def released_generator(cls, cfg, run, ema: bool | None = None):
         "The base generator with the run's `lora.safetensors` merged in (see `merged_lora_run`)."
         return merged_lora_run(cfg, run, lora_base_generator(cfg, run), ema)
 
     @classmethod
-    def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool = True) -> list[str]:
+    def add_released_tokens(cls, cfg, run, tokenizer, text_model, ema: bool | None = None) -> list[str]:
         "The run's trained tokens added to `tokenizer`, written into `text_model`, its text-encoder adapters merged."
-        return add_file_tokens(released_file(run, "lora", ema), tokenizer, text_model)
+        return add_file_tokens(released_file(run, cls.released_name, ema), tokenizer, text_model)
 
     @classmethod
     def inference(cls, cfg, *models, **kw):

@@ -107,24 +107,27 @@ def wrong_stage(mode: type, stage: str) -> str:
 
 
 # %% ../nbs/40b_modes.ipynb #5cb7eed1
-def released_file(run, name: str, ema: bool = True) -> Path:
-    """The file `name` a finished run released: `{name}_ema.safetensors` (with `ema`, when the run kept an EMA), else
-    `{name}.safetensors`; how every mode picks its weights to sample (`generator`, `lora`, `controlnet`)."""
-    names = ([f"{name}_ema.safetensors"] if ema else []) + [f"{name}.safetensors"]
-    found = next((Path(run)/f for f in names if (Path(run)/f).exists()), None)
-    if found is None: raise FileNotFoundError(f"{run} has no {' or '.join(names)} yet")
-    return found
+def released_file(run, name: str, ema: bool | None = None) -> Path:
+    """The file `name` a finished run released, as `ema` (the commands' `--ema/--no-ema`) chooses: True its EMA
+    `{name}_ema.safetensors`, False its live weights `{name}.safetensors`, None the EMA where the run kept one; how
+    every mode picks its weights to sample (`generator`, `lora`, `controlnet`). A file that is not there is a one-line
+    error naming the run folder and the weights files it has."""
+    run = Path(run)
+    names = {None: [f"{name}_ema", name], True: [f"{name}_ema"], False: [name]}[ema]
+    found = next((run/f"{n}.safetensors" for n in names if (run/f"{n}.safetensors").exists()), None)
+    if found is not None: return found
+    has = ", ".join(sorted(p.name for p in run.glob("*.safetensors"))) or "no weights files"
+    kept = " (it kept no EMA)" if ema and (run/f"{name}.safetensors").exists() else " yet"
+    raise FileNotFoundError(f"{run} has no {' or '.join(f'{n}.safetensors' for n in names)}{kept}; it has {has}")
 
 # %% ../nbs/40b_modes.ipynb #eea855de
-def load_released_generator(cfg: Config, run, ema: bool = True) -> tuple[nn.Module, Path]:
-    "(generator, weights file) of a finished run: its released `generator_ema` (with `ema`) or `generator.safetensors`."
+def load_released_generator(cfg: Config, weights: Path) -> tuple[nn.Module, Path]:
+    "(generator, `weights`) of a finished run: the generator of `cfg` with the released file `weights` loaded."
     from safetensors.torch import load_file
     from cascade_nb.cli import readable_weights
-    weights = released_file(run, "generator", ema)
     generator = build_generator(cfg)
     generator.load_state_dict(load_file(str(readable_weights(weights))), strict=True)
     return generator, weights
-
 
 # %% ../nbs/40b_modes.ipynb #pg9ab71d
 class TrainedGroups:
@@ -140,6 +143,7 @@ class TrainedGroups:
 class TrainingMode(TrainedGroups, BatchInputs):
     "The training-mode protocol; every hook has a default (Stage C full fine-tuning). See the table above."
     supports_ema = True          # keep an EMA (ema_* keys): of `net`, or with `base_is_rebuilt` of its trained tensors
+    released_name = "generator"  # a finished run samples with {released_name}[_ema].safetensors (`released_file`)
     trains_generator = True      # the whole generator trains (the planner's rows, memory options)
     stages = ("c",)              # the stages it trains (`encode` makes Stage C's inputs); StageBTraining's: ("b",)
     name = None                  # set by @register_training_mode
@@ -173,11 +177,11 @@ class TrainingMode(TrainedGroups, BatchInputs):
         "The mode that samples a released run (a distilled student samples as a plain generator); default: `build`."
         return cls.build(cfg, *models, **kw)
     @classmethod
-    def released_generator(cls, cfg: Config, run, ema: bool = True) -> tuple[nn.Module, Path]:
+    def released_generator(cls, cfg: Config, run, ema: bool | None = None) -> tuple[nn.Module, Path]:
         "(generator, weights file) a finished run samples with: its released `generator_ema`/`generator.safetensors`."
-        return load_released_generator(cfg, run, ema)
+        return load_released_generator(cfg, released_file(run, cls.released_name, ema))
     @classmethod
-    def add_released_tokens(cls, cfg: Config, run, tokenizer, text_model, ema: bool = True) -> list[str]:
+    def add_released_tokens(cls, cfg: Config, run, tokenizer, text_model, ema: bool | None = None) -> list[str]:
         "Add what a finished run trained in the text encoder to `tokenizer`, `text_model` (LoRA: tokens): their names."
         return []
     @classmethod

@@ -13,7 +13,7 @@ from torch import nn
 from .core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
     _header_dtypes, _SAFETENSORS_DTYPES)
 from .hub import parse_hub_spec, hub_settings
-from .ema import EMA, as_dtensor, local_shard
+from .ema import EMA, WEIGHTS_FIELD, as_dtensor, local_shard
 from .optimizers import FusedBackward
 from .train_state import TrainState
 
@@ -279,15 +279,15 @@ def training_generator(seed: int, rank: int) -> torch.Generator:
 
 # %% ../nbs/40d_run_state.ipynb #21c9061f
 def save_ema(ema: EMA, state_dir, is_main: bool):
-    """The EMA into a training state, once: `ema.safetensors` (main process), or under FSDP `ema/` with every process's
-    shards."""
+    """The EMA into a training state, once: `ema.safetensors` (main process; its header says it holds the EMA, for the
+    released `generator_ema` that links to it), or under FSDP `ema/` with every process's shards."""
     d = Path(state_dir)
     if ema.sharded:
         import torch.distributed.checkpoint as dcp
         dcp.save({**{n: as_dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers},
                  checkpoint_id=d/"ema")
     elif is_main:
-        save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors")
+        save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors", {WEIGHTS_FIELD: "ema"})
         ema.saved = d/"ema.safetensors"   # the released copy links to it (`write_weights`) until the next update
 
 # %% ../nbs/40d_run_state.ipynb #2e0581fc

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from .config import config_from_run, ConfigError, import_modules
 from .cli import (cli_parser, parse_cli, cli_errors, at_least, finite_number, output_dir, readable_weights,
-                            add_import_option, cli_choice)
+                            add_import_option, add_ema_option, cli_choice)
+from .ema import WEIGHTS_KINDS, weights_kind, weights_label
 from .core import to_pil_grid
 from .gdf.presets import gdf_from_config
 from .modes import build_text_encoder, build_latent_space
@@ -19,9 +20,9 @@ from .run_data import sample_latents
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
-__all__ = ['TEXT_CONDS', 'GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'load_run', 'negative_conds', 'sample_run',
-           'read_control', 'chunk_seed', 'sample_chunks', 'unused_paths', 'save_png', 'check_finite_weights',
-           'sample_parser', 'main']
+__all__ = ['TEXT_CONDS', 'GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'run_weights', 'load_run', 'negative_conds',
+           'sample_run', 'read_control', 'chunk_seed', 'sample_chunks', 'unused_paths', 'save_png',
+           'check_finite_weights', 'sample_parser', 'main']
 
 # %% ../nbs/42_sample.ipynb #c1881518
 def run_config(checkpoint_dir):
@@ -35,25 +36,31 @@ def run_config(checkpoint_dir):
     return config_from_run(info_path, ["generator_checkpoint_path=null"])
 
 # %% ../nbs/42_sample.ipynb #98e620a1
-def best_weights(checkpoint_dir) -> tuple[Path, dict]:
-    "(file, record) of a run's best weights by its `best_metric`, as its `best.json` names them."
+def best_weights(checkpoint_dir, ema: bool | None = None) -> tuple[Path, dict]:
+    """(file, record) of a run's best weights by its `best_metric`, as its `best.json` names them; with `ema` True or
+    False, a one-line error when that file holds the other weights (`weights_kind`)."""
     run = Path(checkpoint_dir)
     if not (run/"best.json").exists():
         raise FileNotFoundError(f"{run} has no best.json: best weights are kept only with `best_metric` and evaluation "
                                 "(eval_every), or validation (val_every)")
     record = json.loads((run/"best.json").read_text())
-    return run/Path(record["weights"]).name, record
+    weights, flag = run/Path(record["weights"]).name, {True: "--ema", False: "--no-ema"}.get(ema)
+    if flag and (kind := weights_kind(weights)) != ("ema" if ema else "live"):
+        raise ValueError(f"--best {flag}: the best weights of {run}, {weights.name}, are {WEIGHTS_KINDS[kind]}; pass "
+                         f"--best alone, or {flag} without --best")
+    return weights, record
 
 # %% ../nbs/42_sample.ipynb #e34cb45f
-def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
-    """(cfg, frozen generator, weights file) of a training run directory: its released generator (EMA when present),
-    or with `best` the best one by the run's `best_metric` (a run that releases a whole generator)."""
+def run_generator(checkpoint_dir, ema: bool | None = None, device="cpu", best: bool = False):
+    """(cfg, frozen generator, weights file) of a training run directory: its released generator, the EMA or the live
+    weights as `ema` chooses (`released_file`), or with `best` the best one by the run's `best_metric` (a run that
+    releases a whole generator)."""
     from cascade_nb.modes import resolve_mode
     from cascade_nb.modes import build_generator
     cfg = run_config(checkpoint_dir)
     mode = resolve_mode(cfg)
     if best:
-        weights, _ = best_weights(checkpoint_dir)
+        weights, _ = best_weights(checkpoint_dir, ema)
         # a whole generator's weights (full and distillation runs); an adapter's best file needs its base
         if not weights.name.startswith("generator"):
             raise ValueError(f"{checkpoint_dir}: best weights are sampled for runs that release a whole generator; "
@@ -65,8 +72,17 @@ def run_generator(checkpoint_dir, ema: bool = True, device="cpu", best: bool = F
     else: generator, weights = mode.released_generator(cfg, Path(checkpoint_dir), ema)
     return cfg, generator.to(device).eval().requires_grad_(False), weights
 
+# %% ../nbs/42_sample.ipynb #smpema01
+def run_weights(checkpoint_dir, ema: bool | None = None, best: bool = False) -> Path:
+    """The file of a run's weights `run_generator` loads, as `ema` and `best` choose, found without loading it: the
+    mode's `released_name` (`released_file`), or its best file."""
+    if best: return best_weights(checkpoint_dir, ema)[0]
+    from cascade_nb.modes import resolve_mode, released_file
+    cfg = run_config(checkpoint_dir)
+    return released_file(checkpoint_dir, resolve_mode(cfg).for_config(cfg).released_name, ema)
+
 # %% ../nbs/42_sample.ipynb #c2be9a69
-def load_run(checkpoint_dir, ema: bool = True, device="cpu", best: bool = False):
+def load_run(checkpoint_dir, ema: bool | None = None, device="cpu", best: bool = False):
     "(mode, gdf, cfg) of a training run directory, with the run's released generator weights (`run_generator`)."
     from cascade_nb.modes import resolve_mode
     cfg, generator, weights = run_generator(checkpoint_dir, ema, device, best)
@@ -206,12 +222,11 @@ def sample_parser() -> argparse.ArgumentParser:
                    help="images sampled at once (the memory it takes), written as each batch finishes")
     p.add_argument("--out", default="samples", help="output folder (default: samples)")
     p.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
-    p.add_argument("--no-ema", action="store_true", help="use generator.safetensors even when an EMA exists")
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--control", default=None, metavar="IMAGE",
                    help="a ControlNet run's control: the image its filter reads (with controlnet_filter: dataset, the "
                         "control image itself: a pose map, a silhouette); centre square, resized to the run's size")
-    return add_import_option(p)
+    return add_import_option(add_ema_option(p))
 
 # %% ../nbs/42_sample.ipynb #957bccdb
 def main(argv=None):
@@ -222,7 +237,7 @@ def main(argv=None):
     with cli_errors(OSError, ValueError):
         import_modules(a.imports, "--import")
         *paths, grid = unused_paths(output_dir(a.out), names, a.overwrite)
-        mode, gdf, cfg = load_run(a.checkpoint, ema=not a.no_ema, best=a.best)
+        mode, gdf, cfg = load_run(a.checkpoint, ema=a.ema, best=a.best)
         check_finite_weights(mode.net, mode.weights_file)
         control = read_control(a.control, cfg.data.image_size, mode) if a.control else None
         if a.sampler is not None: cli_choice(SAMPLERS, a.sampler, "--sampler")   # after the run's own `imports:`
@@ -235,7 +250,7 @@ def main(argv=None):
                 save_png(img, paths[i], a.overwrite); print(paths[i])
                 if i // a.n < GRID_MAX and i % a.n < GRID_MAX: shown.setdefault(i // a.n, []).append(img)
         save_png(to_pil_grid([torch.stack(row) for row in shown.values()]), grid, a.overwrite)
-    print(f"wrote {len(paths)} images and {grid} from {mode.weights_file}")
+    print(f"wrote {len(paths)} images and {grid} from {weights_label(mode.weights_file)}")
     if not a.best and (Path(a.checkpoint)/"best.json").exists():
         _, b = best_weights(a.checkpoint)
         print(f"the best weights by {b['metric']} ({b['value']:.4g}, update {b['update']}) are {b['weights']}: --best")

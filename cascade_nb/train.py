@@ -28,7 +28,7 @@ from .gdf.recipe import schedule_at_update
 from .data.sources import format_skips
 from .run_data import sample_rows, validation_loss, per_process_batch, training_data, preview_batch
 from fastprogress.fastprogress import progress_bar
-from .ema import released_ema, ema_beta_at, EMA
+from .ema import released_ema, ema_beta_at, EMA, labelled
 from .optimizers import (LRSchedule, OPTIMIZERS, set_lr, FusedBackward, evaluation_view, named_groups,
                                    optimizer_groups, describe_groups, group_lrs, group_layout)
 from .train_state import (TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite,
@@ -180,7 +180,8 @@ def report_nonfinite(run: Run, guard: NonFiniteGuard):
 # %% ../nbs/41_train.ipynb #f2b5e072
 def export_weights(run: Run):
     """The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the
-    main process; inside `evaluation_view` (schedule-free AdamW releases x), as a state dict aliases the weights."""
+    main process, each saying which weights it holds (`labelled`); inside `evaluation_view` (schedule-free AdamW
+    releases x), as a state dict aliases the weights."""
     acc, state = run.acc, run.state
     with evaluation_view(run):
         released = run.mode.released(acc, run.net)                   # gathers full weights under FSDP: all processes
@@ -190,7 +191,7 @@ def export_weights(run: Run):
             ck = run.cfg.checkpoint
             backup = state.update % ck.backup_every == 0 and state.update > 0
             sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
-            for name, sd in released.items():
+            for name, sd in labelled(released).items():
                 # a file (the EMA just saved): hard-linked, one copy on disk
                 write_weights(sd, run.run_dir.path/f"{name}.safetensors")
                 if sfx: write_weights(sd, run.run_dir.path/f"{name}{sfx}.safetensors")
@@ -341,7 +342,7 @@ def validate(run: Run, val_batches) -> float:
     # dict aliases the weights
     with evaluation_view(run):
         released = run.mode.released(acc, run.net) if best and not run.cfg.checkpoint.best_metric else {}
-        for name, sd in (released if acc.is_main_process else {}).items():
+        for name, sd in (labelled(released) if acc.is_main_process else {}).items():
             save_safetensors_atomic(sd, run.run_dir.path/f"{name}_best.safetensors")
     if acc.is_main_process:
         with open(run.metrics_path, "a") as f: f.write(json.dumps({"update": state.update, "val_loss": vl}) + "\n")

@@ -36,6 +36,8 @@ def test_training_logs_metrics_and_keeps_best(run):
     assert best["metric"] == "retrieval/median_rank" and best["update"] == want["update"]
     assert best["value"] == want["eval/retrieval/median_rank"] and best["weights"] == "generator_ema_best.safetensors"
     assert (tmp / "ckpt" / "ref" / "generator_ema_best.safetensors").exists()
+    from cascade_nb.core import safetensors_header   # the best file says it holds the EMA (what the run scored)
+    assert safetensors_header(tmp / "ckpt" / "ref" / "generator_ema_best.safetensors")[0]["cascade_nb.weights"] == "ema"
     assert not (tmp / "ckpt" / "ref" / "generator_best.safetensors").exists()
     assert (tmp / "out" / "ref" / "eval_000004.png").exists()
 

@@ -117,6 +117,8 @@ def test_lokr_and_oft_runs_release_headers_and_check_clean(tmp_path, capsys):
             layers = json.loads(meta["cascade_nb.layers"])
             assert len(layers) == 12 and {lay["kind"] for lay in layers.values()} == {kind}
             assert json.loads(meta["cascade_nb.module_filters"]) == [".attn"]
+            # which weights each file holds: the EMA's, else the live ones (the validation loss's best is theirs)
+            assert meta["cascade_nb.weights"] == ("ema" if name == "lora_ema" else "live"), (name, meta)
         assert main(["check", run / "lora.safetensors", "--model", base]) == 0
         table = capsys.readouterr().out
         assert table.startswith("cascade_nb: loads") and "warning" not in table and f" {kind} " in table
@@ -124,13 +126,48 @@ def test_lokr_and_oft_runs_release_headers_and_check_clean(tmp_path, capsys):
             with pytest.raises(SystemExit, match="2"): main(["export", run, "--to", "kohya", "--out", tmp_path / "x"])
             assert "no exact q/k/v split" in capsys.readouterr().err
         assert main(["export", run, "--to", "kohya", "--out", tmp_path / f"{kind}.safetensors", "--model", base]) == 0
-        capsys.readouterr()
-        assert json.loads(safetensors_header(tmp_path / f"{kind}.safetensors")[0]["cascade_nb.adapter_options"])
+        assert capsys.readouterr().out.strip().endswith(f"from {run / 'lora_ema.safetensors'} (the EMA)")
+        exported = safetensors_header(tmp_path / f"{kind}.safetensors")[0]
+        assert json.loads(exported["cascade_nb.adapter_options"]) and exported["cascade_nb.weights"] == "ema"
     res = in_process(capsys, "check", tmp_path / "oft.safetensors", "--model", tmp_path / "pretrained.safetensors")
     assert res.returncode == 0 and res.stdout.startswith("comfyui: loads"), res.stdout + res.stderr
     assert " diff " in res.stdout and "warning" not in res.stdout
     res = in_process(capsys, "check", tmp_path / "lokr.safetensors", "--model", tmp_path / "pretrained.safetensors")
     assert res.returncode == 0 and " lokr " in res.stdout and " diff " in res.stdout, res.stdout + res.stderr
+
+def test_export_and_check_take_the_weights_the_flag_names(run_dir, tmp_path, capsys):
+    """`--ema / --no-ema` (issue 49): a run's lora_ema.safetensors by default, its lora.safetensors with --no-ema; the
+    export's header says which weights it holds and the command prints the file it read; --ema on a run without an
+    EMA, or on a lone file, is one line."""
+    import shutil
+    from safetensors.torch import load_file
+    from cascade_nb.core import safetensors_header
+    from cascade_nb.lora_file import save_lora
+    run = tmp_path / "run"
+    shutil.copytree(run_dir[0], run)
+    live = load_file(str(run / "lora.safetensors"))
+    save_lora({k: v + 0.01 if v.is_floating_point() else v for k, v in live.items()}, run / "lora_ema.safetensors",
+              {"cascade_nb.weights": "ema"})
+    ema = load_file(str(run / "lora_ema.safetensors"))
+    for flag, name, sd, kind in (((), "lora_ema", ema, "ema"), (("--ema",), "lora_ema", ema, "ema"),
+                                 (("--no-ema",), "lora", live, "live")):
+        out = tmp_path / f"{name}{len(flag)}.safetensors"
+        res = in_process(capsys, "export", run, "--to", "cascade_nb", "--out", out, *flag)
+        label = {"ema": "the EMA", "live": "the live weights"}[kind]
+        assert res.returncode == 0 and res.stdout.strip().endswith(f"from {run / name}.safetensors ({label})"), res
+        assert safetensors_header(out)[0]["cascade_nb.weights"] == kind
+        got = load_file(str(out))
+        assert all(torch.equal(got[k], sd[k]) for k in sd if k.endswith("lora_up"))
+    res = in_process(capsys, "check", run, "--no-ema")
+    assert res.stdout.splitlines()[0] == f"{run / 'lora.safetensors'} (the live weights)", res.stdout
+    for source, says in ((run_dir[0], f"{run_dir[0]} has no lora_ema.safetensors (it kept no EMA); it has "
+                                      "lora.safetensors"),
+                         (run / "lora.safetensors", "--ema/--no-ema choose among a run directory's weights")):
+        for cmd in (["export", source, "--to", "kohya", "--out", tmp_path / "k.safetensors"], ["check", source]):
+            res = in_process(capsys, *cmd, "--ema")
+            err = res.stderr.strip().splitlines()
+            assert res.returncode == 2 and len(err) == 1 and says in err[0], res.stderr
+    assert not (tmp_path / "k.safetensors").exists()
 
 def test_export_never_overwrites_without_asking(run_dir, tmp_path, capsys):
     """B26, B27, B31: the run's own released LoRA is never an export target (not even with --overwrite); an existing

@@ -122,7 +122,7 @@ def test_trained_adapters_lower_the_loss_export_and_sample(one):
         export_adapter(lora, "peft", tmp / "peft")
     res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "a [fernando] face", "--n", "1",
                   "--steps", "2", "--out", tmp / "samples")
-    assert "wrote 1 images" in res.stdout and res.stdout.strip().endswith(f"from {run / 'lora_ema.safetensors'}"), \
+    assert "wrote 1 images" in res.stdout and res.stdout.strip().endswith(f"from {run / 'lora_ema.safetensors'} (the EMA)"), \
         res.stdout[-1000:]
     mode, _, _ = load_run(run, ema=False)
     p = "text_model.encoder.layers.1.mlp.fc1.weight"

@@ -37,6 +37,10 @@ def test_short_run_from_the_command_line(tmp_path):
     assert {"generator.safetensors", "generator_ema.safetensors", "info.json", "state-00000006"} <= {p.name for p in run.iterdir()}
     # the EMA is stored once: the released file is the training state's ema.safetensors (a hard link), not a second copy
     assert os.path.samefile(run / "generator_ema.safetensors", run / "state-00000006" / "ema.safetensors")
+    # each released file says which weights it holds (the EMA's through the state's ema.safetensors it links to)
+    from cascade_nb.core import safetensors_header
+    assert [safetensors_header(run / f"{n}.safetensors")[0]["cascade_nb.weights"] for n in ("generator", "generator_ema")] \
+        == ["live", "ema"]
     assert (out / "000003.png").exists() and (out / "000006.png").exists() and (out / "loss.png").exists()
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["loss"] > 0 for r in rows)
@@ -48,7 +52,7 @@ def test_short_run_from_the_command_line(tmp_path):
     # ... and samples come from the run's EMA weights through the sample CLI
     res = run_cli("-m", "cascade_nb.sample", "--checkpoint", run, "--prompt", "red apple", "--n", "4", "--steps", "3",
                   "--cfg", "4", "--seed", "0", "--out", tmp_path / "samples")
-    assert "generator_ema.safetensors" in res.stdout and len(list((tmp_path / "samples").glob("0_*_red_apple.png"))) == 4
+    assert "generator_ema.safetensors (the EMA)" in res.stdout and len(list((tmp_path / "samples").glob("0_*_red_apple.png"))) == 4
 
 def test_config_error_exits_2(tmp_path):
     res = run_cli("-m", "cascade_nb.train", *demo_args(tmp_path, "bad", "learning_rate=1"), check=False)
