@@ -27,8 +27,9 @@ from .modes import TrainingMode, FullTraining, MemoryTerms, register_training_mo
 __all__ = ['CONTROLNET_FILTERS', 'EFFNET_SAVED_PER_PIXEL', 'CONTROLNET_PARAM_GROUPS', 'CNetResBlock', 'ControlNet',
            'controlnet_config', 'load_controlnet', 'BaseFilter', 'canny_edges', 'CannyFilter', 'random_blob_masks',
            'InpaintFilter', 'SRFilter', 'SREffnetFilter', 'IdentityFilter', 'DatasetControl',
-           'register_controlnet_filter', 'make_filter', 'ControlNetConfig', 'meta_controlnet', 'control_points',
-           'ControlNetNet', 'merge_base_lora', 'trained_controlnet', 'controlnet_param_group', 'ControlNetTraining']
+           'register_controlnet_filter', 'config_filter', 'make_filter', 'ControlNetConfig', 'meta_controlnet',
+           'control_points', 'ControlNetNet', 'merge_base_lora', 'trained_controlnet', 'controlnet_param_group',
+           'ControlNetTraining']
 
 # %% ../nbs/61_controlnet.ipynb #9a67b621
 class CNetResBlock(nn.Module):
@@ -341,6 +342,10 @@ def register_controlnet_filter(name: str):
     "Class decorator: register a `BaseFilter` subclass as the `controlnet_filter: name` choice."
     return CONTROLNET_FILTERS.register(name)
 
+def config_filter(cfg, effnet: nn.Module | None = None) -> BaseFilter:
+    "The filter a config names (`controlnet_filter`, `controlnet_filter_params`)."
+    return make_filter(cfg.controlnet.controlnet_filter, cfg.controlnet.controlnet_filter_params, effnet)
+
 def make_filter(name: str, params: dict | None = None, effnet: nn.Module | None = None) -> BaseFilter:
     "The filter called `name` (official controlnet_filter) with `params` (controlnet_filter_params)."
     cls = CONTROLNET_FILTERS.choose(name)
@@ -465,6 +470,7 @@ def controlnet_param_group(name: str) -> str:
 class ControlNetTraining(TrainingMode):
     "ControlNet training on Stage C: generator frozen, ControlNet trains, `controlnet.safetensors` is released."
     supports_ema, released_name = True, "controlnet"   # its EMA: of the ControlNet's tensors only (`base_is_rebuilt`)
+    follows_control = True   # its samples follow a control image (`control_input`)
     base_is_rebuilt = True   # the state holds the ControlNet, not the frozen generator
     trains_generator = False
     param_group_names, param_group = CONTROLNET_PARAM_GROUPS, staticmethod(controlnet_param_group)
@@ -492,16 +498,10 @@ class ControlNetTraining(TrainingMode):
     def released_generator(cls, cfg, run, ema: bool | None = None):
         "(the run's base generator with its `controlnet.safetensors` attached, that file): how a finished run samples."
         return _controlnet_released_generator(cls, cfg=cfg, run=run, ema=ema)
-
-    follows_control = True
     @classmethod
     def control_input(cls, cfg, images01: torch.Tensor, device="cpu") -> torch.Tensor:
-        """The ControlNet's input for images in [0, 1] (B, 3, H, W) outside training (`generate --control`, the
-        pipeline's `control`): the run's filter on them (`dataset`: the images are the control images)."""
-        c = cfg.controlnet
-        with torch.no_grad():
-            f = make_filter(c.controlnet_filter, c.controlnet_filter_params)
-            return f.control({"images": images01, "controls": images01}, device, torch.Generator().manual_seed(0))[0]
+        "The ControlNet's input outside training (`generate --control`): the run's filter on images in [0, 1]."
+        with torch.no_grad(): return config_filter(cfg).control({"images": images01, "controls": images01}, device)[0]
     def __init__(self, cfg, generator, tokenizer, text_model, image_model, space, compute_dtype=torch.float32):
         "Freeze the generator (a released run's comes with its ControlNet), make the filter, attach the ControlNet."
         released = generator.controlnet if isinstance(generator, ControlNetNet) else None
@@ -510,8 +510,7 @@ class ControlNetTraining(TrainingMode):
         self.full = FullTraining(cfg, generator, tokenizer, text_model, image_model, space, compute_dtype)
         generator.requires_grad_(False)
         if released is None: merge_base_lora(cfg, generator, tokenizer, text_model)   # a released base has it merged
-        c, effnet = cfg.controlnet, getattr(space, "effnet", None)
-        self.filter = make_filter(c.controlnet_filter, c.controlnet_filter_params, effnet=effnet)
+        self.filter = config_filter(cfg, effnet := getattr(space, "effnet", None))
         self.net = ControlNetNet(generator, trained_controlnet(cfg, generator, self.filter, effnet, released))
 
     def _control(self, batch, device, training, rng):
@@ -527,16 +526,13 @@ class ControlNetTraining(TrainingMode):
         "Batch → (x0, conds + the filter's control image `cnet_input`)."
         x0, conds = self.full.encode(batch, device, training, rng)
         return x0, {**conds, "cnet_input": self._control(batch, device, training, rng)}
-
     def trainable_modules(self, net) -> list:
         "Only the ControlNet trains; the frozen generator stays in eval mode (no dropout)."
         return [self.net.controlnet]
-
     def uncond(self, conds: dict) -> dict:
         "CFG over the text only: empty caption, zero image embedding, the same control image."
         text_only = {k: v for k, v in conds.items() if k != "cnet_input"}
         return {**self.full.uncond(text_only), "cnet_input": conds["cnet_input"]}
-
     def preview_rows(self, batch, n: int = 8, size=None) -> dict:
         "{'control': RGB previews in [0, 1]} of the first `n` control images (a row for the sample grid)."
         first = {k: batch[k][:n] for k in ("images", "controls") if k in batch}
