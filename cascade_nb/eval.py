@@ -17,6 +17,7 @@ from .ema import ema_weights, released_ema, labelled, weights_kind
 from .optimizers import evaluation_view
 from .train_state import register_training_hook
 from .sample import load_run, sample_run
+from .prompt_weights import parse_prompt
 from .gdf.samplers import SAMPLERS
 
 # %% auto #0
@@ -192,11 +193,14 @@ def pick_captions(spec, ref_captions: list[str]) -> list[str]:
 # %% ../nbs/43_eval.ipynb #34aece27
 @torch.no_grad()
 def sample_captions(mode, gdf, cfg: Config, captions: list[str], net=None, seed: int = 0, batch: int = 64,
-                    steps: int | None = None, cfg_scale: float | None = None, sampler: str | None = None, device="cpu"):
-    "(N, 3, H, W) images in [0, 1], one per caption, from fixed noise (chunk k of `batch` captions: seed + k)."
+                    steps: int | None = None, cfg_scale: float | None = None, sampler: str | None = None, device="cpu",
+                    weighted: bool = True):
+    """(N, 3, H, W) images in [0, 1], one per caption, from fixed noise (chunk k of `batch` captions: seed + k);
+    `weighted`: the captions are prompts in A1111's syntax, else encoded as training captions."""
     chunks = [captions[i:i + batch] for i in range(0, len(captions), batch)]
     return torch.cat([sample_run(mode, gdf, cfg, c, n=1, steps=steps, cfg_scale=cfg_scale, sampler=sampler,
-                                 seed=seed + k, device=device, net=net) for k, c in enumerate(chunks)])
+                                 seed=seed + k, device=device, net=net, weighted=weighted)
+                      for k, c in enumerate(chunks)])
 
 # %% ../nbs/43_eval.ipynb #1238695b
 class Evaluator:
@@ -216,10 +220,16 @@ class Evaluator:
         self.best_metric = best_metric if best_metric is not None else ck.best_metric
         self._check_best_metric(list(specs))
         # sampling: sample_captions options (steps, cfg_scale, ...)
-        self.cfg, self.seed, self.sampling = cfg, seed, sampling
+        self.cfg, self.seed = cfg, seed
         self.ref_images, self.ref_captions = (reference if reference is not None
                                               else reference_set(cfg, ck.eval_reference))
-        self.captions = pick_captions(captions if captions is not None else ck.eval_captions, self.ref_captions)
+        spec = captions if captions is not None else ck.eval_captions
+        self.captions = pick_captions(spec, self.ref_captions)
+        # listed captions are prompts (A1111's syntax); those drawn from the data are encoded as they trained
+        self.sampling = {"weighted": not isinstance(spec, int), **sampling}
+        for c in self.captions if self.sampling["weighted"] else ():
+            try: parse_prompt(c)
+            except ValueError as e: raise ConfigError(f"key 'eval_captions': {e}") from None
         # the logged evaluations so far ({"update": u, "eval/<key>": v}), what a selection rule reads
         self.history: list[dict] = []
 
@@ -250,7 +260,6 @@ class Evaluator:
         if picked is None or picked[0] != state.update: return False
         state.best_metric_value, state.best_metric_update = float(picked[1]), state.update
         return True
-
 
 # %% ../nbs/43_eval.ipynb #c7e1a2b0
 @dataclasses.dataclass
@@ -424,11 +433,11 @@ def main(argv=None) -> dict:
             if a.reference:
                 cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
                                                                               eval_reference=a.reference))
-            shared = (dict(captions=evaluator.captions, reference=(evaluator.ref_images, evaluator.ref_captions))
-                      if evaluator else {})
-            evaluator = Evaluator(cfg, metrics=a.metrics, captions=shared.get("captions", a.captions),
-                                  reference=shared.get("reference"), seed=a.seed, best_metric="", steps=a.steps,
-                                  cfg_scale=a.cfg, sampler=a.sampler)
+            shared = (dict(captions=evaluator.captions, reference=(evaluator.ref_images, evaluator.ref_captions),
+                           weighted=evaluator.sampling["weighted"]) if evaluator else {})
+            evaluator = Evaluator(cfg, metrics=a.metrics, captions=shared.pop("captions", a.captions),
+                                  reference=shared.pop("reference", None), seed=a.seed, best_metric="", steps=a.steps,
+                                  cfg_scale=a.cfg, sampler=a.sampler, **shared)
             results.append(evaluate_run(evaluator, mode, gdf)[0])
             cfgs.append(cfg)
     except (OSError, ConfigError, ValueError) as e:

@@ -16,6 +16,7 @@ from .ema import weights_label
 from .inference import CascadePipeline, to_pil
 from .sample import unused_paths, save_png, run_weights
 from .gdf.samplers import SAMPLERS
+from .prompt_weights import PROMPT_SYNTAX, parse_prompt
 
 # %% auto #0
 __all__ = ['STAGE_FILES', 'slug', 'make_parser', 'image_names', 'check_models_dir', 'run_control', 'main']
@@ -28,13 +29,14 @@ def slug(text: str, max_len: int = 40) -> str:
 # %% ../nbs/51_generate.ipynb #6de43532
 def make_parser() -> argparse.ArgumentParser:
     p = cli_parser("python -m cascade_nb.generate",
-                   "Text-to-image with Stable Cascade from a directory of checkpoints.")
-    p.add_argument("prompts", nargs="+", help="one or more prompts (\"\" with --image for a pure variation)")
+                   "Text-to-image with Stable Cascade from a directory of checkpoints.\n\n" + PROMPT_SYNTAX)
+    p.add_argument("prompts", nargs="+",
+                   help="one or more prompts, e.g. 'a (red:1.3) bus' (\"\" with --image for a pure variation)")
     p.add_argument("--models", required=True,
                    help="directory with stage_c*, stage_b*, stage_a, previewer, effnet_encoder .safetensors (or "
                         "diffusers prior/, decoder/, vqgan/) and optionally text_encoder/, tokenizer/, image_encoder/")
     p.add_argument("--out", default="outputs", help="output directory (default: outputs)")
-    p.add_argument("--negative-prompt", default="", help="text of the unconditional branch (default: empty)")
+    p.add_argument("--negative-prompt", default="", help="prompt of the unconditional branch (default: empty)")
     p.add_argument("--height", type=at_least(64), default=1024)
     p.add_argument("--width", type=at_least(64), default=1024)
     p.add_argument("--n", type=at_least(1), default=1, help="images per prompt")
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
     try:
         import_modules(args.imports, "--import")
         cli_choice(SAMPLERS, args.sampler_c, "--sampler-c")
+        for q in (*args.prompts, args.negative_prompt): parse_prompt(q)   # a weight that is not a number
         out_dir = output_dir(args.out)          # a file, or not writable: said now, not after the sampling
         # files of these names already there: said now too (a random seed is known only after the sampling)
         if args.seed is not None:

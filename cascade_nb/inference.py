@@ -20,8 +20,9 @@ from .hub import parse_hub_spec
 from .gdf.presets import stage_c_gdf, stage_b_gdf, SAMPLING_DEFAULTS
 from .gdf.samplers import SAMPLERS
 from .models.stage_b import stage_b_latents
-from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_text, encode_image, load_clip_tokenizer,
+from .models.clip import (CLIP_TEXT_MODEL, CLIP_IMAGE_MODEL, encode_image, load_clip_tokenizer,
                                     load_clip_text_model, load_clip_image_model)
+from .prompt_weights import encode_prompts, same_chunks
 
 # %% auto #0
 __all__ = ['COMPRESSION_C', 'COMPRESSION_A', 'latent_sizes', 'pipeline_dtype', 'to_tensor01', 'to_pil', 'CascadeOutput',
@@ -226,10 +227,11 @@ class CascadeStages(ModelStore):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> tuple[dict, dict]:
-        "CLIP text conditions (`clip_text`, `clip_text_pooled`) for the prompts and for the negative prompts."
+        """CLIP text conditions (`clip_text`, `clip_text_pooled`) for the prompts and for the negative prompts, in
+        A1111's syntax and of any length (`encode_prompts`), as many 77-token chunks long (`same_chunks`)."""
         with self.use('text_model') as text_model:
-            return (encode_text(self.tokenizer, text_model, prompts),
-                    encode_text(self.tokenizer, text_model, negative_prompts))
+            text, text_u = (encode_prompts(self.tokenizer, text_model, p) for p in (prompts, negative_prompts))
+            return same_chunks(self.tokenizer, text_model, text, text_u)
 
     def _sample(self, gdf, model, cond, uncond, shape, steps, cfg, shift, generator, t_start=1.0, x_init=None,
                 sampler="ddpm") -> torch.Tensor:

@@ -26,6 +26,7 @@ from .train_tokens import TokenDeltas, add_train_tokens, load_tokens, token_stat
 from .lora_file import (adapter_metadata, adapter_file_options, adapter_options, load_adapter_file,
                                   load_lora, lora_state_dict, lora_tokens, merge_lora, token_names)
 from .prior_preservation import has_prior_entries, prior_extras, prior_loss
+from .prompt_weights import chunked_conditions, plain_prompts, prompt_inputs
 
 # %% auto #0
 __all__ = ['LORA_PARAM_GROUPS', 'LoraConfig', 'type_options', 'check_adapter_args', 'check_adapter_keys', 'adapter_keys',
@@ -152,17 +153,19 @@ def add_text_encoder_adapters(text_model: nn.Module, lc: LoraConfig) -> list[str
 # %% ../nbs/60e_lora_training.ipynb #8d9c9858
 class LoraNet(nn.Module):
     """Generator with adapters (+ the text encoder when its tokens or adapters train): `net(x, r, input_ids=...,
-    ...)` or `net(x, r, clip_text=...)`."""
+    ...)` (with `token_weights`: weighted prompts' chunks) or `net(x, r, clip_text=...)`."""
     def __init__(self, generator: nn.Module, text_model: nn.Module | None = None):
         super().__init__()
         self.generator, self.text_model = generator, text_model
-
-    def forward(self, x, r, input_ids=None, attention_mask=None, **conds):
+    def forward(self, x, r, input_ids=None, attention_mask=None, token_weights=None, **conds):
         # the text encoder runs in its own dtype (frozen_dtype), outside autocast, as the reference
         if input_ids is not None:
             with torch.autocast(x.device.type, enabled=False):
                 out = self.text_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-            conds = dict(conds, clip_text=out.hidden_states[-1], clip_text_pooled=out.text_embeds.unsqueeze(1))
+                # a weighted prompt: len(x) prompts of len(input_ids) / len(x) chunks each (`prompt_inputs`)
+                text = (dict(clip_text=out.hidden_states[-1], clip_text_pooled=out.text_embeds.unsqueeze(1))
+                        if token_weights is None else chunked_conditions(out, token_weights, len(x)))
+            conds = dict(conds, **text)
         return self.generator(x, r, **conds)
 
 # %% ../nbs/60e_lora_training.ipynb #a6c0d875
@@ -313,9 +316,16 @@ class TokenInputs:
     def __init__(self, full: FullTraining):
         self.full = full   # the frozen conditioning of full training: tokenizer, latent space, image model
 
-    def ids(self, captions, device) -> dict:
-        t = self.full.tokenizer(list(captions), padding="max_length", truncation=True, max_length=77,
-                                return_tensors="pt")
+    def ids(self, captions, device, weighted: bool = False) -> dict:
+        """The captions as ids + mask (B, 77); `weighted` prompts with weights or over 75 tokens as their chunks
+        (B·k, 77) with `token_weights`."""
+        tok = self.full.tokenizer
+        plain = plain_prompts(tok, captions) if weighted else list(captions)
+        if plain is None:
+            t = prompt_inputs(tok, captions)
+            return {"input_ids": t["input_ids"].to(device), "attention_mask": t["attention_mask"].to(device),
+                    "token_weights": t["weights"].to(device)}
+        t = tok(plain, padding="max_length", truncation=True, max_length=77, return_tensors="pt")
         return {"input_ids": t.input_ids.to(device), "attention_mask": t.attention_mask.to(device)}
 
     def encode(self, batch, device, training=True, rng=None):
@@ -336,12 +346,14 @@ class TokenInputs:
                 if mask.any():
                     clip_img[mask.to(device)] = encode_image(
                         f.image_model, images_to_device(batch["images"][mask], device)).float()
-        return x0, {**self.ids(captions, device), "clip_img": clip_img}
+        return x0, {**self.ids(captions, device, batch.get("weighted", False)), "clip_img": clip_img}
 
     def uncond(self, conds: dict) -> dict:
-        "Unconditional inputs for CFG: the empty caption as ids, zero image embedding."
+        "Unconditional inputs for CFG: the empty caption as ids (a row for each row of `conds`), zero image embedding."
         n, device = len(conds["input_ids"]), conds["input_ids"].device
-        return {**self.ids([""] * n, device), "clip_img": torch.zeros_like(conds["clip_img"])}
+        empty = self.ids([""] * n, device)
+        if "token_weights" in conds: empty["token_weights"] = torch.ones_like(conds["token_weights"])
+        return {**empty, "clip_img": torch.zeros_like(conds["clip_img"])}
 
 # %% ../nbs/60e_lora_training.ipynb #ed489831
 def lora_weights(net: LoraNet, tokenizer, cfg) -> Weights:

@@ -37,7 +37,8 @@ class BatchInputs:
     """The data hooks of the training-mode protocol, with Stage C's defaults: a batch → the network's inputs (`encode`),
     per-sample extras for `loss` (`extras`), unconditional inputs for CFG (`uncond`), and what its batches must carry
     (`data_options`). Reads the mode's `cfg`, `space`, `tokenizer`, `text_model`, `image_model`, `c_clip_img` and
-    `compute_dtype`."""
+    `compute_dtype`. A batch with `weighted: True` holds prompts in A1111's syntax (`encode_prompts`: sampling sets
+    it); other captions are encoded plainly, as trained."""
     def data_options(self) -> dict:
         """What the data pipeline must add to images and captions for this mode, as `build_dataset` arguments (a
         ControlNet that reads control images from the data: `control_member`); every loader of the run gets them."""
@@ -68,7 +69,7 @@ class BatchInputs:
             return x0, conds
         conds = conditions(batch["captions"], self.tokenizer, self.text_model, self.c_clip_img,
                            self.image_model if training else None, images, d.caption_dropout if training else 0.,
-                           d.image_embed_prob, rng if training else None)
+                           d.image_embed_prob, rng if training else None, weighted=batch.get("weighted", False))
         return x0, conds
 
     def extras(self, batch, x0) -> dict:
@@ -303,16 +304,18 @@ def build_image_encoder(cfg: Config, device=None, dtype=torch.float32):
 # %% ../nbs/40b_modes.ipynb #ccee6b2e
 @torch.no_grad()
 def conditions(captions, tokenizer, text_model, c_clip_img: int, image_model=None, images01=None, caption_dropout=0.,
-               image_embed_prob=0., rng: torch.Generator | None = None) -> dict:
+               image_embed_prob=0., rng: torch.Generator | None = None, weighted: bool = False) -> dict:
     """Stage C conditions {clip_text, clip_text_pooled, clip_img} for a batch, with caption dropout and
-    image-embedding sampling."""
-    from cascade_nb.models.clip import clip_conditions, drop_captions
+    image-embedding sampling; `weighted`: the captions are prompts in A1111's syntax (`encode_prompts`)."""
+    from cascade_nb.models.clip import clip_conditions, drop_captions, encode_text
+    from cascade_nb.prompt_weights import encode_prompts
     if caption_dropout: captions = drop_captions(captions, caption_dropout, generator=rng)
     mask = None
     if image_model is not None and images01 is not None:
         mask = seeded_rand(len(captions), rng) < image_embed_prob
     return clip_conditions(tokenizer, text_model, list(captions), image_model=image_model,
-                           images01=images01 if mask is not None else None, image_mask=mask, c_clip_img=c_clip_img)
+                           images01=images01 if mask is not None else None, image_mask=mask, c_clip_img=c_clip_img,
+                           encode=encode_prompts if weighted else encode_text)
 
 # %% ../nbs/40b_modes.ipynb #82ac9428
 class PixelSpace(nn.Module):
@@ -539,6 +542,7 @@ class StageBTraining(FullTraining):
     def encode(self, batch, device, training=True, rng=None):
         from cascade_nb.models.stage_b import effnet_condition
         from cascade_nb.models.clip import encode_text, drop_captions
+        from cascade_nb.prompt_weights import encode_prompts
         images = images_to_device(batch["images"], device)
         captions = (drop_captions(batch["captions"], self.cfg.data.caption_dropout, rng) if training
                     else list(batch["captions"]))
@@ -546,7 +550,9 @@ class StageBTraining(FullTraining):
             x0 = self.space.encode(images.to(self.compute_dtype)).float()
             effnet = (effnet_condition(self.effnet.encode, images.to(self.compute_dtype), generator=rng) if training
                       else self.effnet.encode(images.to(self.compute_dtype)))
-            clip = encode_text(self.tokenizer, self.text_model, captions)["clip_text_pooled"]
+            # a prompt's pooled embedding (`weighted`): that of its first chunk, unweighted
+            encode = encode_prompts if batch.get("weighted") else encode_text
+            clip = encode(self.tokenizer, self.text_model, captions)["clip_text_pooled"]
         return x0, {"effnet": effnet.float(), "clip": clip.float()}
 
     def epsilon(self, x0, rng=None):

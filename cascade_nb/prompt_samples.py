@@ -23,6 +23,7 @@ from .optimizers import evaluation_view
 from .train_state import register_training_hook
 from .stop_signals import StopFlag, StopWaiting
 from .sample import sample_run, save_png, _slug, chunk_seed
+from .prompt_weights import parse_prompt
 from .train import LAUNCH_CHECKS, register_launch_check, tracker_image
 
 # %% auto #0
@@ -125,6 +126,9 @@ def prompt_entry(cfg: Config, raw, index: int, where: str) -> SamplePrompt:
         except ConfigError as e: raise ConfigError(f"{at}: {str(e).replace('key ', 'field ', 1)}") from None
         if valid is not None and values[k] not in valid:
             raise ConfigError(f"{at}: field '{k}': {values[k]!r} is out of range; expected {valid}")
+    for k in ("text", "negative_prompt"):   # A1111's prompt syntax: a weight must be a number
+        try: parse_prompt(values[k])
+        except ValueError as e: raise ConfigError(f"{at}: field '{k}': {e}") from None
     multiple, least = size_rule(cfg)
     if values["size"] % multiple or values["size"] < least:
         raise ConfigError(f"{at}: field 'size': {values['size']} does not fit this generator; expected a multiple of "

@@ -18,6 +18,7 @@ from .gdf.presets import gdf_from_config
 from .modes import build_text_encoder, build_latent_space
 from .run_data import sample_latents
 from .gdf.samplers import SAMPLERS
+from .prompt_weights import PROMPT_SYNTAX, encode_prompts, parse_prompt, same_chunks
 
 # %% auto #0
 __all__ = ['TEXT_CONDS', 'GRID_MAX', 'run_config', 'best_weights', 'run_generator', 'run_weights', 'load_run', 'negative_conds',
@@ -95,7 +96,7 @@ def load_run(checkpoint_dir, ema: bool | None = None, device="cpu", best: bool =
 
 # %% ../nbs/42_sample.ipynb #a22ad17c
 TEXT_CONDS = ("clip_text", "clip_text_pooled")
-"The CFG inputs a negative prompt replaces: CLIP's text embeddings (`encode_text`, as Stage C's `conditions`)."
+"The CFG inputs a negative prompt replaces: CLIP's text embeddings (`encode_prompts`, as Stage C's `conditions`)."
 
 def negative_conds(mode, conds: dict, negative_prompt: str = "") -> dict:
     "The mode's unconditional CFG inputs for `conds`, with the text embeddings of `negative_prompt` when one is given."
@@ -104,33 +105,34 @@ def negative_conds(mode, conds: dict, negative_prompt: str = "") -> dict:
     if not all(k in uncond for k in TEXT_CONDS):
         raise ValueError(f"a negative prompt replaces the CLIP text embeddings {TEXT_CONDS} of CFG's unconditional "
                          f"inputs; this '{mode.name}' mode's are {sorted(uncond)}: leave negative_prompt empty")
-    from cascade_nb.models.clip import encode_text
-    neg = encode_text(mode.tokenizer, mode.text_model, [negative_prompt] * len(uncond[TEXT_CONDS[0]]))
+    neg = encode_prompts(mode.tokenizer, mode.text_model, [negative_prompt] * len(uncond[TEXT_CONDS[0]]))
     return {**uncond, **{k: neg[k].to(uncond[k].device, uncond[k].dtype) for k in TEXT_CONDS}}
 
 # %% ../nbs/42_sample.ipynb #8356ae43
 @torch.no_grad()
 def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None = None,
                cfg_scale: float | None = None, sampler: str | None = None, seed: int = 0, size: int | None = None,
-               device="cpu", net=None, negative_prompt: str = "", decode=None,
+               device="cpu", net=None, negative_prompt: str = "", decode=None, weighted: bool = True,
                control: torch.Tensor | None = None) -> torch.Tensor:
     """Images in [0, 1], `n` per prompt, from a run loaded with `load_run` (or from `net`, e.g. an EMA, with its
     conditioning); CFG pushes away from `negative_prompt` (`negative_conds`); `decode(x0, conds, uncond)`
-    turns the latents into images (default: the mode's latent space decode); `control` (1, or one per image, 3, size,
-    size) in [0, 1]: what a ControlNet run follows (`read_control`: its filter's input, a `dataset` run's control
-    image)."""
+    turns the latents into images (default: the mode's latent space decode); `weighted`: prompts in A1111's syntax;
+    `control` (1, or one per image, 3, size, size) in [0, 1]: what a ControlNet run follows (`read_control`: its
+    filter's input, a `dataset` run's control image)."""
     captions = [p for p in prompts for _ in range(n)]
     size = size or cfg.data.image_size
     probe = torch.zeros(1, 3, size, size, device=device)
     shape = (len(captions), *mode.space.encode(probe).shape[1:])
-    batch = {"captions": captions, "images": probe.expand(len(captions), -1, -1, -1)}
+    batch = {"captions": captions, "images": probe.expand(len(captions), -1, -1, -1), "weighted": weighted}
     if control is not None: batch["images"] = batch["controls"] = control.to(device).expand(len(captions), -1, -1, -1)
     _, conds = mode.encode(batch, device, training=False)
     overrides = {k: v for k, v in dict(sample_steps=steps, sample_cfg=cfg_scale, sample_sampler=sampler).items()
                  if v is not None}
     from dataclasses import replace
     cfg = replace(cfg, gdf=replace(cfg.gdf, **overrides))
-    uncond = negative_conds(mode, conds, negative_prompt)
+    # CFG's two branches run as one batch: their text as many 77-token chunks long
+    text_encoder = getattr(mode, "tokenizer", None), getattr(mode, "text_model", None)
+    conds, uncond = same_chunks(*text_encoder, conds, negative_conds(mode, conds, negative_prompt))
     x0 = sample_latents(net if net is not None else mode.net, gdf, conds, uncond, shape, cfg, seed=seed, device=device)
     return mode.space.decode(x0.float()) if decode is None else decode(x0.float(), conds, uncond)
 
@@ -206,14 +208,16 @@ def check_finite_weights(net: torch.nn.Module, weights) -> None:
 # %% ../nbs/42_sample.ipynb #4301058d
 def sample_parser() -> argparse.ArgumentParser:
     "The command line of `python -m cascade_nb.sample`."
-    p = cli_parser("python -m cascade_nb.sample", "Sample images from a cascade_nb training run.")
+    p = cli_parser("python -m cascade_nb.sample", "Sample images from a cascade_nb training run.\n\n" + PROMPT_SYNTAX)
     p.add_argument("--checkpoint", required=True, help="run directory {checkpoint_path}/{experiment_id}")
-    p.add_argument("--prompt", action="append", required=True, help="caption (repeat for several)")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt, e.g. 'a (red:1.3) apple' (repeat for several)")
     p.add_argument("--n", type=at_least(1), default=4, help="images per prompt")
     p.add_argument("--steps", type=at_least(1), default=None, help="sampler steps (default: the run's sample_steps)")
     p.add_argument("--cfg", type=finite_number, default=None,
                    help="classifier-free guidance scale (default: the run's sample_cfg)")
-    p.add_argument("--negative-prompt", default="", help="text CFG steers away from (default: none, the empty caption)")
+    p.add_argument("--negative-prompt", default="",
+                   help="prompt CFG steers away from (default: none, the empty caption)")
     p.add_argument("--sampler", default=None, help=f"a registered sampler: {', '.join(SAMPLERS)} or one of --import's "
                    "(default: the run's sample_sampler)")
     # torch's CPU generator keeps a seed's low 32 bits: a larger one would repeat a smaller one's images
@@ -236,6 +240,7 @@ def main(argv=None):
     # missing or corrupt run files, --out a file or holding these names: one line, exit 2, before the slow work
     with cli_errors(OSError, ValueError):
         import_modules(a.imports, "--import")
+        for q in (*a.prompt, a.negative_prompt): parse_prompt(q)   # a weight that is not a number
         *paths, grid = unused_paths(output_dir(a.out), names, a.overwrite)
         mode, gdf, cfg = load_run(a.checkpoint, ema=a.ema, best=a.best)
         check_finite_weights(mode.net, mode.weights_file)

@@ -134,9 +134,10 @@ def encode_image(image_model, images01: torch.Tensor) -> torch.Tensor:
 # %% ../../nbs/22_models.clip.ipynb #b41f823a
 def clip_conditions(tokenizer, text_model, captions: Sequence[str], image_model=None,
                     images01: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
-                    c_clip_img: int | None = None) -> dict[str, torch.Tensor]:
-    "`clip_text`, `clip_text_pooled` and `clip_img` (zeros where `image_mask` is False or no images are given)."
-    cond = encode_text(tokenizer, text_model, captions)
+                    c_clip_img: int | None = None, encode=encode_text) -> dict[str, torch.Tensor]:
+    """`clip_text`, `clip_text_pooled` (the captions through `encode`) and `clip_img` (zeros where `image_mask` is False
+    or no images are given)."""
+    cond = encode(tokenizer, text_model, captions)
     if c_clip_img is None:
         c_clip_img = image_model.config.projection_dim if image_model is not None else 768
     ref = cond["clip_text_pooled"]
