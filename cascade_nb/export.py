@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, safetensors_header
+from .ema import WEIGHTS_FIELD, WEIGHTS_KINDS
 from .registry import Registry
 from .config import ConfigError
 
@@ -95,7 +96,7 @@ def source_config(source):
         raise FileNotFoundError(2, "not a run directory nor a training config (.yaml)", str(path))
     return run_config(path), path
 
-def source_generator(cfg, run, ema: bool = True) -> tuple[nn.Module, Path]:
+def source_generator(cfg, run, ema: bool | None = None) -> tuple[nn.Module, Path]:
     """(generator, weights file) of a run (what it released: `run_generator`) or of a config (its
     `generator_checkpoint_path`); a ValueError for a run that does not release a whole generator."""
     from cascade_nb.modes import build_generator, resolve_mode
@@ -115,7 +116,7 @@ def source_generator(cfg, run, ema: bool = True) -> tuple[nn.Module, Path]:
     return generator, Path(weights)
 
 # %% ../nbs/52_export.ipynb #068dc2d0
-def source_text_model(cfg, run, ema: bool = True) -> tuple[nn.Module, int, list[str], list[str]]:
+def source_text_model(cfg, run, ema: bool | None = None) -> tuple[nn.Module, int, list[str], list[str]]:
     """(text model, rows of its base vocabulary, trained tokens in them, new tokens past them) of a run: the one it
     samples with (the mode's `add_released_tokens`: a LoRA's tokens written, its text-encoder adapters merged)."""
     from cascade_nb.modes import build_text_encoder, resolve_mode
@@ -142,7 +143,7 @@ class RunModels(NamedTuple):
         return {p: None if m is None else text_state_dict(m, self.rows) if p == "text_model" else m.state_dict()
                 for p, m in self.parts.items()}
 
-def run_models(source, ema: bool = True) -> RunModels:
+def run_models(source, ema: bool | None = None) -> RunModels:
     "The parts of the run directory or training config `source` a checkpoint holds (`source_generator`, ...)."
     from cascade_nb.modes import build_image_encoder, load_frozen
     cfg, run = source_config(source)
@@ -170,18 +171,19 @@ def checkpoint_metadata(models: RunModels, name: str, layout: CheckpointLayout, 
             "cascade_nb.stage": stage, "cascade_nb.model_version": m.model_version,
             "cascade_nb.model_overrides": json.dumps(m.model_overrides),
             "cascade_nb.run": models.run.name if models.run is not None else "",
-            "cascade_nb.update": str(info.get("update", "")), "cascade_nb.weights": models.weights.name,
-            "cascade_nb.ema": json.dumps(models.weights.stem.endswith("_ema")),
+            "cascade_nb.update": str(info.get("update", "")), "cascade_nb.weights_file": models.weights.name,
+            WEIGHTS_FIELD: "ema" if models.weights.stem.endswith("_ema") else "live",
             "cascade_nb.generator_checkpoint_path": Path(base).name if base else "",
             "cascade_nb.dtype": str(dtype).removeprefix("torch."), "cascade_nb.parts": json.dumps(parts),
             "cascade_nb.trained_tokens": json.dumps(list(models.tokens)),
             "cascade_nb.tokens_left_out": json.dumps(list(models.new_tokens))}
 
 # %% ../nbs/52_export.ipynb #cd4d2597
-def export_checkpoint(source, out, to: str = "comfyui-checkpoint", dtype="bfloat16", ema: bool = True,
+def export_checkpoint(source, out, to: str = "comfyui-checkpoint", dtype="bfloat16", ema: bool | None = None,
                       overwrite: bool = False) -> tuple[Path, list[str]]:
     """Write the run directory or training config `source` as one checkpoint file `out` in layout `to`, floats in
-    `dtype`, the EMA's generator where the run kept one (unless `ema=False`); (the file, warnings)."""
+    `dtype`, the run's weights as `ema` chooses (`--ema/--no-ema`; None: the EMA where it kept one); (the file,
+    warnings)."""
     from cascade_nb.cli import cli_choice, output_target
     layout, dtype = cli_choice(CHECKPOINT_LAYOUTS, to, "--to"), resolve_dtype(dtype)
     out = output_target(out, overwrite)   # before the slow reading
@@ -200,24 +202,21 @@ def export_checkpoint(source, out, to: str = "comfyui-checkpoint", dtype="bfloat
 # %% ../nbs/52_export.ipynb #f2855712
 def _parser(doc: str):
     "The command line of `main`."
-    from cascade_nb.cli import cli_parser, add_import_option
-    import argparse
+    from cascade_nb.cli import cli_parser, add_import_option, add_ema_option
     p = cli_parser("python -m cascade_nb.export", doc)
     p.add_argument("source", help="run directory {checkpoint_path}/{experiment_id}, or a training config YAML")
     p.add_argument("--to", required=True, help=f"layout: {', '.join(CHECKPOINT_LAYOUTS)}")
     p.add_argument("--out", required=True, help="the file to write (.safetensors), outside any run directory")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default: the release size) or float32 (the run's "
                                                       "weights exactly)")
-    p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
-                   help="the EMA's generator where the run kept one (default), or --no-ema: the last update's")
     p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
-    return add_import_option(p)
+    return add_import_option(add_ema_option(p))
 
 def main(argv=None) -> int:
     """Write a run as one checkpoint file another program loads.
 
     python -m cascade_nb.export RUN_DIR_or_CONFIG --to comfyui-checkpoint --out FILE.safetensors
-        [--dtype bfloat16|float32] [--no-ema] [--overwrite] [--import MODULE]
+        [--dtype bfloat16|float32] [--ema|--no-ema] [--overwrite] [--import MODULE]
     Exit status 2 for bad input, with one line on stderr.
     """
     from cascade_nb.cli import parse_cli, cli_errors, stop_on_signals
@@ -229,7 +228,8 @@ def main(argv=None) -> int:
     for w in warnings: print(f"warning: {w}", file=sys.stderr)
     meta, shapes = safetensors_header(path)
     print(f"{path}: Stage {meta['cascade_nb.stage'].upper()}, {meta['cascade_nb.dtype']}, from "
-          f"{meta['cascade_nb.run'] or 'a config'}/{meta['cascade_nb.weights']}")
+          f"{meta['cascade_nb.run'] or 'a config'}/{meta['cascade_nb.weights_file']} "
+          f"({WEIGHTS_KINDS[meta[WEIGHTS_FIELD]]})")
     for part, prefix in json.loads(meta["cascade_nb.parts"]).items():
         print(f"  {prefix:<34} {part:<12} {sum(k.startswith(prefix) for k in shapes)} tensors")
     return 0

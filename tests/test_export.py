@@ -89,8 +89,8 @@ def test_stage_c_layout_dtype_header_and_the_ema_choice(runs, tmp_path, capsys):
     assert shapes[TABLE] == (49408, 64)
     assert meta["modelspec.architecture"] == "stable-cascade-v1-prior"
     assert meta["cascade_nb.layout"] == "comfyui-checkpoint"
-    assert (meta["cascade_nb.run"], meta["cascade_nb.update"], meta["cascade_nb.weights"], meta["cascade_nb.ema"],
-            meta["cascade_nb.dtype"]) == ("full", "6", "generator_ema.safetensors", "true", "bfloat16")
+    assert (meta["cascade_nb.run"], meta["cascade_nb.update"], meta["cascade_nb.weights_file"], meta["cascade_nb.weights"],
+            meta["cascade_nb.dtype"]) == ("full", "6", "generator_ema.safetensors", "ema", "bfloat16")
     assert "config" not in meta   # ComfyUI reads a `config` key as a model configuration
     sd = load_file(str(path))
     assert {v.dtype for v in sd.values() if v.is_floating_point()} == {torch.bfloat16}
@@ -103,8 +103,8 @@ def test_stage_c_layout_dtype_header_and_the_ema_choice(runs, tmp_path, capsys):
     sd, plain = load_file(str(path)), load_file(str(runs["full"] / "generator.safetensors"))
     assert all(torch.equal(sd["model.diffusion_model." + k], v) for k, v in plain.items())
     meta = safetensors_header(path)[0]
-    assert (meta["cascade_nb.weights"], meta["cascade_nb.ema"], meta["cascade_nb.dtype"]) == (
-        "generator.safetensors", "false", "float32")
+    assert (meta["cascade_nb.weights_file"], meta["cascade_nb.weights"], meta["cascade_nb.dtype"]) == (
+        "generator.safetensors", "live", "float32")
 
 def test_lora_run_carries_its_tokens_and_text_encoder_adapters(runs, tmp_path, capsys):
     "The re-trained word's row is the trained one, the CLIP holds the merged adapters, the base the merged LoRA."
@@ -117,7 +117,7 @@ def test_lora_run_carries_its_tokens_and_text_encoder_adapters(runs, tmp_path, c
     assert json.loads(meta["cascade_nb.trained_tokens"]) == ["apple</w>"]
     assert json.loads(meta["cascade_nb.tokens_left_out"]) == ["[emoji]"]
     assert meta["cascade_nb.generator_checkpoint_path"] == "base.safetensors"
-    assert meta["cascade_nb.weights"] == "lora.safetensors"
+    assert (meta["cascade_nb.weights_file"], meta["cascade_nb.weights"]) == ("lora.safetensors", "live")
     lora, frozen = runs["lora_sd"], tiny_clip_text_model().state_dict()
     names = json.loads(bytes(lora["tokens.names"].tolist()).decode())
     apple = load_clip_tokenizer(sample_tokenizer_dir()).convert_tokens_to_ids("apple</w>")
