@@ -76,3 +76,30 @@ def test_pack_and_inspect_carry_the_control_members(tmp_path):
     ds = build_dataset(tmp_path / "shards", 8, image_size=16, resampled=False, shuffle_buffer=0,
                        control_member="control.png", drop_last=False)
     assert sum(len(b["keys"]) for b in ds) == 31 and ds.counter.total["missing_control"] == 1
+
+def test_generate_follows_a_control_image(tmp_path):
+    """`generate --stage-c-weights CONTROLNET_RUN --control IMAGE` on the tiny official-layout models: the run's filter
+    (here the control image itself) steers Stage C in both CFG branches; without a ControlNet run, one line."""
+    import numpy as np
+    from PIL import Image
+    from cascade_nb.inference import write_tiny_checkpoints
+    models = write_tiny_checkpoints(tmp_path / "models")
+    run_cli("-m", "cascade_nb.train", DEMO, "model_version=tiny", "model_overrides={}", "latent_space=effnet",
+            "effnet_checkpoint_path=tiny", "previewer_checkpoint_path=tiny", "image_size=64",
+            "multi_aspect_ratio=null", f"generator_checkpoint_path={models / 'stage_c.safetensors'}",
+            "experiment_id=cn", f"checkpoint_path={tmp_path}/ckpt", f"output_path={tmp_path}/out", "num_workers=0",
+            "batch_size=4", "updates=2", "save_every=2", "sample_steps=2", "tracker=none", "lr=0.05",
+            "warmup_updates=1", env={"OMP_NUM_THREADS": "1"})
+    silhouette = ROOT / "data_samples" / "emoji_control" / "0000.control.png"
+    inverted = tmp_path / "inverted.png"
+    Image.fromarray(255 - np.asarray(Image.open(silhouette))).save(inverted)
+    args = ["--models", models, "--seed", "1", "--height", "128", "--width", "128", "--steps-c", "2", "--steps-b", "2",
+            "--device", "cpu", "--no-previews"]
+    images = []
+    for name, control in (("a", silhouette), ("b", inverted)):
+        res = run_cli("-m", "cascade_nb.generate", "an octopus", "--stage-c-weights", tmp_path / "ckpt" / "cn",
+                      "--control", control, "--out", tmp_path / name, *args)
+        images.append(Path(res.stdout.strip().splitlines()[0]).read_bytes())
+    assert images[0] != images[1]
+    res = run_cli("-m", "cascade_nb.generate", "x", "--control", silhouette, "--out", tmp_path / "c", *args, check=False)
+    assert res.returncode == 2 and "pass the run as --stage-c-weights" in res.stderr, res.stderr
