@@ -77,7 +77,8 @@ def test_lora_init_default_is_the_reference_and_peft_is_an_option():
         else:                                                                                         # Kaiming: 1/sqrt(3 n_in)
             want = torch.tensor([(3 * l.lora_down[0].numel()) ** -0.5 for l in layers])
             assert torch.allclose(stds, want, rtol=0.4), (stds, want)
-    with pytest.raises(ConfigError, match="lora_init.*expected one of 'reference', 'peft'"):
+    # a registered choice (`register_lora_init`): the key, the value and the choices, at load
+    with pytest.raises(ConfigError, match="key 'lora_init': 'gaussian' is not a registered lora init.*reference, peft"):
         _cfg(lora_init="gaussian")
 
 def test_reference_file_loads_via_lora_checkpoint_path_and_exports_back(tmp_path):
