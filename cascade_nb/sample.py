@@ -118,13 +118,15 @@ def sample_run(mode, gdf, cfg, prompts: list[str], n: int = 4, steps: int | None
     conditioning); CFG pushes away from `negative_prompt` (`negative_conds`); `decode(x0, conds, uncond)`
     turns the latents into images (default: the mode's latent space decode); `weighted`: prompts in A1111's syntax;
     `control` (1, or one per image, 3, size, size) in [0, 1]: what a ControlNet run follows (`read_control`: its
-    filter's input, a `dataset` run's control image)."""
+    filter's input, a `dataset` run's control image; default: a blank image)."""
     captions = [p for p in prompts for _ in range(n)]
     size = size or cfg.data.image_size
     probe = torch.zeros(1, 3, size, size, device=device)
     shape = (len(captions), *mode.space.encode(probe).shape[1:])
-    batch = {"captions": captions, "images": probe.expand(len(captions), -1, -1, -1), "weighted": weighted}
-    if control is not None: batch["images"] = batch["controls"] = control.to(device).expand(len(captions), -1, -1, -1)
+    # a ControlNet run without `control` follows a blank one (the probe), what its filter makes of a blank image
+    control = probe if control is None else control.to(device)
+    batch = {"captions": captions, "images": control.expand(len(captions), -1, -1, -1), "weighted": weighted}
+    batch["controls"] = batch["images"]
     _, conds = mode.encode(batch, device, training=False)
     overrides = {k: v for k, v in dict(sample_steps=steps, sample_cfg=cfg_scale, sample_sampler=sampler).items()
                  if v is not None}
@@ -229,7 +231,8 @@ def sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--best", action="store_true", help="use the best weights by the run's best_metric (its best.json)")
     p.add_argument("--control", default=None, metavar="IMAGE",
                    help="a ControlNet run's control: the image its filter reads (with controlnet_filter: dataset, the "
-                        "control image itself: a pose map, a silhouette); centre square, resized to the run's size")
+                        "control image itself: a pose map, a silhouette); centre square, resized to the run's size "
+                        "(default: a blank image)")
     return add_import_option(add_ema_option(p))
 
 # %% ../nbs/42_sample.ipynb #957bccdb
