@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from .core import resolve_dtype, save_safetensors_atomic, safetensors_header
-from .ema import WEIGHTS_FIELD, WEIGHTS_KINDS
+from .ema import WEIGHTS_FIELD, WEIGHTS_KINDS, weights_kind
 from .registry import Registry
 from .config import ConfigError
 
@@ -172,7 +172,8 @@ def checkpoint_metadata(models: RunModels, name: str, layout: CheckpointLayout, 
             "cascade_nb.model_overrides": json.dumps(m.model_overrides),
             "cascade_nb.run": models.run.name if models.run is not None else "",
             "cascade_nb.update": str(info.get("update", "")), "cascade_nb.weights_file": models.weights.name,
-            WEIGHTS_FIELD: "ema" if models.weights.stem.endswith("_ema") else "live",
+            WEIGHTS_FIELD: weights_kind(models.weights) if models.run is not None else (
+                "ema" if models.weights.stem.endswith("_ema") else "live"),   # a config's base: by its name
             "cascade_nb.generator_checkpoint_path": Path(base).name if base else "",
             "cascade_nb.dtype": str(dtype).removeprefix("torch."), "cascade_nb.parts": json.dumps(parts),
             "cascade_nb.trained_tokens": json.dumps(list(models.tokens)),
