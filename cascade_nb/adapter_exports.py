@@ -15,18 +15,18 @@ from .core import save_safetensors_atomic, safetensors_header, atomic_dir
 from .registry import Registry
 from .config import ConfigError
 from .typed_yaml import read_json_file
-from .adapters import ADAPTERS, FullDiff
+from .adapters import ADAPTERS, FullDiff, is_depthwise
 from .lora_converters import (kohya_parts, refuse_text_encoder, to_diffusers_module, from_kohya,
                                         from_reference, is_reference_lora, load_peft_adapter, split_text_encoder,
-                                        to_kohya, to_reference)
+                                        kohya_file, KohyaFile, to_reference)
 from .lora_file import (adapter_entries, adapter_metadata, load_adapter_file,
                                   lora_tokens, token_names, weight_shapes)
 from .adapter_readers import is_embedding_file
 from .ema import WEIGHTS_FIELD, WEIGHTS_KINDS, weights_kind
 
 # %% auto #0
-__all__ = ['LAYOUTS', 'peft_files', 'ExportContext', 'comfy_ready', 'export_adapter', 'AdapterSource', 'header_fields',
-           'read_source', 'source_layout', 'source_lora', 'source_weights']
+__all__ = ['KOHYA_READERS', 'LAYOUTS', 'peft_files', 'ExportContext', 'kohya_warnings', 'export_adapter', 'AdapterSource',
+           'header_fields', 'read_source', 'source_layout', 'source_lora', 'source_weights']
 
 # %% ../nbs/60g_adapter_exports.ipynb #3bc5d15d
 def _peft_kind(lora: dict) -> str:
@@ -43,6 +43,10 @@ def peft_files(lora: dict) -> tuple[dict, dict]:
     diffusers' StableCascadeUNet, ranks per module."""
     refuse_text_encoder(lora, "export --to peft", "export --to kohya (lora_te_ keys)")
     sd, pairs, dora = {}, {}, _peft_kind(lora) == "dora"
+    # the down factor (rank, in/groups, k, k) has the weight's trailing dims
+    if dw := [p for p, (_, t, _) in adapter_entries(lora).items() if is_depthwise((2, *t["lora_down"].shape[1:]))]:
+        raise ConfigError(f"--to peft: {len(dw)} layers on depthwise (grouped) convs, e.g. {dw[0]}: peft's LoRA on a "
+                          "grouped conv is itself grouped (rank divisible by groups), not this ΔW; export --to kohya")
     for path, entry in adapter_entries(lora).items():
         # the fused projection as q/k/v rows: exact for LoRA (a shared down) and DoRA (per-row magnitudes)
         for mod, _, t, a in kohya_parts(path, entry, None):
@@ -50,7 +54,9 @@ def peft_files(lora: dict) -> tuple[dict, dict]:
             pairs[mod] = (int(t["lora_down"].shape[0]), float(a))
             sd[f"base_model.model.{mod}.lora_A.weight"] = t["lora_down"].contiguous()
             sd[f"base_model.model.{mod}.lora_B.weight"] = t["lora_up"].contiguous()
-            if dora: sd[f"base_model.model.{mod}.lora_magnitude_vector"] = t["dora_scale"].flatten().contiguous()
+            # peft's magnitude: (out,) for a Linear, (1, out, 1, 1) for a conv (its DoraConv2dLayer's weight norm)
+            if dora: sd[f"base_model.model.{mod}.lora_magnitude_vector"] = t["dora_scale"].reshape(
+                (1, -1, 1, 1) if t["lora_down"].ndim == 4 else (-1,)).contiguous()
     counts = {}
     for pair in pairs.values(): counts[pair] = counts.get(pair, 0) + 1
     r, alpha = max(counts, key=counts.get)
@@ -64,6 +70,11 @@ def _adapters_only(lora: dict) -> dict: return {k: v for k, v in lora.items() if
 
 def _safe_name(token: str) -> str: return re.sub(r"[^A-Za-z0-9_-]+", "_", token).strip("_") or "token"
 
+KOHYA_READERS = Registry("kohya_reader", {
+    "comfyui": "ComfyUI's LoRA loader (its form of DoRA's magnitude and of OFT's rescale)",
+    "lycoris": "LyCORIS' kohya loader, `lycoris.kohya`, with which kohya's Stable Cascade scripts load LyCORIS types"})
+"The readers of the kohya layout that `export --to kohya --for READER` writes a file for (`Adapter.consumer_form`)."
+
 @dataclass
 class ExportContext:
     "What a layout may need besides the LoRA: the Stage C (names), the text model its tokens start from, metadata."
@@ -71,22 +82,14 @@ class ExportContext:
     text_model: nn.Module | None = None
     metadata: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
+    reader: str = "comfyui"      # the kohya layout's reader the file is for: comfyui or lycoris (`kohya_file`)
 
 # %% ../nbs/60g_adapter_exports.ipynb #fb055cb8
-def comfy_ready(lora: dict, model: nn.Module | None) -> tuple[dict, dict, list[str]]:
-    """(`lora` with the entries of types that have a `comfy_form` rewritten, {path: new type} of the rewritten,
-    warnings where that needs base weights `model` lacks)."""
-    out, forms, todo = {}, {}, []
-    for p, entry in adapter_entries(lora).items():
-        W = None if model is None else model.get_parameter(p).detach()
-        if (form := entry[0].comfy_form) and (W is None or W.is_meta): todo.append(p)
-        elif form and (new := form(entry, W.cpu())) is not entry: entry, forms[p] = new, new[0].kind
-        cls, t, alpha = entry
-        out.update({f"{p}.{n}": v for n, v in t.items()})
-        if cls is not FullDiff: out[f"{p}.alpha"] = torch.tensor(float(alpha))
-    warn = [f"{len(todo)} {adapter_entries(lora)[todo[0]][0].kind} layers (e.g. {todo[0]}) keep LyCORIS' form, "
-            "which ComfyUI reads differently: export with the base weights for an exact ComfyUI file"] if todo else []
-    return out, forms, warn
+def kohya_warnings(kf: KohyaFile, consumer: str) -> list[str]:
+    "A warning for the layers `kohya_file` left as trained for want of base weights: `consumer` reads them differently."
+    if not kf.kept: return []
+    return [f"{len(kf.kept)} layers (e.g. {kf.kept[0]}) are written as trained: {consumer} reads them differently "
+            "without the base weights; export with --model RUN (or its Stage C) for an exact file"]
 
 # %% ../nbs/60g_adapter_exports.ipynb #07efdc4a
 def _export_cascade_nb(lora, out: Path, ctx: ExportContext) -> list[Path]:
@@ -95,13 +98,13 @@ def _export_cascade_nb(lora, out: Path, ctx: ExportContext) -> list[Path]:
 def _export_kohya(lora, out: Path, ctx: ExportContext) -> list[Path]:
     if "tokens.ids" in lora:
         ctx.warnings.append("the kohya/ComfyUI file holds the adapters only: export the tokens with --to embedding")
-    weighted = ctx.model if ctx.model is not None and not next(ctx.model.parameters()).is_meta else None
-    ready, forms, warns = comfy_ready(_adapters_only(lora), weighted)
-    ctx.warnings += warns
-    meta = {**ctx.metadata, **({"cascade_nb.comfyui_forms": json.dumps(forms)} if forms else {})}
-    try: sd = to_kohya(ready, weighted)
-    except ValueError as e: raise ValueError(f"{e} (export --model CHECKPOINT)") from None
-    save_safetensors_atomic(sd, out, metadata=meta); return [out]
+    try: kf = kohya_file(_adapters_only(lora), ctx.model, ctx.reader, ctx.text_model)
+    except ValueError as e: raise ValueError(f"{e} (export --model RUN)") from None
+    ctx.warnings += kohya_warnings(kf, ctx.reader)
+    # the reader the file is for, and its layers in that reader's own form (another reader may read them differently)
+    meta = {**ctx.metadata, "cascade_nb.kohya_for": ctx.reader,
+            **({f"cascade_nb.{ctx.reader}_forms": json.dumps(kf.forms)} if kf.forms else {})}
+    save_safetensors_atomic(kf.sd, out, metadata=meta); return [out]
 
 def _export_official(lora, out: Path, ctx: ExportContext) -> list[Path]:
     if ctx.model is None: raise ConfigError("--to official needs the Stage C the LoRA adapts (its module order)")
@@ -138,10 +141,12 @@ LAYOUTS = Registry("adapter_layout", {"cascade_nb": _export_cascade_nb, "officia
 def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None, text_model: nn.Module | None = None,
                    base: str | None = None, module_filters=None, options: dict | None = None,
                    overwrite: bool = False, text_shapes: dict | None = None,
-                   text_width: int | None = None, weights: str | None = None) -> tuple[list[Path], list[str]]:
+                   text_width: int | None = None, weights: str | None = None,
+                   reader: str = "comfyui") -> tuple[list[Path], list[str]]:
     """Write `lora` (cascade_nb's layout, tokens included) as `layout` at `out`, with metadata; (paths, warnings).
-    `model`: the Stage C (official order; with its weights, ComfyUI-exact DoRA/OFT in kohya files); `text_model`: the
-    text model with the run's `train_tokens` added; `options`: the adapter type's (`adapter_options`); `weights`: which
+    `model`: the Stage C (official order; with its weights, the exact form of every layer in kohya files); `text_model`:
+    the text model with the run's `train_tokens` added (its weights: the same for text-encoder adapters); `reader`:
+    which reader of the kohya layout the file is for, `comfyui` or `lycoris` (`KOHYA_READERS`); `options`: the adapter type's (`adapter_options`); `weights`: which
     of a run's weights `lora` holds (`WEIGHTS_FIELD`, `ema` or `live`), said in every file's header. `out` must not
     exist unless `overwrite`, and never lies in a run directory (`output_target`). Every entry is checked first
     (`adapter_entries`: against `model`'s weights and the text encoder's `text_shapes` where given, finite), and the
@@ -149,6 +154,7 @@ def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None,
     from safetensors import SafetensorError
     from cascade_nb.cli import cli_choice, output_target
     writer = cli_choice(LAYOUTS, layout, "--to")
+    cli_choice(KOHYA_READERS, reader, "--for")
     output_target(out, overwrite)
     generator, te = split_text_encoder(_adapters_only(lora))
     adapter_entries(generator, None if model is None else weight_shapes(model), finite=True)
@@ -158,7 +164,7 @@ def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None,
                 emb.num_embeddings if emb is not None else None)
     meta = adapter_metadata(_adapters_only(lora), layout, base, token_names(lora), module_filters, options)
     ctx = ExportContext(model, text_model, {**meta, "modelspec.title": Path(out).stem,
-                                            **({WEIGHTS_FIELD: weights} if weights else {})})
+                                            **({WEIGHTS_FIELD: weights} if weights else {})}, reader=reader)
     # a folder, a read-only place, a full disk: one line naming --out, not the temporary file being written
     try: return writer(lora, Path(out), ctx), ctx.warnings
     except (OSError, SafetensorError) as e:

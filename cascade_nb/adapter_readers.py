@@ -13,16 +13,16 @@ from torch import nn
 from .registry import Registry
 from .config import ConfigError
 from .lora_converters import TEXT_ENCODER_PREFIX, to_diffusers_module
-from .lora_file import alpha_value, adapter_entries, adapter_from_entry, entry_fits
-from .adapters import base_state_dict
+from .lora_file import alpha_value, adapter_entries, adapter_from_entry, adapter_kind, entry_fits
+from .adapters import base_state_dict, is_depthwise, lycoris_rebuilds
 from .lora_training import clip_text_linears, text_encoder_weight_shapes
 
 # %% auto #0
 __all__ = ['ADAPTER_FAMILIES', 'CONSUMERS', 'consumer_params', 'clip_g_params', 'text_encoder_params', 'Target', 'split_modules',
            'Layer', 'Reading', 'Family', 'register_adapter_family', 'comfy_weight_decompose', 'text_modules',
-           'consumer_names', 'comfy_names', 'read_comfyui', 'is_embedding_file', 'read_comfy_embedding', 'read_kohya',
-           'peft_pattern', 'peft_targets', 'read_peft', 'reference_targets', 'read_official', 'read_cascade_nb',
-           'cascade_nb_deltas', 'delta_error']
+           'consumer_names', 'comfy_names', 'read_comfyui', 'metadata_for', 'forms_notes', 'is_embedding_file',
+           'read_comfy_embedding', 'read_kohya', 'read_lycoris', 'peft_pattern', 'peft_targets', 'read_peft',
+           'reference_targets', 'read_official', 'read_cascade_nb', 'cascade_nb_deltas', 'delta_error']
 
 # %% ../nbs/60f_adapter_readers.ipynb #824b2f61
 def consumer_params(model: nn.Module, text_model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -188,10 +188,9 @@ def _lokr_parts(x, sd):
     return parts if {"w1", "w2", "w1_a", "w2_a"} & set(parts) else None
 
 def _lokr_notes(x, t, alpha, dim, W) -> list[str]:
-    "alpha 0, or an alpha ComfyUI ignores: a LoKr with full w1 and w2 has scale 1."
-    full = dim is None and alpha is not None
-    return _zero_alpha(x, alpha) + ([f"{x}: LoKr with full w1 and w2: ComfyUI ignores .alpha {alpha:g} (scale 1)"]
-                                    if full else [])
+    """alpha 0 on a factored LoKr. With full w1 and w2 every reader (ComfyUI, LyCORIS, cascade_nb) scales by 1 and
+    ignores the alpha, so an alpha there says nothing."""
+    return _zero_alpha(x, alpha) if dim is not None else []
 
 @register_adapter_family("lokr", _lokr_parts, notes=_lokr_notes)
 def _lokr_diff(t: dict, W, alpha):
@@ -209,8 +208,7 @@ def _lokr_diff(t: dict, W, alpha):
 # %% ../nbs/60f_adapter_readers.ipynb #2a40d8ea
 def _cayley(blocks: torch.Tensor, alpha) -> torch.Tensor:
     "R = (I + Q)(I - Q)^-1 with Q = B - B^T, Q shrunk to Frobenius norm `alpha` when larger (OFT's constraint)."
-    if alpha is None:
-        raise ValueError("no .alpha: ComfyUI's OFT compares alpha > 0 and fails, so the layer is not patched")
+    alpha = alpha or 0.0          # ComfyUI (a125cd8) reads a missing alpha as 0: no bound
     q = blocks.float() - blocks.float().transpose(-1, -2)
     if alpha > 0 and (n := q.norm() + 1e-8) > alpha: q = q * alpha / n
     eye = torch.eye(q.shape[-1])
@@ -222,15 +220,9 @@ def _oft_parts(ndim: int):
         return {"blocks": x + ".oft_blocks", **({"rescale": x + ".rescale"} if x + ".rescale" in sd else {})}
     return parts
 
-def _constraint_notes(x, t, alpha, dim, W) -> list[str]:
-    "ComfyUI's bound on ‖Q‖ is alpha itself, LyCORIS' alpha·out_dim."
-    if not alpha or (q := t["blocks"] - t["blocks"].transpose(-1, -2)).norm() <= alpha: return []
-    return [f"{x}: ComfyUI shrinks Q (norm {float(q.norm()):.3g}) to alpha {alpha:g}; LyCORIS' "
-            f"constraint is alpha·out_dim = {alpha * W.shape[0]:g}"]
-
 def _oft_notes(x, t, alpha, dim, W) -> list[str]:
-    rescale = [f"{x}: OFT .rescale is loaded but not applied by ComfyUI"] if "rescale" in t else []
-    return rescale + _constraint_notes(x, t, alpha, dim, W)
+    "ComfyUI's bound on ‖Q‖ is alpha itself, as cascade_nb's (LyCORIS': alpha·rows, `read_lycoris`); rescale unused."
+    return [f"{x}: OFT .rescale is loaded but not applied by ComfyUI"] if "rescale" in t else []
 
 @register_adapter_family("oft", _oft_parts(3), needs_weight=True, notes=_oft_notes)
 def _oft_diff(t: dict, W, alpha):
@@ -241,7 +233,7 @@ def _oft_diff(t: dict, W, alpha):
     return torch.einsum("k n m, k n ... -> k m ...", R - torch.eye(b), rows).reshape(W.shape), None
 
 # %% ../nbs/60f_adapter_readers.ipynb #de06b541
-@register_adapter_family("boft", _oft_parts(4), needs_weight=True, notes=_constraint_notes)
+@register_adapter_family("boft", _oft_parts(4), needs_weight=True)
 def _boft_diff(t: dict, W, alpha):
     "BOFT: m butterfly stages, each permuting W's rows into pairs of half-blocks and rotating by R[i]; then rescale."
     R = _cayley(t["blocks"], alpha)                                     # (m, n, b, b)
@@ -393,26 +385,38 @@ def read_comfyui(sd: dict, params: dict, metadata: dict | None = None, config: d
     rd.loaded = [k for k in sd if k in used]
     rd.skipped = [k for k in sd if k not in used]
     if rd.refused: rd.deltas, rd.layers = {}, {}
-    _forms_notes(rd, metadata)
+    forms_notes(rd, metadata)
     _scale_notes(rd, metadata)
     return rd
 
-def _forms_notes(rd: Reading, metadata: dict | None):
-    "No DoRA-norm warning for the layers a cascade_nb export wrote in ComfyUI's form (`cascade_nb.comfyui_forms`)."
-    forms = json.loads((metadata or {}).get("cascade_nb.comfyui_forms") or "{}")
-    ready = {x for x, l in rd.layers.items() if l.target.weight in forms}
-    rd.warnings = [w for w in rd.warnings if not (w.partition(":")[0] in ready and "dora_scale per output row" in w)]
+def metadata_for(metadata: dict | None) -> str | None:
+    "The reader a cascade_nb kohya file was written for (`cascade_nb.kohya_for`; comfyui before it was recorded)."
+    if not metadata or "cascade_nb.adapter_type" not in metadata: return None
+    return metadata.get("cascade_nb.kohya_for", "comfyui")
+
+def forms_notes(rd: Reading, metadata: dict | None):
+    """The layers a cascade_nb export wrote in a reader's own form (`cascade_nb.<reader>_forms`, `kohya_file`): no
+    DoRA-norm warning for the reader's own, a warning for another reader's (a `.diff` reads the same everywhere)."""
+    for reader in ("comfyui", "lycoris"):
+        forms = json.loads((metadata or {}).get(f"cascade_nb.{reader}_forms") or "{}")
+        layers = {x: l for x, l in rd.layers.items() if forms.get(l.target.weight, "full") != "full"}
+        if reader == rd.consumer:
+            rd.warnings = [w for w in rd.warnings if not (w.partition(":")[0] in layers and "dora_scale per" in w)]
+        elif layers:
+            rd.warnings.append(f"{len(layers)} layers (e.g. {next(iter(layers))}) are written in {reader}'s form, which "
+                               f"{rd.consumer} reads differently: export --to kohya --for {rd.consumer}")
 
 def _scale_notes(rd: Reading, metadata: dict | None):
     """Scales that look wrong: against the rank/alpha per layer the file's metadata records (cascade_nb's exports),
     else one alpha over layers of different ranks (AnimaLoraStudio#241)."""
     recorded = json.loads((metadata or {}).get("cascade_nb.layers", "null") or "null")
+    folded = ("loha", "lokr") if "cascade_nb.kohya_for" in (metadata or {}) else ()   # written at scale 1, `kohya_form`
     if recorded:
         for name, l in rd.layers.items():
             # the types whose scale is alpha/rank (a DoRA's, an OFT's or a `.diff`'s reading has no such scale)
             want = recorded.get(l.target.weight) or {}
-            if l.kind != want.get("kind", "lora") or l.kind not in ("lora", "loha", "lokr") or not want.get("rank"):
-                continue
+            if l.kind != want.get("kind", "lora") or l.kind not in ("lora", "loha", "lokr") or not want.get("rank") \
+                    or l.kind in folded: continue
             if not math.isclose(l.scale, want["alpha"] / want["rank"]):
                 rd.warnings.append(f"{name}: {rd.consumer} scales by {l.scale:.4g}; the file was trained with "
                                    f"alpha/rank = {want['alpha']:g}/{want['rank']}")
@@ -452,6 +456,7 @@ def read_kohya(sd: dict, params: dict, metadata: dict | None = None, config: dic
     rd, used, have = Reading("kohya"), set(), _prefixes(sd)
     for x, tg in consumer_names(params, _kohya_unet, _kohya_te).items():
         if x not in have or x + ".lora_down.weight" not in sd or x + ".lora_up.weight" not in sd: continue
+        if is_depthwise(params[tg.weight].shape): continue      # `create_modules` makes none for a grouped conv
         alpha = _alpha_of(sd, x, used)
         used.update({x + ".lora_down.weight", x + ".lora_up.weight"})
         diff, rank = _lora_diff({"up": sd[x + ".lora_up.weight"], "down": sd[x + ".lora_down.weight"]}, None, alpha)
@@ -461,8 +466,72 @@ def read_kohya(sd: dict, params: dict, metadata: dict | None = None, config: dic
     rd.loaded, rd.skipped = [k for k in sd if k in used], [k for k in sd if k not in used]
     if any(s in k for k in rd.skipped for s in ("hada_", "lokr_", "oft_", "dora_scale", "lora_mid")):
         rd.warnings.append("LyCORIS keys (hada_/lokr_/oft_/dora_scale/lora_mid) are not read by networks.lora: "
-                           "load the file with --network_module lycoris.kohya")
+                           "load the file with --network_module lycoris.kohya (check --for lycoris)")
+    if dw := [k for k in rd.skipped if k.endswith(".lora_down.weight") and k[:-len(".lora_down.weight")] in have]:
+        rd.warnings.append(f"{len(dw)} LoRA layers on depthwise (grouped) convs, e.g. {dw[0]}: networks.lora makes "
+                           "no module for them and merges nothing there (ComfyUI and LyCORIS do)")
     _scale_notes(rd, metadata)
+    return rd
+
+# %% ../nbs/60f_adapter_readers.ipynb #be0ae76e
+def _lycoris_te(t: str): return [f"lora_te_{t.replace('.', '_')}"]
+
+_LYCORIS_TYPES = ("lora", "dora", "loha", "lokr", "oft", "full")   # LyCORIS' locon (+ dora_wd), loha, lokr, diag-oft, full
+
+def _lycoris_refusal(kind: str, t: dict, alpha, shape) -> str | None:
+    "Why `lycoris.kohya` fails on the whole file at this layer (None: it builds the module)."
+    if alpha is None and kind in ("lokr", "oft"): return "no .alpha: LyCORIS calls float(alpha) (TypeError)"
+    if kind == "oft" and (n := t["oft_blocks"].shape)[0] < n[1]:
+        return f"{n[0]} OFT blocks of {n[1]} rows: LyCORIS rebuilds factorization(rows, {n[1]}), fewer blocks than rows"
+    if kind == "lokr" and not lycoris_rebuilds("lokr", t, alpha, shape):
+        return "LyCORIS' LoKr module cannot take these factors for this weight's shape (its own factorization)"
+    return None
+
+def _lycoris_delta(cls, t: dict, alpha, W) -> tuple[torch.Tensor, float, float | None]:
+    "(ΔW LyCORIS' merge adds, its scale, the rank the scale divides by) for one module of type `cls`."
+    a = alpha or None
+    if cls.kind == "oft": return adapter_from_entry((cls, t, (alpha or 0) * W.shape[0]), W.shape).update(W), 1.0, None
+    if cls.kind == "full": return t["diff"].float(), 1.0, None
+    probe = adapter_from_entry((cls, t, 1.0), W.shape)
+    rank = None if cls.kind == "lokr" and probe.rank is None else probe.rank
+    scale = 1.0 if rank is None else (a or rank) / rank
+    d = adapter_from_entry((cls, t, scale * rank if rank else 1.0), W.shape).update(W.float() if cls.kind == "dora" else W)
+    # LyCORIS 4.1.3's merge (`get_diff_weight`, what kohya's gen script merges with) applies the scale twice
+    return (d * scale if cls.kind in ("loha", "lokr") else d), scale, rank
+
+def read_lycoris(sd: dict, params: dict, metadata: dict | None = None, config: dict | None = None) -> Reading:
+    """What LyCORIS' kohya loader adds for `sd` (`lycoris.kohya.create_network_from_weights` + `merge_to`, how kohya's
+    Stable Cascade scripts load LyCORIS types): a module per `lora_unet_`/`lora_te_` stem of a Stage C with q/k/v
+    split or of CLIP, its type from its keys; alpha None or 0 is the rank; a LoKr or OFT it cannot build fails the
+    whole load; its merge applies alpha/rank twice for LoHa and LoKr (4.1.3); OFT's bound is alpha·rows."""
+    rd, used, have = Reading("lycoris"), set(), _prefixes(sd)
+    for x, tg in consumer_names(params, _kohya_unet, _lycoris_te).items():
+        if x not in have: continue
+        t = {k[len(x) + 1:].removesuffix(".weight"): v for k, v in sd.items() if k.startswith(x + ".")}
+        alpha = alpha_value(t.pop("alpha"), f"{x}.alpha") if "alpha" in t else None
+        try: cls = adapter_kind(t, x)
+        except (KeyError, ValueError): continue
+        if cls.kind not in _LYCORIS_TYPES: continue
+        used.update(k for k in sd if k.startswith(x + "."))
+        W = params[tg.weight] if tg.rows is None else params[tg.weight][tg.rows]
+        if why := _lycoris_refusal(cls.kind, t, alpha, W.shape):
+            rd.warnings.append(f"{x}: {why}: the whole load fails"); rd.refused = True; break
+        if cls.kind in ("dora", "oft") and _is_meta(W):
+            rd.warnings.append(f"{x}: {cls.kind} depends on the base weights; pass --model to evaluate it")
+            rd.layers[x] = Layer(tg, cls.kind, None, alpha, float("nan")); continue
+        with torch.no_grad(): diff, scale, rank = _lycoris_delta(cls, t, alpha, W)
+        q = t["oft_blocks"] - t["oft_blocks"].transpose(-1, -2) if cls.kind == "oft" else None
+        if q is not None and alpha and float(q.norm()) + 1e-8 > alpha and metadata_for(metadata) != "lycoris":
+            rd.warnings.append(f"{x}: OFT's bound: LyCORIS shrinks Q to alpha·rows = {alpha * W.shape[0]:g}, ComfyUI "
+                               f"and cascade_nb to alpha = {alpha:g} (norm {float(q.norm()):.3g}): export --for lycoris")
+        if cls.kind in ("loha", "lokr") and scale != 1:
+            rd.warnings.append(f"{x}: LyCORIS' merge applies alpha/rank = {scale:.4g} twice (its forward once): "
+                               "cascade_nb's --to kohya writes scale 1")
+        rd.add(params, tg, diff)
+        rd.layers[x] = Layer(tg, cls.kind, rank, alpha, scale)
+    rd.loaded, rd.skipped = [k for k in sd if k in used], [k for k in sd if k not in used]
+    if rd.refused: rd.deltas, rd.layers = {}, {}
+    forms_notes(rd, metadata)
     return rd
 
 # %% ../nbs/60f_adapter_readers.ipynb #5308dff0
@@ -485,6 +554,15 @@ def _peft_layer(cfg: dict, mod: str, A, B, W, magnitude, rd: Reading, tg: Target
     "One peft module: its rank/alpha/scale from the config, refused on a shape mismatch, DoRA with a magnitude."
     r = peft_pattern(cfg.get("rank_pattern"), mod, cfg["r"])
     alpha = float(peft_pattern(cfg.get("alpha_pattern"), mod, cfg["lora_alpha"]))
+    if is_depthwise(W.shape):
+        rd.warnings.append(f"{mod}: a depthwise conv (groups={W.shape[0]}): peft's LoRA there is grouped itself, "
+                           + (f"rank {r} not divisible by the groups: peft refuses the folder" if r % W.shape[0]
+                              else "not a low-rank ΔW: not modelled"))
+        rd.refused = True; return
+    if magnitude is not None and W.ndim == 4 and tuple(magnitude.shape) != (1, W.shape[0], 1, 1):
+        rd.warnings.append(f"{mod}: lora_magnitude_vector {tuple(magnitude.shape)}: peft's conv DoRA wants "
+                           f"(1, {W.shape[0]}, 1, 1) and refuses the folder (size mismatch)")
+        rd.refused = True; return
     if A.shape[0] != r or B.shape[1] != r:
         rd.warnings.append(f"{mod}: the file has rank {A.shape[0]}, the config gives r={r}: peft refuses the file "
                            "(size mismatch); write rank_pattern for it")
@@ -519,6 +597,7 @@ def read_peft(sd: dict, params: dict, metadata: dict | None = None, config: dict
         if use_dora and magnitude is None:
             rd.warnings.append(f"{mod}: use_dora without lora_magnitude_vector: peft starts m at the rows' ‖W‖")
             magnitude = W.reshape(W.shape[0], -1).norm(dim=1) if not _is_meta(W) else W.new_empty(W.shape[0])
+            if W.ndim == 4: magnitude = magnitude.reshape(1, -1, 1, 1)
         _peft_layer(config, mod, sd[k], sd[b_key], W, magnitude, rd, tg, params)
     rd.loaded, rd.skipped = [k for k in sd if k in used], [k for k in sd if k not in used]
     if rd.refused: rd.deltas, rd.layers = {}, {}
@@ -599,7 +678,8 @@ def read_cascade_nb(sd: dict, params: dict, metadata: dict | None = None, config
     rd.skipped = [k for k in sd if k not in rd.loaded]
     return rd
 
-CONSUMERS = Registry("adapter_consumer", {"comfyui": read_comfyui, "kohya": read_kohya, "peft": read_peft,
+CONSUMERS = Registry("adapter_consumer", {"comfyui": read_comfyui, "kohya": read_kohya, "lycoris": read_lycoris,
+                                          "peft": read_peft,
                                           "official": read_official, "cascade_nb": read_cascade_nb},
                      how="CONSUMERS.register('name', reader) in cascade_nb.adapter_readers")
 "Consumer name → reader(sd, params, metadata, config) → `Reading`."

@@ -17,9 +17,9 @@ from .optimizers import first_match
 
 # %% auto #0
 __all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'match_filters', 'lora_targets', 'register_lora_init',
-           'register_adapter', 'fuse_lora', 'split_rows', 'cat_rows', 'Adapter', 'LoRA', 'shapes_of', 'param_owner',
-           'apply_lora', 'base_state_dict', 'is_adapter', 'lora_layers', 'scaled_adapters', 'LoKr', 'LoHa', 'DoRA',
-           'OFT', 'FullDiff']
+           'register_adapter', 'fuse_lora', 'split_rows', 'cat_rows', 'Adapter', 'LoRA', 'shapes_of', 'NeedsBase',
+           'is_depthwise', 'lycoris_rebuilds', 'fold_scale', 'param_owner', 'apply_lora', 'base_state_dict',
+           'is_adapter', 'lora_layers', 'scaled_adapters', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff']
 
 # %% ../nbs/60_adapters.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -104,7 +104,6 @@ class Adapter(nn.Module):
     layout_alpha = 1.0         # the alpha of an entry in cascade_nb's layout that has none (LoRA's scale 1/rank)
     lycoris_algo = None        # (its LyCORIS `algo`, extra network args) for kohya's header (`ss_network_args`)
     peft_refuses = "not a peft type"   # why `export --to peft` refuses it; None: peft loads it
-    comfy_form = None          # (entry, W) → the entry ComfyUI reads as our ΔW, for a type ComfyUI reads differently
     def __init__(self, shape, alpha: float):
         super().__init__()
         self.shape, self.alpha, self.enabled, self.multiplier = tuple(shape), float(alpha), True, 1.0
@@ -127,6 +126,16 @@ class Adapter(nn.Module):
         "W from the merged `W + scale·ΔW`: a subtraction, where ΔW does not depend on W."
         return torch.add(W, self.update(W.float()).to(W.dtype), alpha=-scale)
 
+    @classmethod
+    def consumer_form(cls, consumer: str, entry: tuple, W: torch.Tensor | None) -> tuple:
+        """The entry (type, tensors, alpha) that `consumer` ('comfyui' or 'lycoris', readers of the kohya layout)
+        reads as our ΔW for a module whose base weight is `W` (None: not given; a form that needs it raises
+        `NeedsBase`; a meta tensor gives its shape only). Ours as it is, by default."""
+        return entry
+    @classmethod
+    def kohya_form(cls, entry: tuple) -> tuple:
+        "The entry as every reader of the kohya layout reads it (`consumer_form` comes after). Ours, by default."
+        return entry
     @classmethod
     def claims(cls, names: set) -> bool: return cls.signature in names
     @classmethod
@@ -224,6 +233,38 @@ class LoRA(Adapter):
 
 # %% ../nbs/60_adapters.ipynb #666cb29f
 def shapes_of(t: dict) -> str: return ", ".join(f"{k} {tuple(v.shape)}" for k, v in t.items())
+
+class NeedsBase(ValueError):
+    "A consumer's form of an entry depends on the base weight, which was not given (`Adapter.consumer_form`)."
+
+def is_depthwise(shape) -> bool:
+    """A conv weight (out, 1, k, k), k > 1: Stage C's depthwise convs (groups = out), its only kernels with one input
+    channel per group (nbs/60_adapters asserts it on the model)."""
+    return len(shape) == 4 and shape[1] == 1 and shape[0] > 1 and math.prod(shape[2:]) > 1
+
+def lycoris_rebuilds(algo: str, tensors: dict, alpha: float, shape) -> bool:
+    """Whether LyCORIS' own `make_module_from_state_dict` (what `lycoris.kohya` loads a file with) builds a module of
+    `algo` from `tensors` for a weight of `shape` (a depthwise conv's groups from `is_depthwise`)."""
+    import logging
+    from lycoris.modules import make_module
+    from lycoris.modules.lokr import LokrModule
+    groups = shape[0] if is_depthwise(shape) else 1
+    with torch.device("meta"):
+        orig = nn.Linear(shape[1], shape[0]) if len(shape) == 2 else nn.Conv2d(shape[1] * groups, shape[0],
+                                                                               tuple(shape[2:]), groups=groups)
+    names = {"lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", None, "lokr_t2")}[algo]
+    params = [tensors.get(n) if n else None for n in names] + [torch.tensor(float(alpha)), None]
+    level = logging.getLogger("LyCORIS").level
+    logging.getLogger("LyCORIS").setLevel(logging.ERROR)
+    try: return make_module(LokrModule, params, "check", orig) is not None
+    except RuntimeError: return False
+    finally: logging.getLogger("LyCORIS").setLevel(level)
+
+def fold_scale(entry: tuple, factor: str, rank: int) -> tuple:
+    "The entry with its scale alpha/rank multiplied into the tensor `factor` and alpha = rank: scale 1, same ΔW."
+    cls, t, alpha = entry
+    if alpha == rank: return entry
+    return cls, {**t, factor: t[factor] * (alpha / rank)}, float(rank)
 
 def param_owner(model: nn.Module, path: str):
     mod, _, name = path.rpartition('.')
@@ -382,6 +423,25 @@ class LoKr(Adapter):
     @classmethod
     def default_alpha(cls, tensors):
         return float(next((tensors[k].shape[0] for k in ("lokr_w1_b", "lokr_w2_b") if k in tensors), 1))
+    @classmethod
+    def kohya_form(cls, entry):
+        "Scale 1 for every reader: alpha/rank folded into w1 and alpha = rank; full w1 and w2: alpha 1 (LyCORIS needs one)."
+        t = entry[1]
+        rank = next((t[k].shape[0] for k in ("lokr_w1_b", "lokr_w2_b") if k in t), None)
+        if rank is None: return cls, t, 1.0
+        return fold_scale(entry, "lokr_w1" if "lokr_w1" in t else "lokr_w1_a", rank)
+    @classmethod
+    def consumer_form(cls, consumer, entry, W):
+        """ComfyUI reads ours. LyCORIS rebuilds a LoKr module from the weight's shape with one factorization for its
+        rows and columns, and a full w2 of a conv as (rows, in, k, k): the tensors as LyCORIS' own code takes them
+        (`lycoris_rebuilds`), else the ΔW as `.diff` (a LoKr's does not depend on W)."""
+        if consumer != "lycoris": return entry
+        if W is None: raise NeedsBase("LyCORIS rebuilds a LoKr module from the weight's shape")
+        _, t, alpha = entry
+        if W.ndim == 4 and "lokr_w2" in t and t["lokr_w2"].ndim == 2 and t["lokr_w2"].shape[1] % W[0, 0].numel() == 0:
+            t = {**t, "lokr_w2": t["lokr_w2"].reshape(t["lokr_w2"].shape[0], -1, *W.shape[2:])}
+        if lycoris_rebuilds("lokr", t, alpha, W.shape): return (cls, t, alpha) if t is not entry[1] else entry
+        return FullDiff, {"diff": cls.from_tensors(entry[1], alpha, W.shape).update().detach()}, 1.0
 
 # %% ../nbs/60_adapters.ipynb #e42113af
 @register_adapter("loha")
@@ -421,6 +481,10 @@ class LoHa(Adapter):
 
     @classmethod
     def default_alpha(cls, tensors): return float(tensors["hada_w1_b"].shape[0])
+    @classmethod
+    def kohya_form(cls, entry):
+        "Scale 1 for every reader (LyCORIS 4.1.3's merge applies alpha/rank twice): alpha/rank folded into w1_a."
+        return fold_scale(entry, "hada_w1_a", entry[1]["hada_w1_b"].shape[0])
 
 # %% ../nbs/60_adapters.ipynb #f01894ac
 @register_adapter("dora")
@@ -454,13 +518,17 @@ class DoRA(LoRA):
     def fuse_rows(cls, parts):
         lora, alpha = super().fuse_rows(parts)
         return {**lora, "dora_scale": torch.cat([t["dora_scale"] for t, _ in parts])}, alpha
-    @staticmethod
-    def comfy_form(entry: tuple, W: torch.Tensor) -> tuple:
-        "ComfyUI divides the magnitude by ‖W‖ rows: m·‖W‖/‖W + ΔW_LoRA‖ (per output row) reads as our DoRA."
+    @classmethod
+    def consumer_form(cls, consumer, entry, W):
+        """LyCORIS reads ours. ComfyUI divides the magnitude by ‖W‖ + ε per row (ε float32's): m·(‖W‖ + ε)/‖W + ΔW‖
+        reads as our DoRA, exactly also on rows whose ‖W‖ is near 0."""
+        if consumer != "comfyui": return entry
+        if W is None or W.is_meta: raise NeedsBase("ComfyUI divides DoRA's magnitude by the base weight's row norms")
         cls, t, alpha = entry
         diff = LoRA.from_tensors({k: t[k] for k in LoRA.names}, alpha, W.shape).eval().update().detach()
         def rows(M): return M.reshape(M.shape[0], -1).norm(dim=1).reshape(t["dora_scale"].shape)
-        return cls, {**t, "dora_scale": t["dora_scale"] * rows(W.float()) / rows(W.float() + diff)}, alpha
+        eps = torch.finfo(torch.float32).eps
+        return cls, {**t, "dora_scale": t["dora_scale"] * (rows(W.float()) + eps) / rows(W.float() + diff)}, alpha
 
 # %% ../nbs/60_adapters.ipynb #03173e65
 def _divisor_near(n: int, b: int) -> int:
@@ -479,12 +547,18 @@ class OFT(Adapter):
                     "blocks and alpha")
     @classmethod
     def step_scale(cls, keys): return None   # a rotation: no factor between its step and W's
-    @staticmethod
-    def comfy_form(entry: tuple, W: torch.Tensor) -> tuple:
-        "ComfyUI does not apply `rescale`: such an OFT's ΔW as a full difference (`.diff`)."
-        cls, t, alpha = entry
-        if "rescale" not in t: return entry
-        return FullDiff, {"diff": cls.from_tensors(t, alpha, W.shape).update(W.float()).detach()}, 1.0
+    @classmethod
+    def consumer_form(cls, consumer, entry, W):
+        """ComfyUI does not apply `rescale`; LyCORIS rebuilds n blocks of b as `factorization(n·b, b)`, which puts the
+        smaller number first (n < b cannot be built), and bounds ‖Q‖ by alpha·rows. Where a reader cannot express the
+        layer, its ΔW as a full difference (`.diff`); LyCORIS' bound as alpha/rows."""
+        _, t, alpha = entry
+        n, b, _ = t["oft_blocks"].shape
+        if "rescale" in t if consumer == "comfyui" else n < b:
+            if W is None or W.is_meta: raise NeedsBase("ComfyUI does not apply OFT's rescale" if consumer == "comfyui" else
+                                                       f"LyCORIS cannot rebuild {n} OFT blocks of {b} rows (n < b)")
+            return FullDiff, {"diff": cls.from_tensors(t, alpha, W.shape).update(W.float()).detach()}, 1.0
+        return (cls, t, alpha / (n * b)) if consumer == "lycoris" and alpha > 0 else entry
     def __init__(self, shape, oft_block_size=32, oft_constraint=0.0, oft_rescale=False):
         super().__init__(shape, oft_constraint)          # alpha: the bound on ‖Q‖ (0: none), as LyCORIS stores it
         n_out, b = shape[0], oft_block_size

@@ -10,11 +10,12 @@ import json, sys
 from pathlib import Path
 import torch
 from torch import nn
-from .adapter_exports import (AdapterSource, LAYOUTS, export_adapter, read_source, source_layout, source_lora,
+from .adapter_exports import (AdapterSource, KOHYA_READERS, LAYOUTS, export_adapter, read_source, source_layout, source_lora,
                                         source_weights)
 from .ema import WEIGHTS_KINDS
 from .adapter_readers import CONSUMERS, Reading, clip_g_params, consumer_params, text_encoder_params
 from .lora_training import text_encoder_size, text_encoder_weight_shapes
+from .lora_converters import TEXT_ENCODER_PREFIX
 
 # %% auto #0
 __all__ = ['DELTA_LIMIT', 'meta_stage_c', 'source_label', 'run_export', 'reading_table', 'merge_reading', 'value_notes',
@@ -40,24 +41,27 @@ def _run_cfg(src: AdapterSource, config_path):
     return config_from_run(src.info_path, ["generator_checkpoint_path=null"], training=False)
 
 # %% ../nbs/60h_lora.ipynb #011b841a
-def _text_model_with_tokens(cfg, lora):
-    "The run's text model with its `train_tokens` added (the rows the official layout's token deltas start from)."
-    if "tokens.ids" not in lora or cfg is None or not cfg.lora.train_tokens: return None
+def _text_model_with_tokens(cfg, lora, base: bool = False):
+    """The run's text model with its `train_tokens` added: the rows the official layout's token deltas start from,
+    and with `base`, the weights its text-encoder adapters adapt (a reader's form of them)."""
+    tokens = "tokens.ids" in lora and cfg is not None and cfg.lora.train_tokens
+    if cfg is None or not (tokens or base): return None
     from cascade_nb.modes import build_text_encoder
     from cascade_nb.train_tokens import add_train_tokens
     tokenizer, text_model = build_text_encoder(cfg)
-    add_train_tokens(tokenizer, text_model, cfg.lora.train_tokens)
-    return text_model
+    if tokens: add_train_tokens(tokenizer, text_model, cfg.lora.train_tokens)
+    return text_model.float()
 
 def source_label(src: AdapterSource) -> str:
     "The file a command read, and which of a run's weights it holds where it says (`source_weights`)."
     return f"{src.path} ({WEIGHTS_KINDS[kind]})" if (kind := source_weights(src)) else str(src.path)
 
 def run_export(source, layout: str, out, config_path=None, model_arg=None, overwrite: bool = False,
-               ema: bool | None = None) -> tuple[list[Path], list[str], str]:
+               ema: bool | None = None, reader: str = "comfyui") -> tuple[list[Path], list[str], str]:
     """`export`: the adapter at `source` (run dir, its file as `ema` chooses; a file or folder) as `layout` at `out`
     (an existing one replaced only with `overwrite`), its header saying which of a run's weights it holds;
-    `model_arg`: a Stage C checkpoint (or training YAML) whose weights a `.diff` or ComfyUI's DoRA/OFT forms need.
+    `model_arg`: the base weights a `.diff` or a reader's form needs (a run directory: the base the run adapts; a
+    training YAML; a Stage C checkpoint); `reader`: the kohya layout's reader the file is for (`KOHYA_READERS`).
     (paths, warnings, `source_label`)."""
     from cascade_nb.cli import output_target
     output_target(out, overwrite)   # before the slow reading
@@ -68,36 +72,54 @@ def run_export(source, layout: str, out, config_path=None, model_arg=None, overw
     lora = source_lora(src, model, filters)
     base = ((src.run_config or {}).get("generator_checkpoint_path")
             or src.metadata.get("cascade_nb.generator_checkpoint_path"))
-    text_model = _text_model_with_tokens(cfg, lora) if layout == "official" else None
+    has_te = any(k.startswith(TEXT_ENCODER_PREFIX) for k in lora)      # their reader's form needs the base weights
+    text_model = (_text_model_with_tokens(cfg, lora, base=True) if layout == "kohya" and model_arg and has_te
+                  else _text_model_with_tokens(cfg, lora) if layout == "official" else None)
     options = json.loads(src.metadata.get("cascade_nb.adapter_options") or "{}")
     # the run's text encoder, else (a lone file) CLIP-G's width: an embedding file's `clip_g` vector is CLIP-G's
     text_width = text_encoder_size(cfg)[0] if cfg is not None else 1280 if layout == "embedding" else None
     paths, warns = export_adapter(lora, layout, out, model, text_model, base, filters, options, overwrite,
                                   text_encoder_weight_shapes(cfg) if cfg is not None else None, text_width,
-                                  source_weights(src))
+                                  source_weights(src), reader)
     return paths, warns, source_label(src)
 
 # %% ../nbs/60h_lora.ipynb #0ca5fbd3
-def _check_params(model_arg, cfg=None):
-    """(params, Stage C or None) for `check`: a config's or checkpoint's Stage C with weights, else the meta Stage C
-    and text encoder of the run's config `cfg`, else meta 3.6B + CLIP-G."""
-    text = clip_g_params() if cfg is None else text_encoder_params(cfg)
-    if model_arg is None: return consumer_params(meta_stage_c(cfg)) | text, None
-    if str(model_arg).endswith((".yaml", ".yml")):
-        from cascade_nb.modes import build_generator, build_text_encoder
-        cfg = _config(model_arg)
-        model = build_generator(cfg).float()
-        text = build_text_encoder(cfg)[1] if cfg.model.clip_text_model_name == "tiny" else None
-        return consumer_params(model, text) | ({} if text is not None else clip_g_params()), model
+def _model_config(model_arg):
+    """The training config `--model` names: a YAML; a run directory's `info.json` (its generator: the one it released,
+    else the base it adapts); or, for a weights file lying in a run directory, that run's. None for a checkpoint on
+    its own."""
+    p = Path(str(model_arg))
+    if p.suffix in (".yaml", ".yml"): return _config(p)
+    if (info := p / "info.json" if p.is_dir() else p.parent / "info.json").is_file():
+        from cascade_nb.config import config_from_run
+        return config_from_run(info, [], training=False)
+    return None
+
+def _check_params(model_arg, cfg=None, text: bool = False):
+    """(params, Stage C or None, text model or None) for `check` and `export`: with `model_arg` (a training YAML or
+    run directory: its generator; a Stage C checkpoint) its weights, and the text encoder's where `text` or tiny;
+    else the meta Stage C and text encoder of the run's config `cfg`, else meta 3.6B + CLIP-G."""
+    params = clip_g_params() if cfg is None else text_encoder_params(cfg)
+    if model_arg is None: return consumer_params(meta_stage_c(cfg)) | params, None, None
+    from cascade_nb.modes import build_generator, build_text_encoder
+    mcfg = _model_config(model_arg)
+    if mcfg is not None and Path(str(model_arg)).is_dir() and list(Path(str(model_arg)).glob("generator*.safetensors")):
+        from cascade_nb.modes import released_file
+        model_arg = released_file(model_arg, "generator")       # a run that released a generator: that generator
+    if mcfg is not None and not str(model_arg).endswith(".safetensors"):
+        model = build_generator(mcfg).float()
+        text_model = build_text_encoder(mcfg)[1].float() if text or mcfg.model.clip_text_model_name == "tiny" else None
+        return consumer_params(model, text_model) | ({} if text_model is not None else params), model, text_model
     from cascade_nb.models.stage_c import load_stage_c
-    # a checkpoint without its model config (no metadata, not an official size) takes the run's (`cfg`)
-    arch = {} if cfg is None else dict(preset=cfg.model.model_version, **cfg.model.model_overrides)
+    # a checkpoint without its model config (no metadata, not an official size) takes its run's, else the adapter's
+    c = mcfg if mcfg is not None else cfg
+    arch = {} if c is None else dict(preset=c.model.model_version, **c.model.model_overrides)
     try: model = load_stage_c(model_arg, dtype="float32", **arch)
     except ValueError as e:
-        if cfg is not None or "infer the preset" not in str(e): raise
-        raise ValueError(f"{e}: for `check`, pass --config TRAINING.yaml (the run's model_version and "
-                         "model_overrides), or --model TRAINING.yaml") from None
-    return consumer_params(model) | text, model
+        if arch or "infer the preset" not in str(e): raise
+        raise ValueError(f"{e}: pass --config TRAINING.yaml (the run's model_version and model_overrides), or "
+                         "--model RUN_DIR or TRAINING.yaml") from None
+    return consumer_params(model) | params, model, None
 
 # %% ../nbs/60h_lora.ipynb #fb52199d
 def reading_table(rd: Reading, deltas: dict | None = None) -> str:
@@ -162,7 +184,7 @@ def run_check(source, consumer: str | None = None, model_arg=None, config_path=N
     # the run's model and filters: --config, else a training YAML given as --model, else the run directory's
     is_yaml = model_arg is not None and str(model_arg).endswith((".yaml", ".yml"))
     cfg = _run_cfg(src, config_path or (model_arg if is_yaml else None))
-    params, model = _check_params(model_arg, cfg)
+    params, model, _ = _check_params(model_arg, cfg)
     config = src.peft_config if consumer == "peft" else {"module_filters": cfg.lora.module_filters if cfg else None}
     rd = reader(src.sd, params, src.metadata, config)
     value_notes(rd)
@@ -185,13 +207,15 @@ def _parser(doc: str):
                                                 "outside any run directory")
     e.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     e.add_argument("--config", help="training YAML of the LoRA (model, module_filters, train_tokens)")
-    e.add_argument("--model", help="Stage C checkpoint or training YAML with the base weights (kohya: a .diff where "
-                                   "q/k/v do not split, ComfyUI's form of DoRA and rescaled OFT)")
+    e.add_argument("--model", help="the base weights: the run directory (its base), a training YAML or a Stage C "
+                                   "checkpoint (kohya: a .diff where q/k/v do not split, each reader's exact form)")
+    e.add_argument("--for", dest="reader", default="comfyui", help="kohya layout: the reader the file is for, "
+                                                                   f"{' or '.join(KOHYA_READERS)} (default comfyui)")
     c = sub.add_parser("check", help="what a consumer loads, skips and scales in a LoRA file")
     c.add_argument("source", help="LoRA .safetensors file, embedding file, peft adapter folder or run directory")
     c.add_argument("--for", dest="consumer", help=f"consumer: {', '.join(CONSUMERS)} (default: cascade_nb for a file "
                                                   "in cascade_nb's layout, else comfyui)")
-    c.add_argument("--model", help="training YAML or Stage C checkpoint to merge the file into (per-layer |dW|)")
+    c.add_argument("--model", help="run directory, training YAML or Stage C checkpoint to merge the file into")
     c.add_argument("--config", help="training YAML with the run's module_filters (official layout)")
     for sub_parser in (e, c): add_import_option(add_ema_option(sub_parser))
     return p
@@ -201,9 +225,10 @@ def main(argv=None) -> int:
     """Export a LoRA for another program, or check how one reads a LoRA file.
 
     python -m cascade_nb.lora export RUN_DIR_or_FILE --to cascade_nb|official|kohya|peft|embedding --out PATH
-        [--overwrite] [--config TRAINING.yaml] [--model CONFIG_or_CHECKPOINT] [--ema|--no-ema] [--import MODULE]
-    python -m cascade_nb.lora check FILE_or_DIR [--for cascade_nb|comfyui|kohya|peft|official]
-        [--model CONFIG_or_CHECKPOINT] [--config TRAINING.yaml] [--ema|--no-ema] [--import MODULE]
+        [--for comfyui|lycoris] [--overwrite] [--config TRAINING.yaml] [--model RUN_DIR_or_CONFIG_or_CHECKPOINT]
+        [--ema|--no-ema] [--import MODULE]
+    python -m cascade_nb.lora check FILE_or_DIR [--for cascade_nb|comfyui|kohya|lycoris|peft|official]
+        [--model RUN_DIR_or_CONFIG_or_CHECKPOINT] [--config TRAINING.yaml] [--ema|--no-ema] [--import MODULE]
     Exit status of check: 1 when the consumer skips a key, refuses the file or a scale looks wrong, 0 otherwise;
     2 for bad input.
     """
@@ -214,7 +239,7 @@ def main(argv=None) -> int:
         import_modules(args.imports, "--import")
         if args.command == "export":
             paths, warns, source = run_export(args.source, args.to, args.out, args.config, args.model,
-                                              args.overwrite, args.ema)
+                                              args.overwrite, args.ema, args.reader)
             for w in warns: print(f"warning: {w}", file=sys.stderr)
             print("\n".join(map(str, paths)) + f"\nfrom {source}")
             return 0

@@ -7,13 +7,14 @@ Docs: https://cascade-nb.github.io/cascade_nb/lora_converters.html.md"""
 # %% ../nbs/60c_lora_converters.ipynb #h2lora_c2
 from __future__ import annotations
 import math, re
+from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from .core import save_safetensors_atomic
 from .hub import weights_file
-from .adapters import FullDiff, param_owner, split_rows
+from .adapters import FullDiff, NeedsBase, param_owner, split_rows
 from .lora_file import (require_lora_only, alpha_value, adapter_entries, adapter_file_options,
                                   adapter_from_entry, adapter_kind,
                                   check_entry, load_adapter_file, lora_entries, lora_state_dict, lora_tokens,
@@ -22,9 +23,10 @@ from .train_tokens import add_train_tokens, load_tokens, token_state_dict
 
 # %% auto #0
 __all__ = ['TEXT_ENCODER_PREFIX', 'TEXT_ENCODER_FILTERS', 'KOHYA_TE_STEMS', 'split_text_encoder', 'text_encoder_state_dict',
-           'refuse_text_encoder', 'text_encoder_to_kohya', 'kohya_groups', 'text_encoder_from_kohya', 'kohya_parts',
-           'to_kohya', 'from_kohya', 'to_diffusers_module', 'save_peft_adapter', 'load_peft_adapter',
-           'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference', 'load_lora_file']
+           'refuse_text_encoder', 'kohya_te_key', 'kohya_groups', 'text_encoder_from_kohya', 'kohya_parts', 'KohyaFile',
+           'has_weights', 'kohya_file', 'to_kohya', 'from_kohya', 'to_diffusers_module', 'save_peft_adapter',
+           'load_peft_adapter', 'reference_lora_targets', 'is_reference_lora', 'to_reference', 'from_reference',
+           'load_lora_file']
 
 # %% ../nbs/60c_lora_converters.ipynb #d6cf9c3e
 TEXT_ENCODER_PREFIX = "text_model."
@@ -48,7 +50,7 @@ def refuse_text_encoder(lora: dict, what: str, instead: str):
                            f"text-encoder weights ({TEXT_ENCODER_PREFIX}*): {instead}")
 
 # %% ../nbs/60c_lora_converters.ipynb #edabb6b7
-_FUSED = 'attention.attn.in_proj_weight'
+_FUSED, _QKV = 'attention.attn.in_proj_weight', ('to_q', 'to_k', 'to_v')
 
 def _split_fused(path: str, down, up, alpha):
     "Yield (module name in the split layout, down, up, alpha): q/k/v thirds for the fused projection, else the module."
@@ -80,16 +82,11 @@ def _kohya_te_module(stem: str) -> str:
         raise KeyError(f"from_kohya: lora_te_{stem} names no Linear layer of a CLIP text model")
     return f"text_model.encoder.layers.{m[1]}." + m[2].replace("self_attn_", "self_attn.").replace("mlp_", "mlp.")
 
-def text_encoder_to_kohya(te: dict) -> dict[str, torch.Tensor]:
-    "Text-encoder adapters (`split_text_encoder`'s second part) under kohya's/ComfyUI's `lora_te_<module>` keys."
-    out = {}
-    for path, (cls, t, alpha) in adapter_entries(te).items():
-        stem = path.removesuffix(".weight").replace(".", "_")
-        # ComfyUI maps the text projection of Stable Cascade's CLIP-G under the OneTrainer stem only
-        key = (KOHYA_TE_STEMS[1] if stem == "text_projection" else KOHYA_TE_STEMS[0]) + stem
-        out.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
-        out[f"{key}.alpha"] = torch.tensor(float(alpha))
-    return out
+def kohya_te_key(path: str, consumer: str | None = None) -> str:
+    "The kohya stem of a text-encoder adapter's weight `path` (`split_text_encoder`'s names) for `consumer`."
+    stem = path.removesuffix(".weight").replace(".", "_")
+    # ComfyUI maps the text projection of Stable Cascade's CLIP-G under the OneTrainer stem only; LyCORIS by module name
+    return (KOHYA_TE_STEMS[1] if stem == "text_projection" and consumer != "lycoris" else KOHYA_TE_STEMS[0]) + stem
 
 def kohya_groups(sd: dict, prefixes) -> dict[str, dict]:
     "{module stem: {tensor name (no `.weight`): tensor}} of the keys of a kohya file that start with one of `prefixes`."
@@ -128,20 +125,52 @@ def kohya_parts(path: str, entry: tuple, model) -> list[tuple]:
     diff = adapter_from_entry(entry, W.shape).update(W.float().cpu())
     return [(m, FullDiff, {"diff": d.clone()}, 1.0) for m, d in zip(mods, diff.chunk(3))]
 
-def to_kohya(lora: dict, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+@dataclass
+class KohyaFile:
+    """A LoRA in the kohya layout for one reader: the tensors; {path: type} of the layers written in that reader's own
+    form (`Adapter.consumer_form`); the paths whose form needed base weights that were not given (written as trained)."""
+    sd: dict
+    forms: dict
+    kept: list
+
+def has_weights(model: nn.Module | None) -> bool:
+    "A model whose parameters hold values (not None, not on the meta device)."
+    return model is not None and not next(model.parameters()).is_meta
+
+def _base_rows(base: nn.Module | None, param: str, mod: str) -> torch.Tensor | None:
+    "The base weight of one kohya module (a third of a fused projection; meta where `base` is), None without `base`."
+    if base is None: return None
+    W = base.get_parameter(param).detach()
+    if (part := mod.rsplit('.', 1)[-1]) in _QKV: W = W.chunk(3)[_QKV.index(part)]
+    return W if W.is_meta else W.float().cpu()
+
+def kohya_file(lora: dict, model: nn.Module | None = None, consumer: str | None = None,
+               text_model: nn.Module | None = None) -> KohyaFile:
     """A LoRA state dict (any adapter types) in the kohya/LyCORIS/ComfyUI Stable Cascade layout
-    (`lora_unet_<module>.<tensor>`, `.alpha`; text-encoder adapters as `lora_te_<module>`); `model` only for a fused
-    projection whose type has no exact split."""
+    (`lora_unet_<module>.<tensor>`, `.alpha` on every layer but a `.diff`; text-encoder adapters as `lora_te_<module>`),
+    each layer as every such reader reads it as our ΔW (`kohya_form`), then as `consumer` ('comfyui' or 'lycoris'; None:
+    no reader's own form, what `from_kohya` reads back) does (`consumer_form`);
+    `model` / `text_model`: with weights for the forms that need them and a fused projection without an exact split
+    (on the meta device, the shapes only)."""
     lora, te = split_text_encoder(lora)
-    out = text_encoder_to_kohya(te)
-    for path, entry in adapter_entries(lora).items():
-        for mod, cls, t, a in kohya_parts(path, entry, model):
-            key = "lora_unet_" + mod.replace('.', '_')
-            out.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
-            # no alpha where the type ignores it: a `.diff`, a LoKr with full w1 and w2 (scale 1)
-            if cls is not FullDiff and (cls.kind != "lokr" or {"lokr_w1_b", "lokr_w2_b"} & t.keys()):
-                out[f"{key}.alpha"] = torch.tensor(float(a))
+    out, weighted = KohyaFile({}, {}, []), model if has_weights(model) else None
+    layers = [("lora_unet_" + mod.replace('.', '_'), p, p, mod, part, model)
+              for p, entry in adapter_entries(lora).items() for mod, *part in kohya_parts(p, entry, weighted)]
+    layers += [(kohya_te_key(p, consumer), f"text_encoder.{p}", p, p, entry, text_model)
+               for p, entry in adapter_entries(te).items()]
+    for key, name, param, mod, entry, base in layers:
+        entry = entry[0].kohya_form(tuple(entry))
+        try: form = entry[0].consumer_form(consumer, entry, _base_rows(base, param, mod)) if consumer else entry
+        except NeedsBase: form = entry; out.kept.append(name)
+        if form is not entry: out.forms[name] = form[0].kind
+        cls, t, a = form
+        out.sd.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
+        if cls is not FullDiff: out.sd[f"{key}.alpha"] = torch.tensor(float(a))
     return out
+
+def to_kohya(lora: dict, model: nn.Module | None = None, consumer: str | None = None) -> dict[str, torch.Tensor]:
+    "`kohya_file`'s tensors: `lora` in the kohya layout (in `consumer`'s form where given and `model`'s weights allow)."
+    return kohya_file(lora, model, consumer).sd
 
 # %% ../nbs/60c_lora_converters.ipynb #eca4e256
 def from_kohya(sd: dict, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -52,15 +52,33 @@ def samples_merged(tmp: Path, kind: str, capsys):
 NAMES = {"lokr": {"lokr_w1", "lokr_w2_a", "lokr_w2_b"}, "loha": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"},
          "dora": {"lora_down", "lora_up", "dora_scale"}, "oft": {"oft_blocks", "rescale"}}
 
+def exports_exactly(tmp: Path, kind: str, capsys):
+    """`lora export RUN --to kohya --for READER --model RUN` (the run's own base, its text encoder too) for ComfyUI and
+    for LyCORIS, and `check --for READER --model RUN` on each: exit 0, no warning (each reader reads what trained)."""
+    from cascade_nb.lora import main
+    run = tmp / "ckpt" / kind
+    for reader in ("comfyui", "lycoris"):
+        out = tmp / f"{kind}_{reader}.safetensors"
+        capsys.readouterr()
+        assert main(["export", run, "--to", "kohya", "--for", reader, "--model", run, "--out", out]) == 0
+        assert "warning" not in capsys.readouterr().err
+        code, text = main(["check", out, "--for", reader, "--model", run]), capsys.readouterr().out
+        assert code == 0 and "warning" not in text, (reader, text[-1500:])
+
+# text-encoder adapters of the same type beside the generator's, for two of the types
+TEXT_ENCODER = {"lokr": ["text_encoder_adapter=lokr"], "dora": ["text_encoder_adapter=dora"]}
+
 @pytest.mark.parametrize("kind", ["lokr", "loha", "dora", "oft"])
 def test_adapter_type_trains_and_samples(tmp_path, kind, capsys):
-    "In this process (one lycoris import for all): train 6 updates, check the file and the loss, sample."
+    """In this process (one lycoris import for all): train 6 updates, check the file and the loss, sample, export for
+    ComfyUI and LyCORIS with the run as the base."""
     from cascade_nb.config import load_config
     from cascade_nb.train import train
-    args = demo_args(tmp_path, kind, "updates=6", "save_every=6")
+    args = demo_args(tmp_path, kind, "updates=6", "save_every=6", *TEXT_ENCODER.get(kind, []))
     train(load_config(args[0], [str(a) for a in args[1:]]))
     check_released(tmp_path, kind, NAMES[kind])
     samples_merged(tmp_path, kind, capsys)
+    exports_exactly(tmp_path, kind, capsys)
 
 def test_oft_resumes_exactly_and_samples(tmp_path, capsys):
     """OFT (its update depends on W; it carries a rescale vector): a run killed committing update 4 and resumed from 2
