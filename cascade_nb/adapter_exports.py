@@ -146,9 +146,10 @@ def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None,
     """Write `lora` (cascade_nb's layout, tokens included) as `layout` at `out`, with metadata; (paths, warnings).
     `model`: the Stage C (official order; with its weights, the exact form of every layer in kohya files); `text_model`:
     the text model with the run's `train_tokens` added (its weights: the same for text-encoder adapters); `reader`:
-    which reader of the kohya layout the file is for, `comfyui` or `lycoris` (`KOHYA_READERS`); `options`: the adapter type's (`adapter_options`); `weights`: which
-    of a run's weights `lora` holds (`WEIGHTS_FIELD`, `ema` or `live`), said in every file's header. `out` must not
-    exist unless `overwrite`, and never lies in a run directory (`output_target`). Every entry is checked first
+    which reader of the kohya layout the file is for, `comfyui` or `lycoris` (`KOHYA_READERS`); `options`: the adapter
+    type's (`adapter_options`); `weights`: which of a run's weights `lora` holds (`WEIGHTS_FIELD`, `ema` or `live`),
+    said in every file's header. `out` must not exist unless `overwrite`, and never lies in a run directory
+    (`output_target`). Every entry is checked first
     (`adapter_entries`: against `model`'s weights and the text encoder's `text_shapes` where given, finite), and the
     tokens (`lora_tokens`, rows `text_width` wide where given): nothing is written that a consumer cannot load."""
     from safetensors import SafetensorError

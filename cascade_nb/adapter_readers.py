@@ -403,8 +403,8 @@ def forms_notes(rd: Reading, metadata: dict | None):
         if reader == rd.consumer:
             rd.warnings = [w for w in rd.warnings if not (w.partition(":")[0] in layers and "dora_scale per" in w)]
         elif layers:
-            rd.warnings.append(f"{len(layers)} layers (e.g. {next(iter(layers))}) are written in {reader}'s form, which "
-                               f"{rd.consumer} reads differently: export --to kohya --for {rd.consumer}")
+            rd.warnings.append(f"{len(layers)} layers (e.g. {next(iter(layers))}) are written in {reader}'s form, "
+                               f"which {rd.consumer} reads differently: export --to kohya --for {rd.consumer}")
 
 def _scale_notes(rd: Reading, metadata: dict | None):
     """Scales that look wrong: against the rank/alpha per layer the file's metadata records (cascade_nb's exports),
@@ -476,7 +476,7 @@ def read_kohya(sd: dict, params: dict, metadata: dict | None = None, config: dic
 # %% ../nbs/60f_adapter_readers.ipynb #be0ae76e
 def _lycoris_te(t: str): return [f"lora_te_{t.replace('.', '_')}"]
 
-_LYCORIS_TYPES = ("lora", "dora", "loha", "lokr", "oft", "full")   # LyCORIS' locon (+ dora_wd), loha, lokr, diag-oft, full
+_LYCORIS_TYPES = ("lora", "dora", "loha", "lokr", "oft", "full")   # its locon (+ dora_wd), loha, lokr, diag-oft, full
 
 def _lycoris_refusal(kind: str, t: dict, alpha, shape) -> str | None:
     "Why `lycoris.kohya` fails on the whole file at this layer (None: it builds the module)."
@@ -495,7 +495,7 @@ def _lycoris_delta(cls, t: dict, alpha, W) -> tuple[torch.Tensor, float, float |
     probe = adapter_from_entry((cls, t, 1.0), W.shape)
     rank = None if cls.kind == "lokr" and probe.rank is None else probe.rank
     scale = 1.0 if rank is None else (a or rank) / rank
-    d = adapter_from_entry((cls, t, scale * rank if rank else 1.0), W.shape).update(W.float() if cls.kind == "dora" else W)
+    d = adapter_from_entry((cls, t, scale * rank if rank else 1.0), W.shape).update(W.float())
     # LyCORIS 4.1.3's merge (`get_diff_weight`, what kohya's gen script merges with) applies the scale twice
     return (d * scale if cls.kind in ("loha", "lokr") else d), scale, rank
 
@@ -522,8 +522,9 @@ def read_lycoris(sd: dict, params: dict, metadata: dict | None = None, config: d
         with torch.no_grad(): diff, scale, rank = _lycoris_delta(cls, t, alpha, W)
         q = t["oft_blocks"] - t["oft_blocks"].transpose(-1, -2) if cls.kind == "oft" else None
         if q is not None and alpha and float(q.norm()) + 1e-8 > alpha and metadata_for(metadata) != "lycoris":
-            rd.warnings.append(f"{x}: OFT's bound: LyCORIS shrinks Q to alpha·rows = {alpha * W.shape[0]:g}, ComfyUI "
-                               f"and cascade_nb to alpha = {alpha:g} (norm {float(q.norm()):.3g}): export --for lycoris")
+            rd.warnings.append(f"{x}: OFT's bound: LyCORIS shrinks Q to alpha·rows = {alpha * W.shape[0]:g}, "
+                               f"ComfyUI and cascade_nb to alpha = {alpha:g} (norm {float(q.norm()):.3g}): "
+                               "export --for lycoris")
         if cls.kind in ("loha", "lokr") and scale != 1:
             rd.warnings.append(f"{x}: LyCORIS' merge applies alpha/rank = {scale:.4g} twice (its forward once): "
                                "cascade_nb's --to kohya writes scale 1")

@@ -103,6 +103,7 @@ class Adapter(nn.Module):
     keeps_original = False     # merging forgets what unmerging needs: merge_lora keeps the original W
     layout_alpha = 1.0         # the alpha of an entry in cascade_nb's layout that has none (LoRA's scale 1/rank)
     lycoris_algo = None        # (its LyCORIS `algo`, extra network args) for kohya's header (`ss_network_args`)
+    reader_forms: tuple = ()   # the kohya readers whose `consumer_form` of it another reader reads differently
     peft_refuses = "not a peft type"   # why `export --to peft` refuses it; None: peft loads it
     def __init__(self, shape, alpha: float):
         super().__init__()
@@ -110,10 +111,8 @@ class Adapter(nn.Module):
 
     def update(self, W=None) -> torch.Tensor: raise NotImplementedError   # W' − W at the trained strength
 
-    def delta(self, W=None) -> torch.Tensor:
-        "W' − W at the current `multiplier` (`scaled_adapters`)."
-        d = self.update(W)
-        return d if self.multiplier == 1 else d * self.multiplier
+    def delta(self, W=None) -> torch.Tensor:   # W' − W at the current `multiplier` (`scaled_adapters`)
+        return self.update(W) if self.multiplier == 1 else self.update(W) * self.multiplier
 
     def forward(self, W):
         if not self.enabled or self.multiplier == 0: return W
@@ -121,21 +120,14 @@ class Adapter(nn.Module):
 
     def tensors(self) -> dict[str, torch.Tensor]: return dict(self.named_parameters(recurse=False))
     def options(self) -> dict: return self.__dict__.get("_options", {})   # its config keys, for the file header
-
     def unmerge(self, W: torch.Tensor, scale: float) -> torch.Tensor:
         "W from the merged `W + scale·ΔW`: a subtraction, where ΔW does not depend on W."
         return torch.add(W, self.update(W.float()).to(W.dtype), alpha=-scale)
 
     @classmethod
-    def consumer_form(cls, consumer: str, entry: tuple, W: torch.Tensor | None) -> tuple:
-        """The entry (type, tensors, alpha) that `consumer` ('comfyui' or 'lycoris', readers of the kohya layout)
-        reads as our ΔW for a module whose base weight is `W` (None: not given; a form that needs it raises
-        `NeedsBase`; a meta tensor gives its shape only). Ours as it is, by default."""
-        return entry
-    @classmethod
-    def kohya_form(cls, entry: tuple) -> tuple:
-        "The entry as every reader of the kohya layout reads it (`consumer_form` comes after). Ours, by default."
-        return entry
+    def kohya_form(cls, entry: tuple) -> tuple: return entry   # (type, tensors, alpha) every kohya reader reads as ours
+    @classmethod   # ...that reader `consumer` reads as ours on base weight W (None, meta: NeedsBase if values matter)
+    def consumer_form(cls, consumer: str, entry: tuple, W: torch.Tensor | None) -> tuple: return entry
     @classmethod
     def claims(cls, names: set) -> bool: return cls.signature in names
     @classmethod
@@ -425,7 +417,7 @@ class LoKr(Adapter):
         return float(next((tensors[k].shape[0] for k in ("lokr_w1_b", "lokr_w2_b") if k in tensors), 1))
     @classmethod
     def kohya_form(cls, entry):
-        "Scale 1 for every reader: alpha/rank folded into w1 and alpha = rank; full w1 and w2: alpha 1 (LyCORIS needs one)."
+        "Scale 1 for every reader: alpha/rank folded into w1, alpha = rank; full w1, w2: alpha 1 (LyCORIS needs one)."
         t = entry[1]
         rank = next((t[k].shape[0] for k in ("lokr_w1_b", "lokr_w2_b") if k in t), None)
         if rank is None: return cls, t, 1.0
@@ -492,6 +484,7 @@ class DoRA(LoRA):
     "W' = dora_scale·(W + ΔW)/‖W + ΔW‖ per output row, ΔW a LoRA; dora_scale starts at ‖W‖ (Liu et al. 2024)."
     signature, row_tensors, keeps_original = "dora_scale", ("lora_up", "dora_scale"), True
     names, lycoris_algo = ("lora_down", "lora_up", "dora_scale"), ("lora", {"dora_wd": True})
+    reader_forms = ("comfyui",)    # the magnitude for ComfyUI's norm: LyCORIS reads it otherwise
     def __init__(self, shape, rank=4, alpha=1.0, dropout=0.0, init="reference", W=None):
         super().__init__(shape, rank, alpha, dropout, init)
         norms = (W.detach().float().flatten(1).norm(dim=1) if W is not None else torch.ones(shape[0]))
@@ -543,6 +536,7 @@ class OFT(Adapter):
     names, optional = ("oft_blocks", "rescale"), ("rescale",)
     layout_alpha = 0.0   # no constraint
     row_tensors, lycoris_algo = ("oft_blocks", "rescale"), ("diag-oft", {})
+    reader_forms = ("comfyui", "lycoris")   # each reader's bound (alpha, alpha/rows) the other reads otherwise
     peft_refuses = ("peft's OFT keeps each block's skew part as a vector (oft_R) bounded by coft/eps, not LyCORIS' "
                     "blocks and alpha")
     @classmethod
@@ -555,8 +549,9 @@ class OFT(Adapter):
         _, t, alpha = entry
         n, b, _ = t["oft_blocks"].shape
         if "rescale" in t if consumer == "comfyui" else n < b:
-            if W is None or W.is_meta: raise NeedsBase("ComfyUI does not apply OFT's rescale" if consumer == "comfyui" else
-                                                       f"LyCORIS cannot rebuild {n} OFT blocks of {b} rows (n < b)")
+            if W is None or W.is_meta:
+                raise NeedsBase("ComfyUI does not apply OFT's rescale" if consumer == "comfyui" else
+                                f"LyCORIS cannot rebuild {n} OFT blocks of {b} rows (n < b)")
             return FullDiff, {"diff": cls.from_tensors(t, alpha, W.shape).update(W.float()).detach()}, 1.0
         return (cls, t, alpha / (n * b)) if consumer == "lycoris" and alpha > 0 else entry
     def __init__(self, shape, oft_block_size=32, oft_constraint=0.0, oft_rescale=False):

@@ -10,7 +10,8 @@ import json, sys
 from pathlib import Path
 import torch
 from torch import nn
-from .adapter_exports import (AdapterSource, KOHYA_READERS, LAYOUTS, export_adapter, read_source, source_layout, source_lora,
+from .adapter_exports import (AdapterSource, KOHYA_READERS, LAYOUTS, export_adapter, read_source,
+                                        source_layout, source_lora,
                                         source_weights)
 from .ema import WEIGHTS_KINDS
 from .adapter_readers import CONSUMERS, Reading, clip_g_params, consumer_params, text_encoder_params

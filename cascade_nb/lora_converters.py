@@ -127,8 +127,8 @@ def kohya_parts(path: str, entry: tuple, model) -> list[tuple]:
 
 @dataclass
 class KohyaFile:
-    """A LoRA in the kohya layout for one reader: the tensors; {path: type} of the layers written in that reader's own
-    form (`Adapter.consumer_form`); the paths whose form needed base weights that were not given (written as trained)."""
+    """A LoRA in the kohya layout for one reader: the tensors; {path: type} of the layers in that reader's own form
+    that the other reads differently (`Adapter.reader_forms`); the paths whose form needed base weights not given."""
     sd: dict
     forms: dict
     kept: list
@@ -162,7 +162,7 @@ def kohya_file(lora: dict, model: nn.Module | None = None, consumer: str | None 
         entry = entry[0].kohya_form(tuple(entry))
         try: form = entry[0].consumer_form(consumer, entry, _base_rows(base, param, mod)) if consumer else entry
         except NeedsBase: form = entry; out.kept.append(name)
-        if form is not entry: out.forms[name] = form[0].kind
+        if form is not entry and consumer in entry[0].reader_forms: out.forms[name] = form[0].kind
         cls, t, a = form
         out.sd.update({f"{key}.{_kohya_name(n)}": v.contiguous() for n, v in t.items()})
         if cls is not FullDiff: out.sd[f"{key}.alpha"] = torch.tensor(float(a))

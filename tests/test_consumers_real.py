@@ -154,8 +154,9 @@ def test_peft_merges_what_cascade_nb_trained(case, trained, tmp_path):
     cfg = json.loads(paths[0].read_text())
     cfg["target_modules"] = cfg["target_modules"] + ["down_blocks.0.0.depthwise"]
     (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(cfg))
-    sd = load_file(str(paths[1])) | {"base_model.model.down_blocks.0.0.depthwise.lora_A.weight": torch.zeros(4, 1, 3, 3),
-                                     "base_model.model.down_blocks.0.0.depthwise.lora_B.weight": torch.zeros(64, 4, 1, 1)}
+    dw = "base_model.model.down_blocks.0.0.depthwise"
+    sd = load_file(str(paths[1])) | {f"{dw}.lora_A.weight": torch.zeros(4, 1, 3, 3),
+                                     f"{dw}.lora_B.weight": torch.zeros(64, 4, 1, 1)}
     with pytest.raises(ValueError, match="groups"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         PeftModel.from_pretrained(stage_c_to_diffusers(base), str(tmp_path / "peft"))
@@ -169,3 +170,31 @@ def test_kohya_networks_lora_skips_depthwise_convs(trained):
     assert rd.skipped and all("depthwise" in k for k in rd.skipped) and len(rd.skipped) == 3 * 6
     assert any("depthwise (grouped) convs" in w for w in rd.warnings)
     assert not any("depthwise" in p for p in rd.deltas)
+
+def test_comfyui_reads_the_dora_form_exactly_on_near_zero_rows(tmp_path):
+    """ComfyUI divides DoRA's magnitude by ‖W‖ + ε per row (float32's ε): the form `--for comfyui` writes carries
+    that ε, so rows whose base norm is near 0 (zero-initialised mappers after a few updates) read exactly too."""
+    from cascade_nb.adapter_readers import read_comfyui
+    torch.manual_seed(0)
+    base = StageC.from_preset("tiny")
+    with torch.no_grad(): base.get_parameter("down_blocks.0.2.kv_mapper.1.weight")[:8].mul_(1e-6)   # ‖W_row‖ ~ 1e-6
+    model = copy.deepcopy(base)
+    apply_lora(model, ["kv_mapper"], rank=4, alpha=2.0, adapter="dora")
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            for t in layer.tensors().values(): t.add_(torch.randn(t.shape) * 0.05)
+    lora = lora_state_dict(model)
+    merged = merge_lora(copy.deepcopy(base), lora)
+    want = {p: merged.get_parameter(p).detach() - base.get_parameter(p).detach() for p in adapter_entries(lora)}
+    path = tmp_path / "comfyui.safetensors"
+    _, warns = export_adapter(lora, "kohya", path, base)
+    rd = read_comfyui(load_file(str(path)), consumer_params(base), safetensors_header(path)[0])
+    assert not warns and not rd.warnings and rel_error(rd.deltas, want, base) < 1e-5, rel_error(rd.deltas, want, base)
+
+def test_no_false_alarm_for_an_oft_comfyui_reads_exactly(trained, tmp_path):
+    "An OFT without rescale needs no base weights for ComfyUI: the export without `--model` does not warn."
+    base, lora, want = trained["oft"]
+    from cascade_nb.adapter_readers import read_comfyui
+    _, warns = export_adapter(lora, "kohya", tmp_path / "oft.safetensors")
+    rd = read_comfyui(load_file(str(tmp_path / "oft.safetensors")), consumer_params(base))
+    assert not warns and not rd.warnings and rel_error(rd.deltas, want, base) < 1e-4

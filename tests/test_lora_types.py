@@ -13,7 +13,7 @@ from test_lora_train import DRIVER, pretrained_tiny, released
 from test_train import resumes_to_the_killed_state
 
 # each type's own keys; oft has no rank (lora_demo.yaml sets one)
-TYPE_KEYS = {"lokr": ["lokr_factor=4"], "loha": [], "dora": [],
+TYPE_KEYS = {"lora": [], "lokr": ["lokr_factor=4"], "loha": [], "dora": [],
              "oft": ["rank=null", "oft_block_size=16", "oft_rescale=true"]}
 TINY = ["train_tokens=null", "num_workers=0", "batch_size=4", "log_every=1", "warmup_updates=1", "lr=1e-2",
         "sample_steps=2", "val_webdataset_path=data_samples/emoji", "val_every=2", "val_batches=2"]
@@ -44,12 +44,13 @@ def samples_merged(tmp: Path, kind: str, capsys):
     run = tmp / "ckpt" / kind
     cfg, generator, weights = run_generator(run)
     assert weights.name == "lora.safetensors"
-    expected = merge_lora(load_stage_c(tmp / "pretrained.safetensors").float(), released(tmp, kind))
+    from cascade_nb.lora_converters import split_text_encoder
+    expected = merge_lora(load_stage_c(tmp / "pretrained.safetensors").float(), split_text_encoder(released(tmp, kind))[0])
     for k, v in expected.state_dict().items(): assert torch.equal(generator.state_dict()[k], v), k
     assert main(["--checkpoint", run, "--prompt", "an emoji", "--n", "1", "--steps", "2", "--out", tmp / "samples"])
     assert "lora.safetensors" in capsys.readouterr().out
 
-NAMES = {"lokr": {"lokr_w1", "lokr_w2_a", "lokr_w2_b"}, "loha": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"},
+NAMES = {"lora": {"lora_down", "lora_up"}, "lokr": {"lokr_w1", "lokr_w2_a", "lokr_w2_b"}, "loha": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"},
          "dora": {"lora_down", "lora_up", "dora_scale"}, "oft": {"oft_blocks", "rescale"}}
 
 def exports_exactly(tmp: Path, kind: str, capsys):
@@ -66,9 +67,10 @@ def exports_exactly(tmp: Path, kind: str, capsys):
         assert code == 0 and "warning" not in text, (reader, text[-1500:])
 
 # text-encoder adapters of the same type beside the generator's, for two of the types
-TEXT_ENCODER = {"lokr": ["text_encoder_adapter=lokr"], "dora": ["text_encoder_adapter=dora"]}
+TEXT_ENCODER = {"lora": ["text_encoder_adapter=lora"], "lokr": ["text_encoder_adapter=lokr"],
+                "dora": ["text_encoder_adapter=dora"]}
 
-@pytest.mark.parametrize("kind", ["lokr", "loha", "dora", "oft"])
+@pytest.mark.parametrize("kind", ["lora", "lokr", "loha", "dora", "oft"])
 def test_adapter_type_trains_and_samples(tmp_path, kind, capsys):
     """In this process (one lycoris import for all): train 6 updates, check the file and the loss, sample, export for
     ComfyUI and LyCORIS with the run as the base."""
