@@ -27,22 +27,23 @@ TYPES = {"lora": ("lora", {}, EVERY), "dora": ("dora", {}, EVERY), "loha": ("loh
          "oft_rescale": ("oft", {"oft_block_size": 4, "oft_rescale": True}, [".attn", "mapper"]),
          "oft_constraint": ("oft", {"oft_block_size": 4, "oft_constraint": 1e-3}, [".attn", "mapper"])}
 
+def adapted(base: nn.Module, filters, kind: str, opts: dict | None = None) -> tuple[dict, dict]:
+    "(LoRA state dict, merge_lora's ΔW) of `kind` adapters on `filters` of `base`, their tensors off their start."
+    model = copy.deepcopy(base)
+    apply_lora(model, filters, rank=4, alpha=2.0, adapter=kind, options=opts)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            for t in layer.tensors().values(): t.add_(torch.randn(t.shape) * 0.05)
+    lora = lora_state_dict(model)
+    merged = merge_lora(copy.deepcopy(base), lora)
+    return lora, {p: merged.get_parameter(p).detach() - base.get_parameter(p).detach() for p in adapter_entries(lora)}
+
 @pytest.fixture(scope="module")
 def trained():
-    "{case: (base, LoRA state dict, merge_lora's ΔW)}: every type on the tiny Stage C, its tensors off their start."
+    "{case: (base, LoRA state dict, merge_lora's ΔW)}: every type on the tiny Stage C."
     torch.manual_seed(0)
-    base, out = StageC.from_preset("tiny"), {}
-    for case, (kind, opts, filters) in TYPES.items():
-        model = copy.deepcopy(base)
-        apply_lora(model, filters, rank=4, alpha=2.0, adapter=kind, options=opts)
-        with torch.no_grad():
-            for layer in lora_layers(model).values():
-                for t in layer.tensors().values(): t.add_(torch.randn(t.shape) * 0.05)
-        lora = lora_state_dict(model)
-        merged = merge_lora(copy.deepcopy(base), lora)
-        out[case] = base, lora, {p: merged.get_parameter(p).detach() - base.get_parameter(p).detach()
-                                 for p in adapter_entries(lora)}
-    return out
+    base = StageC.from_preset("tiny")
+    return {case: (base, *adapted(base, filters, kind, opts)) for case, (kind, opts, filters) in TYPES.items()}
 
 def kohya_view(model: nn.Module) -> nn.Module:
     "A copy of the Stage C whose attentions are to_q/to_k/to_v/out_proj Linears: kohya's StageC's module names."
@@ -135,15 +136,8 @@ def test_peft_merges_what_cascade_nb_trained(case, trained, tmp_path):
     from cascade_nb.config import ConfigError
     from cascade_nb.interop_c import stage_c_to_diffusers
     kind, _, filters = TYPES[case]
-    base, _, _ = trained[case]
-    model = copy.deepcopy(base)
-    apply_lora(model, [f for f in filters if f != "depthwise"], rank=4, alpha=2.0, adapter=kind)
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            for t in layer.tensors().values(): t.add_(torch.randn(t.shape) * 0.05)
-    lora = lora_state_dict(model)
-    merged = merge_lora(copy.deepcopy(base), lora)
-    want = {p: merged.get_parameter(p).detach() - base.get_parameter(p).detach() for p in adapter_entries(lora)}
+    base = trained[case][0]
+    lora, want = adapted(base, [f for f in filters if f != "depthwise"], kind)
     paths, _ = export_adapter(lora, "peft", tmp_path / "peft")
     got = _peft_merge(base, tmp_path / "peft")
     assert rel_error(got, want, base) < 1e-4, rel_error(got, want, base)
@@ -178,14 +172,7 @@ def test_comfyui_reads_the_dora_form_exactly_on_near_zero_rows(tmp_path):
     torch.manual_seed(0)
     base = StageC.from_preset("tiny")
     with torch.no_grad(): base.get_parameter("down_blocks.0.2.kv_mapper.1.weight")[:8].mul_(1e-6)   # ‖W_row‖ ~ 1e-6
-    model = copy.deepcopy(base)
-    apply_lora(model, ["kv_mapper"], rank=4, alpha=2.0, adapter="dora")
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            for t in layer.tensors().values(): t.add_(torch.randn(t.shape) * 0.05)
-    lora = lora_state_dict(model)
-    merged = merge_lora(copy.deepcopy(base), lora)
-    want = {p: merged.get_parameter(p).detach() - base.get_parameter(p).detach() for p in adapter_entries(lora)}
+    lora, want = adapted(base, ["kv_mapper"], "dora")
     path = tmp_path / "comfyui.safetensors"
     _, warns = export_adapter(lora, "kohya", path, base)
     rd = read_comfyui(load_file(str(path)), consumer_params(base), safetensors_header(path)[0])
