@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/ema.html.md"""
 
 # %% ../nbs/40_ema.ipynb #5a2afd4e
 from __future__ import annotations
-import contextlib, copy, math, os
+import contextlib, copy, json, math, os
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
@@ -17,11 +17,11 @@ from .typed_yaml import Range, AT_LEAST_1
 from .config import config_section, register_load_check, need
 
 # %% auto #0
-__all__ = ['WEIGHTS_FIELD', 'WEIGHTS_KINDS', 'SIGMA_REL_MAX', 'POSTHOC_FOLDER', 'SIGMA_FIELD', 'UPDATE_FIELD', 'local_shard',
-           'full_tensor', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'as_dtensor', 'gather_ema',
-           'ema_weights', 'released_ema', 'labelled', 'weights_kind', 'weights_label', 'sigma_rel_of', 'gamma_of',
-           'power_beta', 'profile_dot', 'posthoc_coefficients', 'PosthocConfig', 'check_posthoc', 'snapshot_path',
-           'PowerEMA', 'read_snapshots', 'reconstruct', 'main']
+__all__ = ['WEIGHTS_FIELD', 'WEIGHTS_KINDS', 'SIGMA_REL_MAX', 'POSTHOC_FOLDER', 'POSTHOC_FIELD', 'local_shard', 'full_tensor',
+           'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'as_dtensor', 'gather_ema', 'ema_weights',
+           'released_ema', 'labelled', 'weights_kind', 'weights_label', 'sigma_rel_of', 'gamma_of', 'power_beta',
+           'profile_dot', 'posthoc_coefficients', 'PosthocConfig', 'check_posthoc', 'snapshot_path', 'PowerEMA',
+           'read_snapshots', 'reconstruct', 'main']
 
 # %% ../nbs/40_ema.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -205,11 +205,11 @@ def sigma_rel_of(gamma: float) -> float:
     "The relative width of the power-function profile of exponent `gamma` (EDM2 eq. 123)."
     return math.sqrt((gamma + 1) / ((gamma + 2) ** 2 * (gamma + 3)))
 
-def gamma_of(sigma_rel: float) -> float:
+def gamma_of(sigma_rel: float, what: str = "sigma_rel") -> float:
     """The exponent gamma >= 0 of the profile of relative width `sigma_rel` in (0, 1/sqrt(12)) (EDM2 eq. 126): bisection
     on `sigma_rel_of`, which falls monotonically."""
     if not (isinstance(sigma_rel, (int, float)) and 0 < sigma_rel < SIGMA_REL_MAX):
-        raise ValueError(f"sigma_rel {sigma_rel!r} is out of range; expected a width in (0, {SIGMA_REL_MAX:.4f})")
+        raise ValueError(f"{what} {sigma_rel!r} is out of range; expected a width in (0, {SIGMA_REL_MAX:.4f})")
     lo, hi = 0.0, 1.0
     while sigma_rel_of(hi) > sigma_rel: hi *= 2
     for _ in range(200): lo, hi = (lo, (lo + hi) / 2) if sigma_rel_of((lo + hi) / 2) < sigma_rel else ((lo + hi) / 2, hi)
@@ -257,8 +257,9 @@ def check_posthoc(cfg, where: str):
 # %% ../nbs/40_ema.ipynb #ph836d68
 POSTHOC_FOLDER = "posthoc"
 "The run folder's sub-folder of post-hoc EMA snapshots."
-SIGMA_FIELD, UPDATE_FIELD = "cascade_nb.sigma_rel", "cascade_nb.update"
-"Header fields of a snapshot (and of a reconstruction): its profile's width and the update it was taken at."
+POSTHOC_FIELD = "cascade_nb.posthoc"
+"""The header field of a snapshot (and of a reconstruction): JSON `{"sigma_rel": width, "update": update}`; one field,
+so that the same snapshot is the same bytes (safetensors writes several header fields in no fixed order)."""
 
 def snapshot_path(run, update: int, sigma_rel: float) -> Path:
     "The file of the snapshot of width `sigma_rel` at update `update` in run folder `run`."
@@ -289,7 +290,7 @@ class PowerEMA:
         for ema, s in zip(self.emas, self.sigma_rels):
             sd = gather_ema(ema)
             if is_main: save_safetensors_atomic(sd, snapshot_path(run, update, s), {
-                WEIGHTS_FIELD: "ema", SIGMA_FIELD: repr(s), UPDATE_FIELD: str(update)})
+                POSTHOC_FIELD: json.dumps({"sigma_rel": s, "update": update})})
 
     def after_update(self, model: nn.Module, run, update: int, last: bool, is_main: bool):
         "Step the averages after update `update`; at the cadence (and at the run's `last` update) snapshot them."
@@ -312,11 +313,11 @@ def read_snapshots(run, missing_ok: bool = False) -> list[tuple[Path, float, int
     the folder when there is none (unless `missing_ok`)."""
     out = []
     for f in sorted((Path(run)/POSTHOC_FOLDER).glob("*.safetensors")):
-        h = safetensors_header(f)[0]
-        try: out.append((f, float(h[SIGMA_FIELD]), int(h[UPDATE_FIELD])))
-        except (KeyError, ValueError):
-            raise ValueError(f"{f}: header keys {SIGMA_FIELD!r}, {UPDATE_FIELD!r} are {h.get(SIGMA_FIELD)!r}, "
-                             f"{h.get(UPDATE_FIELD)!r}; expected a width and an update (a post-hoc EMA snapshot)") from None
+        v = safetensors_header(f)[0].get(POSTHOC_FIELD)
+        try: h = json.loads(v); out.append((f, float(h["sigma_rel"]), int(h["update"])))
+        except (TypeError, ValueError, KeyError):
+            raise ValueError(f"{f}: header key {POSTHOC_FIELD!r} is {v!r}; expected JSON with a sigma_rel and an "
+                             "update (a post-hoc EMA snapshot)") from None
     if not out and not missing_ok:
         raise FileNotFoundError(2, "no post-hoc EMA snapshots (the run kept none: train with posthoc_ema: true)",
                                 str(Path(run)/POSTHOC_FOLDER))
@@ -341,7 +342,7 @@ def reconstruct(run, sigma_rel: float, update: int | None = None) -> Weights:
             # integer buffers (counters) are not averaged: the latest snapshot's
             total[k] = total.get(k, 0) + xi * v.double() if v.is_floating_point() else v
     return Weights({k: v.to(dtypes[k]) for k, v in total.items()},
-                   {WEIGHTS_FIELD: "ema", SIGMA_FIELD: repr(float(sigma_rel)), UPDATE_FIELD: str(update)})
+                   {WEIGHTS_FIELD: "ema", POSTHOC_FIELD: json.dumps({"sigma_rel": sigma_rel, "update": update})})
 
 # %% ../nbs/40_ema.ipynb #ph8bb4b8
 def main(argv=None):
@@ -359,11 +360,12 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     a = p.parse_args(argv)
     with cli_errors(OSError, ValueError):
-        gamma_of(a.sigma_rel)
+        gamma_of(a.sigma_rel, "--sigma-rel")
         out = output_target(a.out or f"{Path(a.run).name}_ema-{a.sigma_rel:g}.safetensors", a.overwrite)
         w = reconstruct(a.run, a.sigma_rel, a.update)
         save_safetensors_atomic(w, out)
-    print(f"{out}: the EMA of width {a.sigma_rel:g} at update {w.metadata[UPDATE_FIELD]} ({len(w)} tensors)")
+    print(f"{out}: the EMA of width {a.sigma_rel:g} at update {json.loads(w.metadata[POSTHOC_FIELD])['update']} "
+          f"({len(w)} tensors)")
     return out
 
 if __name__ == "__main__" and "__file__" in globals():
