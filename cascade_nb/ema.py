@@ -1,4 +1,4 @@
-"""An exponential moving average of the trained weights, counted in optimizer updates: a copy of the model, or under FSDP this process's shards of it (no communication per update), or the trained tensors only (a LoRA's, a ControlNet's), the files a run releases from it, and post-hoc EMA (EDM2): power-function averages snapshotted during training, any width rebuilt after it.
+"""An exponential moving average of the trained weights, counted in optimizer updates: a copy of the model, or under FSDP this process's shards of it (no communication per update), or the trained tensors only (a LoRA's, a ControlNet's), the files a run releases from it, and post-hoc EMA (EDM2): averages of any width rebuilt after training.
 
 Docs: https://cascade-nb.github.io/cascade_nb/ema.html.md"""
 
@@ -20,8 +20,8 @@ from .config import config_section, register_load_check, need
 __all__ = ['WEIGHTS_FIELD', 'WEIGHTS_KINDS', 'SIGMA_REL_MAX', 'POSTHOC_FOLDER', 'POSTHOC_FIELD', 'local_shard', 'full_tensor',
            'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'as_dtensor', 'gather_ema', 'ema_weights',
            'released_ema', 'labelled', 'weights_kind', 'weights_label', 'sigma_rel_of', 'gamma_of', 'power_beta',
-           'profile_dot', 'posthoc_coefficients', 'PosthocConfig', 'check_posthoc', 'snapshot_path', 'PowerEMA',
-           'read_snapshots', 'reconstruct', 'main']
+           'profile_dot', 'posthoc_coefficients', 'PosthocConfig', 'posthoc_averages', 'check_posthoc', 'snapshot_path',
+           'PowerEMA', 'read_snapshots', 'reconstruct', 'main']
 
 # %% ../nbs/40_ema.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -212,7 +212,9 @@ def gamma_of(sigma_rel: float, what: str = "sigma_rel") -> float:
         raise ValueError(f"{what} {sigma_rel!r} is out of range; expected a width in (0, {SIGMA_REL_MAX:.4f})")
     lo, hi = 0.0, 1.0
     while sigma_rel_of(hi) > sigma_rel: hi *= 2
-    for _ in range(200): lo, hi = (lo, (lo + hi) / 2) if sigma_rel_of((lo + hi) / 2) < sigma_rel else ((lo + hi) / 2, hi)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if sigma_rel_of(mid) < sigma_rel else (mid, hi)
     return (lo + hi) / 2
 
 def power_beta(update: int, gamma: float) -> float:
@@ -229,8 +231,8 @@ def profile_dot(t_a, gamma_a, t_b, gamma_b) -> torch.Tensor:
     return (gamma_a + 1) * (gamma_b + 1) / g * log.exp()
 
 def posthoc_coefficients(t_in, gamma_in, t_out: float, gamma_out: float) -> torch.Tensor:
-    """The weight of each snapshot (updates `t_in`, exponents `gamma_in`) in the average of profile `gamma_out` at update
-    `t_out`: the least-squares fit of the profiles (normal equations, EDM2 Algorithm 3), normalised to sum 1."""
+    """The weight of each snapshot (updates `t_in`, exponents `gamma_in`) in the average of profile `gamma_out` at
+    update `t_out`: the least-squares fit of the profiles (normal equations, EDM2 Algorithm 3), normalised to sum 1."""
     t_in, gamma_in = (torch.as_tensor(v, dtype=torch.float64) for v in (t_in, gamma_in))
     A = profile_dot(t_in[:, None], gamma_in[:, None], t_in[None], gamma_in[None])   # (n, n)
     x = torch.linalg.solve(A, profile_dot(t_in, gamma_in, t_out, gamma_out))       # (n,)
@@ -246,6 +248,11 @@ class PosthocConfig:
     posthoc_ema: bool = False        # keep the snapshots `python -m cascade_nb.ema` reconstructs any width from
     posthoc_sigma_rels: list[float] = field(default_factory=lambda: [0.05, 0.10])   # the tracked profiles' widths
     posthoc_every: int = 100         # a snapshot of each profile every this many updates (and at the last)
+
+def posthoc_averages(cfg) -> int:
+    "How many averages post-hoc EMA keeps for `cfg` (0: off): one per tracked width."
+    p = getattr(cfg, "posthoc", None)
+    return len(p.posthoc_sigma_rels) if p is not None and p.posthoc_ema else 0
 
 @register_load_check("posthoc")
 def check_posthoc(cfg, where: str):

@@ -391,8 +391,9 @@ def posthoc_sweep(evaluator: Evaluator, mode, gdf, run, sigma_rels) -> dict[floa
         net = copy.deepcopy(mode.net)
         try: net.load_state_dict(reconstruct(run, s), strict=True)
         except RuntimeError:
-            raise ValueError(f"{run}: its post-hoc EMA snapshots do not hold the sampled generator's tensors (a run "
-                             "training adapters keeps their averages only); --sigma-rel needs a whole-generator run") from None
+            raise ValueError(f"{run}: its post-hoc EMA snapshots do not hold the sampled generator's tensors (a "
+                             "run training adapters keeps their averages only); --sigma-rel needs a whole-generator "
+                             "run") from None
         out[s] = evaluate_run(evaluator, mode, gdf, net=net)[0]
     return out
 

@@ -73,7 +73,8 @@ class Run:
         from accelerate.utils import DistributedType
         sharded = self.acc.distributed_type == DistributedType.FSDP
         device = "cpu" if self.cfg.train.ema_on_cpu else self.acc.device
-        self.posthoc = PowerEMA.of(self.cfg, self.acc.unwrap_model(self.net), device, sharded, self.mode.base_is_rebuilt)
+        net = self.acc.unwrap_model(self.net)
+        self.posthoc = PowerEMA.of(self.cfg, net, device, sharded, self.mode.base_is_rebuilt)
     @property
     def fused(self) -> FusedBackward | None: return self.opt if isinstance(self.opt, FusedBackward) else None
     @property
