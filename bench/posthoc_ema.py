@@ -39,7 +39,8 @@ def main(argv=None) -> dict:
         "posthoc": {s: mean([r["posthoc"][s] for r in rows.values()]) for s in widths}}}
     print("\t".join(["seed", "live", "plain EMA", *(f"sigma_rel {s}" for s in widths)]))
     for seed, r in [*rows.items(), ("mean", out["mean"])]:
-        print("\t".join([seed, f"{r['live']:.4f}", f"{r['plain_ema']:.4f}", *(f"{r['posthoc'][s]:.4f}" for s in widths)]))
+        cells = [r["live"], r["plain_ema"], *(r["posthoc"][s] for s in widths)]
+        print("\t".join([seed, *(f"{v:.4f}" for v in cells)]))
     if a.json: Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return out
 

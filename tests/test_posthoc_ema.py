@@ -28,7 +28,8 @@ def test_solver_reproduces_tracked_profiles_and_a_third_width():
     ts = torch.arange(25, 501, 25, dtype=torch.float64)
     t_in, g_in = ts.repeat(2), torch.tensor([g05] * 20 + [g10] * 20, dtype=torch.float64)
     for j, g in ((19, g05), (39, g10)):
-        assert torch.allclose(posthoc_coefficients(t_in, g_in, 500, g), torch.eye(40, dtype=torch.float64)[j], atol=1e-9)
+        one_hot = torch.eye(40, dtype=torch.float64)[j]
+        assert torch.allclose(posthoc_coefficients(t_in, g_in, 500, g), one_hot, atol=1e-9)
     x = posthoc_coefficients(t_in, g_in, 500, g08)
     theta = torch.randn(500, generator=torch.Generator().manual_seed(1), dtype=torch.float64).cumsum(0) / 10
     theta += torch.linspace(0, 3, 500, dtype=torch.float64)
