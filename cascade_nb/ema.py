@@ -1,4 +1,4 @@
-"""An exponential moving average of the trained weights, counted in optimizer updates: a copy of the model, or under FSDP this process's shards of it (no communication per update), or the trained tensors only (a LoRA's, a ControlNet's), and the files a run releases from it.
+"""An exponential moving average of the trained weights, counted in optimizer updates: a copy of the model, or under FSDP this process's shards of it (no communication per update), or the trained tensors only (a LoRA's, a ControlNet's), the files a run releases from it, and post-hoc EMA (EDM2): averages of any width rebuilt after training.
 
 Docs: https://cascade-nb.github.io/cascade_nb/ema.html.md"""
 
@@ -6,16 +6,22 @@ Docs: https://cascade-nb.github.io/cascade_nb/ema.html.md"""
 
 # %% ../nbs/40_ema.ipynb #5a2afd4e
 from __future__ import annotations
-import contextlib, copy, os
+import contextlib, copy, json, math, os
+from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
-from .core import Weights, safetensors_header
+from safetensors.torch import load_file
+from .core import Weights, safetensors_header, save_safetensors_atomic
+from .typed_yaml import Range, AT_LEAST_1
+from .config import config_section, register_load_check, need
 
 # %% auto #0
-__all__ = ['WEIGHTS_FIELD', 'WEIGHTS_KINDS', 'local_shard', 'full_tensor', 'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded',
-           'EMA', 'as_dtensor', 'gather_ema', 'ema_weights', 'released_ema', 'labelled', 'weights_kind',
-           'weights_label']
+__all__ = ['WEIGHTS_FIELD', 'WEIGHTS_KINDS', 'SIGMA_REL_MAX', 'POSTHOC_FOLDER', 'POSTHOC_FIELD', 'local_shard', 'full_tensor',
+           'ema_lerp_', 'ema_update_', 'ema_beta_at', 'resharded', 'EMA', 'as_dtensor', 'gather_ema', 'ema_weights',
+           'released_ema', 'labelled', 'weights_kind', 'weights_label', 'sigma_rel_of', 'gamma_of', 'power_beta',
+           'profile_dot', 'posthoc_coefficients', 'PosthocConfig', 'posthoc_averages', 'check_posthoc', 'snapshot_path',
+           'PowerEMA', 'read_snapshots', 'reconstruct', 'main']
 
 # %% ../nbs/40_ema.ipynb #5ab395cc
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -190,3 +196,186 @@ def weights_kind(path) -> str:
 def weights_label(path) -> str:
     "`path` and which weights it holds, as the commands print it: `RUN/generator_ema.safetensors (the EMA)`."
     return f"{path} ({WEIGHTS_KINDS[weights_kind(path)]})"
+
+# %% ../nbs/40_ema.ipynb #ph7bd594
+SIGMA_REL_MAX = 12 ** -0.5
+"The widest power-function profile (gamma = 0: the plain mean of all updates so far); widths are in (0, this)."
+
+def sigma_rel_of(gamma: float) -> float:
+    "The relative width of the power-function profile of exponent `gamma` (EDM2 eq. 123)."
+    return math.sqrt((gamma + 1) / ((gamma + 2) ** 2 * (gamma + 3)))
+
+def gamma_of(sigma_rel: float, what: str = "sigma_rel") -> float:
+    """The exponent gamma >= 0 of the profile of relative width `sigma_rel` in (0, 1/sqrt(12)) (EDM2 eq. 126): bisection
+    on `sigma_rel_of`, which falls monotonically."""
+    if not (isinstance(sigma_rel, (int, float)) and 0 < sigma_rel < SIGMA_REL_MAX):
+        raise ValueError(f"{what} {sigma_rel!r} is out of range; expected a width in (0, {SIGMA_REL_MAX:.4f})")
+    lo, hi = 0.0, 1.0
+    while sigma_rel_of(hi) > sigma_rel: hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if sigma_rel_of(mid) < sigma_rel else (mid, hi)
+    return (lo + hi) / 2
+
+def power_beta(update: int, gamma: float) -> float:
+    "The decay after update `update` (1-based) that keeps the power-function profile `gamma`: (1 - 1/t)^(gamma+1)."
+    return (1 - 1 / update) ** (gamma + 1)
+
+# %% ../nbs/40_ema.ipynb #phfdad3a
+def profile_dot(t_a, gamma_a, t_b, gamma_b) -> torch.Tensor:
+    """<p_a, p_b>: the integral of the product of two power-function profiles ending at updates t_a, t_b (EDM2
+    eq. 151); float64 tensors that broadcast, computed in logs."""
+    t_a, gamma_a, t_b, gamma_b = (torch.as_tensor(v, dtype=torch.float64) for v in (t_a, gamma_a, t_b, gamma_b))
+    g = gamma_a + gamma_b + 1
+    log = g * torch.minimum(t_a, t_b).log() - (gamma_a + 1) * t_a.log() - (gamma_b + 1) * t_b.log()
+    return (gamma_a + 1) * (gamma_b + 1) / g * log.exp()
+
+def posthoc_coefficients(t_in, gamma_in, t_out: float, gamma_out: float) -> torch.Tensor:
+    """The weight of each snapshot (updates `t_in`, exponents `gamma_in`) in the average of profile `gamma_out` at
+    update `t_out`: the least-squares fit of the profiles (normal equations, EDM2 Algorithm 3), normalised to sum 1."""
+    t_in, gamma_in = (torch.as_tensor(v, dtype=torch.float64) for v in (t_in, gamma_in))
+    A = profile_dot(t_in[:, None], gamma_in[:, None], t_in[None], gamma_in[None])   # (n, n)
+    x = torch.linalg.solve(A, profile_dot(t_in, gamma_in, t_out, gamma_out))       # (n,)
+    return x / x.sum()
+
+# %% ../nbs/40_ema.ipynb #ph4d9727
+@config_section("posthoc", resume_keys=("posthoc_ema", "posthoc_sigma_rels"),
+                ranges=dict(posthoc_sigma_rels=Range(0, SIGMA_REL_MAX, lo_open=True, hi_open=True, label="a width"),
+                            posthoc_every=AT_LEAST_1))
+@dataclass
+class PosthocConfig:
+    "Post-hoc EMA (EDM2): power-function EMAs of what trains, snapshotted every `posthoc_every` updates."
+    posthoc_ema: bool = False        # keep the snapshots `python -m cascade_nb.ema` reconstructs any width from
+    posthoc_sigma_rels: list[float] = field(default_factory=lambda: [0.05, 0.10])   # the tracked profiles' widths
+    posthoc_every: int = 100         # a snapshot of each profile every this many updates (and at the last)
+
+def posthoc_averages(cfg) -> int:
+    "How many averages post-hoc EMA keeps for `cfg` (0: off): one per tracked width."
+    p = getattr(cfg, "posthoc", None)
+    return len(p.posthoc_sigma_rels) if p is not None and p.posthoc_ema else 0
+
+@register_load_check("posthoc")
+def check_posthoc(cfg, where: str):
+    "Two or more different tracked widths (one profile spans too few shapes to rebuild others from)."
+    s = cfg.posthoc.posthoc_sigma_rels
+    need(not cfg.posthoc.posthoc_ema or (len(s) >= 2 and len(set(s)) == len(s)), where,
+         f"key 'posthoc_sigma_rels': {s!r}; expected two or more different widths, e.g. [0.05, 0.10]")
+
+# %% ../nbs/40_ema.ipynb #ph836d68
+POSTHOC_FOLDER = "posthoc"
+"The run folder's sub-folder of post-hoc EMA snapshots."
+POSTHOC_FIELD = "cascade_nb.posthoc"
+"""The header field of a snapshot (and of a reconstruction): JSON `{"sigma_rel": width, "update": update}`; one field,
+so that the same snapshot is the same bytes (safetensors writes several header fields in no fixed order)."""
+
+def snapshot_path(run, update: int, sigma_rel: float) -> Path:
+    "The file of the snapshot of width `sigma_rel` at update `update` in run folder `run`."
+    return Path(run)/POSTHOC_FOLDER/f"{update:08d}-{sigma_rel:.4f}.safetensors"
+
+# %% ../nbs/40_ema.ipynb #phf56b80
+class PowerEMA:
+    """Post-hoc EMA's averages during a run: one `EMA` per tracked width (held as the run holds its EMA), stepped with
+    `power_beta`, and their snapshots."""
+    def __init__(self, emas: list[EMA], sigma_rels, every: int):
+        self.emas, self.sigma_rels, self.every = emas, list(sigma_rels), every
+        self.gammas = [gamma_of(s) for s in self.sigma_rels]
+
+    @classmethod
+    def of(cls, cfg, net: nn.Module, device, sharded: bool = False, trained_only: bool = False) -> "PowerEMA | None":
+        "The averages `cfg` asks for (None: post-hoc EMA off), of the prepared `net`, each made as the run's `EMA`."
+        p = getattr(cfg, "posthoc", None)
+        if p is None or not p.posthoc_ema: return None
+        return cls([EMA(net, device, sharded, trained_only).attach(net) for _ in p.posthoc_sigma_rels],
+                   p.posthoc_sigma_rels, p.posthoc_every)
+
+    def update_(self, model: nn.Module, update: int):
+        "Step each average after optimizer update `update` (1-based): no communication under FSDP."
+        for ema, g in zip(self.emas, self.gammas): ema.update_(model, power_beta(update, g))
+
+    def snapshot(self, run, update: int, is_main: bool):
+        "Write each average, whole, into run folder `run` (every process calls it: FSDP gathers; the main one writes)."
+        for ema, s in zip(self.emas, self.sigma_rels):
+            sd = gather_ema(ema)
+            if is_main: save_safetensors_atomic(sd, snapshot_path(run, update, s), {
+                POSTHOC_FIELD: json.dumps({"sigma_rel": s, "update": update})})
+
+    def after_update(self, model: nn.Module, run, update: int, last: bool, is_main: bool):
+        "Step the averages after update `update`; at the cadence (and at the run's `last` update) snapshot them."
+        self.update_(model, update)
+        if update % self.every == 0 or last: self.snapshot(run, update, is_main)
+
+    @property
+    def state_names(self) -> list[str]:
+        "The names of the averages in a checkpoint (`run_state.save_ema`): `posthoc-0.0500`, ..."
+        return [f"posthoc-{s:.4f}" for s in self.sigma_rels]
+
+    def forget_after(self, run, update: int):
+        "Remove the snapshots of run folder `run` taken after `update` (a resume's: the cut-short run wrote them)."
+        for f, _, u in read_snapshots(run, missing_ok=True):
+            if u > update: f.unlink(missing_ok=True)
+
+# %% ../nbs/40_ema.ipynb #pha451dd
+def read_snapshots(run, missing_ok: bool = False) -> list[tuple[Path, float, int]]:
+    """(file, width, update) of each snapshot in run folder `run`, by update then width; a `FileNotFoundError` naming
+    the folder when there is none (unless `missing_ok`)."""
+    out = []
+    for f in sorted((Path(run)/POSTHOC_FOLDER).glob("*.safetensors")):
+        v = safetensors_header(f)[0].get(POSTHOC_FIELD)
+        try: h = json.loads(v); out.append((f, float(h["sigma_rel"]), int(h["update"])))
+        except (TypeError, ValueError, KeyError):
+            raise ValueError(f"{f}: header key {POSTHOC_FIELD!r} is {v!r}; expected JSON with a sigma_rel and an "
+                             "update (a post-hoc EMA snapshot)") from None
+    if not out and not missing_ok:
+        raise FileNotFoundError(2, "no post-hoc EMA snapshots (the run kept none: train with posthoc_ema: true)",
+                                str(Path(run)/POSTHOC_FOLDER))
+    return sorted(out, key=lambda r: (r[2], r[1]))
+
+@torch.no_grad()
+def reconstruct(run, sigma_rel: float, update: int | None = None) -> Weights:
+    """The EMA of width `sigma_rel` at update `update` (default: the latest snapshot's) of run folder `run`, from its
+    snapshots up to that update (`posthoc_coefficients`)."""
+    g = gamma_of(sigma_rel)
+    snaps = read_snapshots(run)
+    update = snaps[-1][2] if update is None else update
+    snaps = [s for s in snaps if s[2] <= update]
+    if len({s[1] for s in snaps}) < 2:
+        raise ValueError(f"{Path(run)/POSTHOC_FOLDER}: snapshots of {len({s[1] for s in snaps})} width(s) up to update "
+                         f"{update}; expected two or more")
+    x = posthoc_coefficients([s[2] for s in snaps], [gamma_of(s[1]) for s in snaps], update, g)
+    total, dtypes = {}, {}
+    for (f, _, _), xi in zip(snaps, x.tolist()):
+        for k, v in load_file(str(f)).items():
+            dtypes[k] = v.dtype
+            # integer buffers (counters) are not averaged: the latest snapshot's
+            total[k] = total.get(k, 0) + xi * v.double() if v.is_floating_point() else v
+    return Weights({k: v.to(dtypes[k]) for k, v in total.items()},
+                   {WEIGHTS_FIELD: "ema", POSTHOC_FIELD: json.dumps({"sigma_rel": sigma_rel, "update": update})})
+
+# %% ../nbs/40_ema.ipynb #ph8bb4b8
+def main(argv=None):
+    """Reconstruct a run's post-hoc EMA of any width from its snapshots (EDM2).
+
+    python -m cascade_nb.ema RUN --sigma-rel 0.08 [--update N] [--out FILE] [--overwrite]
+    """
+    from cascade_nb.cli import cli_parser, cli_errors, output_target, finite_number, at_least
+    p = cli_parser("cascade_nb.ema", main.__doc__)
+    p.add_argument("run", help="run directory {checkpoint_path}/{experiment_id} trained with posthoc_ema: true")
+    p.add_argument("--sigma-rel", type=finite_number, required=True, help=f"the width, in (0, {SIGMA_REL_MAX:.4f})")
+    p.add_argument("--update", type=at_least(1), default=None, help="the update (default: the latest snapshot's)")
+    p.add_argument("--out", default=None, help="the file to write, outside the run folder (default: "
+                   "RUN-NAME_ema-SIGMA.safetensors here)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
+    a = p.parse_args(argv)
+    with cli_errors(OSError, ValueError):
+        gamma_of(a.sigma_rel, "--sigma-rel")
+        out = output_target(a.out or f"{Path(a.run).name}_ema-{a.sigma_rel:g}.safetensors", a.overwrite)
+        w = reconstruct(a.run, a.sigma_rel, a.update)
+        save_safetensors_atomic(w, out)
+    print(f"{out}: the EMA of width {a.sigma_rel:g} at update {json.loads(w.metadata[POSTHOC_FIELD])['update']} "
+          f"({len(w)} tensors)")
+    return out
+
+if __name__ == "__main__" and "__file__" in globals():
+    # run as cascade_nb.ema, whose config section the loader registers, not as this file's __main__ copy
+    from cascade_nb.ema import main as _main
+    _main()

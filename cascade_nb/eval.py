@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .config import Config, ConfigError
 from .registry import load_builtin_parts, registry
 from .core import save_safetensors_atomic, images_to_device
-from .ema import ema_weights, released_ema, labelled, weights_kind
+from .ema import ema_weights, released_ema, labelled, weights_kind, gamma_of, reconstruct
 from .optimizers import evaluation_view
 from .train_state import register_training_hook
 from .sample import load_run, sample_run
@@ -24,7 +24,7 @@ from .gdf.samplers import SAMPLERS
 __all__ = ['METRICS', 'SELECTION_RULES', 'REPORTS', 'pixel_features', 'retrieval_ranks', 'retrieval_scores', 'register_metric',
            'build_metric', 'register_selection_rule', 'register_report', 'FID', 'KID', 'CLIPScore', 'Retrieval',
            'reference_set', 'pick_captions', 'sample_captions', 'Evaluator', 'EvalContext', 'evaluate_run', 'eval_step',
-           'read_evaluations', 'logged_evaluations', 'InTrainingEvaluation', 'main']
+           'read_evaluations', 'logged_evaluations', 'InTrainingEvaluation', 'posthoc_sweep', 'posthoc_table', 'main']
 
 # %% ../nbs/43_eval.ipynb #826a2171
 def pixel_features(images01: torch.Tensor, size: int = 16) -> torch.Tensor:
@@ -381,6 +381,29 @@ class InTrainingEvaluation:
                 eval_step(self.evaluator, run.acc, run.mode, run.gdf, run.net, run.ema, run.state, run.metrics_path,
                           run.run_dir, run.out_dir)
 
+# %% ../nbs/43_eval.ipynb #phf9b689
+def posthoc_sweep(evaluator: Evaluator, mode, gdf, run, sigma_rels) -> dict[float, dict]:
+    """{width: results} of run folder `run`'s post-hoc EMA reconstructed at each width, in its sampled generator
+    (a run that trains the whole generator), scored as `evaluate_run` scores the run's own weights."""
+    import copy
+    out = {}
+    for s in sigma_rels:
+        net = copy.deepcopy(mode.net)
+        try: net.load_state_dict(reconstruct(run, s), strict=True)
+        except RuntimeError:
+            raise ValueError(f"{run}: its post-hoc EMA snapshots do not hold the sampled generator's tensors (a "
+                             "run training adapters keeps their averages only); --sigma-rel needs a whole-generator "
+                             "run") from None
+        out[s] = evaluate_run(evaluator, mode, gdf, net=net)[0]
+    return out
+
+def posthoc_table(run, sweep: dict, goals: dict, metric: str | None = None) -> str:
+    "The sweep as printed: one row per width, then the best width by `metric` (default: the first with a goal)."
+    metric = metric if metric in goals else next(iter(goals))
+    pick = (max if goals[metric] == "max" else min)(sweep, key=lambda s: sweep[s][metric])
+    rows = [f"post-hoc EMA of {run}: sigma_rel\t{metric}", *(f"{s:g}\t{r[metric]:.4g}" for s, r in sweep.items())]
+    return "\n".join([*rows, f"best width by {metric}: sigma_rel {pick:g} ({sweep[pick][metric]:.4g})"])
+
 # %% ../nbs/43_eval.ipynb #c4f8874a
 def _parser() -> argparse.ArgumentParser:
     from cascade_nb.cli import at_least, finite_number, add_import_option, add_ema_option
@@ -410,6 +433,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report-dir", default=None, metavar="DIR", help="with --report and one --checkpoint: write the "
                    "report card into DIR instead (from the metrics.jsonl and pictures DIR holds)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --json file and report card")
+    p.add_argument("--sigma-rel", nargs="+", type=finite_number, default=None, metavar="SIGMA",
+                   help="also score each run's post-hoc EMA reconstructed at these widths (a run trained with "
+                        "posthoc_ema: true; python -m cascade_nb.ema) and name the best, e.g. 0.02 0.05 0.1 0.15 0.2")
     return add_import_option(add_ema_option(p))
 
 # %% ../nbs/43_eval.ipynb #eb2e24da
@@ -418,11 +444,12 @@ def main(argv=None) -> dict:
     a = _parser().parse_args(argv)
     if a.report_dir is not None and not (a.report and len(a.checkpoint) == 1):
         _parser().error("--report-dir goes with --report and one --checkpoint")
-    results, weights, evaluator, cfgs, folders = [], [], None, [], []
+    results, weights, evaluator, cfgs, folders, sweeps = [], [], None, [], [], {}
     try:
         from cascade_nb.config import import_modules
         from cascade_nb.cli import cli_choice, output_target
         import_modules(a.imports, "--import")
+        for s in a.sigma_rel or (): gamma_of(s, "--sigma-rel")   # a width out of range: one line before any slow work
         if a.json: output_target(a.json, a.overwrite, "--json")
         for run in a.checkpoint:
             mode, gdf, cfg = load_run(run, ema=a.ema, best=a.best)
@@ -440,6 +467,7 @@ def main(argv=None) -> dict:
                                   cfg_scale=a.cfg, sampler=a.sampler, **shared)
             results.append(evaluate_run(evaluator, mode, gdf)[0])
             cfgs.append(cfg)
+            if a.sigma_rel: sweeps[run] = posthoc_sweep(evaluator, mode, gdf, run, a.sigma_rel)
     except (OSError, ConfigError, ValueError) as e:
         from cascade_nb.cli import error_line
         print(f"error: {error_line(e)}", file=sys.stderr); sys.exit(2)
@@ -448,7 +476,9 @@ def main(argv=None) -> dict:
     print("\t".join(["metric", *a.checkpoint]))
     print("\t".join(["weights", *(f"{Path(w).name} ({weights_kind(w)})" for w in weights)]))
     for k in keys: print("\t".join([k, *(f"{r[k]:.4g}" if k in r else "-" for r in results)]))
-    by_run = dict(zip(a.checkpoint, results))
+    for run, sweep in sweeps.items(): print(posthoc_table(run, sweep, evaluator.goals, cfgs[0].checkpoint.best_metric))
+    by_run = {run: {**r, **({"posthoc": {f"{s:g}": v for s, v in sweeps[run].items()}} if run in sweeps else {})}
+              for run, r in zip(a.checkpoint, results)}
     if a.json:
         try: Path(a.json).write_text(json.dumps(by_run, indent=1) + "\n")
         except OSError as e: print(f"error: --json {a.json}: {e.strerror or e}", file=sys.stderr); sys.exit(2)

@@ -15,6 +15,7 @@ from .config import Config, ConfigError, load_config
 from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .modes import TRAINING_MODES
 from .optimizers import OPTIMIZERS
+from .ema import posthoc_averages
 # declared with the ControlNet; measured here
 from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet
 from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
@@ -353,10 +354,12 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
         if t.stochastic_rounding: rows["fp32 copy of one weight and its gradient (stochastic rounding)"] = 8 * largest
     if offload: notes.append("FSDP CPU offload: weights, gradients and optimizer state live in CPU memory")
     if fsdp: rows["FSDP gathered blocks"] = 2 * max(b.params for b in stage_c_blocks(gen)) * (2 if amp else wb)
+    # FSDP: this GPU's shards; a mode whose state leaves out its frozen base averages its trained tensors only
+    ema_b = n_train * train_b if mode.base_is_rebuilt else n_gen * wb
     if t.ema_start_iters is not None and mode.supports_ema:
-        # FSDP: this GPU's shards; a mode whose state leaves out its frozen base averages its trained tensors only
-        ema_b = n_train * train_b if mode.base_is_rebuilt else n_gen * wb
         rows["EMA" + (" (CPU)" if t.ema_on_cpu else "")] = 0 if t.ema_on_cpu else ema_b // shard
+    if (k := posthoc_averages(cfg)) and mode.supports_ema:   # post-hoc EMA: an average per width, held as the EMA
+        rows[f"post-hoc EMA ({k} averages{' CPU' * t.ema_on_cpu})"] = 0 if t.ema_on_cpu else k * ema_b // shard
     enc = _encoder_params(cfg)
     rows["frozen encoders (" + ", ".join(enc) + ")"] = sum(enc.values()) * frozen_b
 
@@ -411,7 +414,7 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
         yield "8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, world_size, fsdp
     if m.frozen_dtype != "bfloat16":
         yield "bf16 frozen encoders (frozen_dtype=bfloat16)", {"frozen_dtype": "bfloat16"}, world_size, fsdp
-    if t.ema_start_iters is not None and mode.supports_ema and not t.ema_on_cpu:
+    if (t.ema_start_iters is not None or posthoc_averages(cfg)) and mode.supports_ema and not t.ema_on_cpu:
         yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
     upcast = fsdp and t.mixed_precision != "no"   # FSDP2 keeps trained weights in fp32 under mixed precision
     if mode.trains_generator and m.dtype != "bfloat16" and not upcast:

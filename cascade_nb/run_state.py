@@ -13,7 +13,7 @@ from torch import nn
 from .core import (atomic_write, atomic_write_json, to_pil_grid, save_safetensors_atomic, safetensors_header,
     _header_dtypes, _SAFETENSORS_DTYPES)
 from .hub import parse_hub_spec, hub_settings
-from .ema import EMA, WEIGHTS_FIELD, as_dtensor, local_shard
+from .ema import EMA, PowerEMA, WEIGHTS_FIELD, as_dtensor, local_shard
 from .optimizers import FusedBackward
 from .train_state import TrainState
 
@@ -278,25 +278,28 @@ def training_generator(seed: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1000 + rank)
 
 # %% ../nbs/40d_run_state.ipynb #21c9061f
-def save_ema(ema: EMA, state_dir, is_main: bool):
-    """The EMA into a training state, once: `ema.safetensors` (main process; its header says it holds the EMA, for the
-    released `generator_ema` that links to it), or under FSDP `ema/` with every process's shards."""
+def save_ema(ema: EMA, state_dir, is_main: bool, name: str = "ema"):
+    """The EMA into a training state, once: `{name}.safetensors` (main process; its header says it holds the EMA, for
+    the released `generator_ema` that links to it), or under FSDP `{name}/` with every process's shards; `name`: one of
+    post-hoc EMA's averages (`PowerEMA.state_names`)."""
     d = Path(state_dir)
     if ema.sharded:
         import torch.distributed.checkpoint as dcp
         dcp.save({**{n: as_dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers},
-                 checkpoint_id=d/"ema")
+                 checkpoint_id=d/name)
     elif is_main:
-        save_safetensors_atomic(ema.state_dict(), d/"ema.safetensors", {WEIGHTS_FIELD: "ema"})
-        ema.saved = d/"ema.safetensors"   # the released copy links to it (`write_weights`) until the next update
+        save_safetensors_atomic(ema.state_dict(), d/f"{name}.safetensors", {WEIGHTS_FIELD: "ema"})
+        ema.saved = d/f"{name}.safetensors"   # the released copy links to it (`write_weights`) until the next update
 
 # %% ../nbs/40d_run_state.ipynb #2e0581fc
 def save_training_state(state_dir, rank: int, is_main: bool, state: TrainState, rng: torch.Generator, gdf,
-                        ema: EMA | None = None, fused: FusedBackward | None = None):
-    "Write the loop's own state into `state_dir` (every process calls it): JSON and safetensors, no pickle."
+                        ema: EMA | None = None, fused: FusedBackward | None = None, posthoc: PowerEMA | None = None):
+    """Write the loop's own state into `state_dir` (every process calls it): JSON and safetensors, no pickle; the EMA,
+    and post-hoc EMA's averages."""
     d = Path(state_dir)
     save_safetensors_atomic({"state": rng.get_state()}, d/f"rng_{rank}.safetensors")   # each rank its own stream
     if ema is not None: save_ema(ema, d, is_main)
+    for e, name in zip(posthoc.emas, posthoc.state_names) if posthoc else (): save_ema(e, d, is_main, name)
     if not is_main: return
     save_safetensors_atomic({f"{part}/{k}": v for part, sd in gdf.state_dict().items() for k, v in sd.items()},
                             d/"gdf.safetensors")
@@ -355,19 +358,19 @@ def _copy_saved(tensors: dict, saved: dict, path: Path):
     for k, t in tensors.items(): t.copy_(saved[k])
 
 # %% ../nbs/40d_run_state.ipynb #3035ff26
-def load_ema(ema: EMA, state_dir):
+def load_ema(ema: EMA, state_dir, name: str = "ema"):
     """Restore what `save_ema` wrote; under FSDP every process calls it, and shards saved by another process count are
     resharded."""
     from safetensors.torch import load_file
     d, ema.saved = Path(state_dir), None
     if not ema.sharded:
-        saved = _read(d/"ema.safetensors", lambda p: load_file(str(p)))
+        saved = _read(d/f"{name}.safetensors", lambda p: load_file(str(p)))
         # onto its device
         if ema.module is not None: return ema.module.load_state_dict(saved)
-        return _copy_saved(ema.shards, saved, d/"ema.safetensors")
+        return _copy_saved(ema.shards, saved, d/f"{name}.safetensors")
     import torch.distributed.checkpoint as dcp
     sd = {**{n: as_dtensor(s, ema.specs[n]) for n, s in ema.shards.items()}, **ema.buffers}
-    _read(d/"ema"/".metadata", lambda p: dcp.load(sd, checkpoint_id=p.parent))
+    _read(d/name/".metadata", lambda p: dcp.load(sd, checkpoint_id=p.parent))
     # a DTensor's shard lives on its mesh's device: copied back when the EMA is elsewhere (`ema_on_cpu`)
     for n, t in sd.items():
         dst = ema.shards.get(n, ema.buffers.get(n))
@@ -375,8 +378,10 @@ def load_ema(ema: EMA, state_dir):
 
 # %% ../nbs/40d_run_state.ipynb #24651bed
 def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Generator, gdf,
-                        ema: EMA | None = None, fused: FusedBackward | None = None) -> bool:
-    "Restore what `save_training_state` wrote; False when this rank has no saved stream (the process count changed)."
+                        ema: EMA | None = None, fused: FusedBackward | None = None,
+                        posthoc: PowerEMA | None = None) -> bool:
+    """Restore what `save_training_state` wrote; False when this rank has no saved stream (the process count changed).
+    Post-hoc EMA's snapshots taken after the restored update (by the run that was cut short) are removed."""
     from safetensors.torch import load_file
     d = Path(state_dir)
     state.load_state_dict(_read(d/"train_state.json", lambda p: json.loads(p.read_text())))
@@ -385,6 +390,8 @@ def load_training_state(state_dir, rank: int, state: TrainState, rng: torch.Gene
     for key, v in flat.items(): part, name = key.split("/", 1); parts.setdefault(part, {})[name] = v
     gdf.load_state_dict(parts)
     if ema is not None: load_ema(ema, d)
+    for e, name in zip(posthoc.emas, posthoc.state_names) if posthoc else (): load_ema(e, d, name)
+    if posthoc and rank == 0: posthoc.forget_after(d.parent, state.update)
     if fused is not None:
         fused.load_state_dict(_read(d/"fused_optimizer.pt", lambda p: torch.load(p, weights_only=True)))
     if not (d/f"rng_{rank}.safetensors").exists(): return False

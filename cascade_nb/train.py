@@ -28,7 +28,7 @@ from .gdf.recipe import schedule_at_update
 from .data.sources import format_skips
 from .run_data import sample_rows, validation_loss, per_process_batch, training_data, preview_batch
 from fastprogress.fastprogress import progress_bar
-from .ema import released_ema, ema_beta_at, EMA, labelled
+from .ema import released_ema, ema_beta_at, EMA, PowerEMA, labelled
 from .optimizers import (LRSchedule, OPTIMIZERS, set_lr, FusedBackward, evaluation_view, named_groups,
                                    optimizer_groups, describe_groups, group_lrs, group_layout)
 from .train_state import (TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite,
@@ -64,6 +64,17 @@ class Run:
     run_dir: RunDir
     out_dir: Path
     opt: Any = None   # the prepared optimizer, or the `FusedBackward` stepped inside backward
+    posthoc: PowerEMA | None = None   # post-hoc EMA's averages, made from the prepared net (the `posthoc` section)
+    def __post_init__(self):
+        p = getattr(self.cfg, "posthoc", None)
+        if self.posthoc is not None or p is None or not p.posthoc_ema: return
+        if not self.mode.supports_ema:
+            raise ConfigError(f"key 'posthoc_ema': true; the '{self.cfg.train.mode}' mode keeps no EMA: set it false")
+        from accelerate.utils import DistributedType
+        sharded = self.acc.distributed_type == DistributedType.FSDP
+        device = "cpu" if self.cfg.train.ema_on_cpu else self.acc.device
+        net = self.acc.unwrap_model(self.net)
+        self.posthoc = PowerEMA.of(self.cfg, net, device, sharded, self.mode.base_is_rebuilt)
     @property
     def fused(self) -> FusedBackward | None: return self.opt if isinstance(self.opt, FusedBackward) else None
     @property
@@ -86,9 +97,13 @@ def gradient_norm(acc, opt, params, clip: float):
 def update_ema(run: Run) -> float | None:
     """The EMA's step at this update's decay towards the weights the run evaluates (`evaluation_view`: schedule-free
     AdamW's x, not y); the decay, or None when the EMA does not step at this update (or the run has none)."""
-    if run.ema is None: return None
-    t = run.cfg.train
-    beta = ema_beta_at(run.state.update, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.)
+    t, u, beta = run.cfg.train, run.state.update, None
+    if run.posthoc is not None:
+        # post-hoc EMA's averages step at every update; at its cadence their snapshots (gathered under FSDP) are written
+        with evaluation_view(run):
+            run.posthoc.after_update(run.acc.unwrap_model(run.net), run.run_dir.path, u, u == t.updates,
+                                     run.acc.is_main_process)
+    if run.ema is not None: beta = ema_beta_at(u, t.ema_start_iters, t.ema_iters or 1, t.ema_beta or 0.)
     if beta is not None:
         with evaluation_view(run): run.ema.update_(run.acc.unwrap_model(run.net), beta)
     return beta
@@ -111,7 +126,8 @@ def weights_finite(run: Run) -> bool:
     "Whether the weights and the EMA are free of NaN and inf on every process (their shards under FSDP)."
     acc = run.acc
     ok = all_finite([*acc.unwrap_model(run.net).state_dict().values(),
-                     *(run.ema.state_dict().values() if run.ema else ())])
+                     *(run.ema.state_dict().values() if run.ema else ()),
+                     *(v for e in (run.posthoc.emas if run.posthoc else ()) for v in e.state_dict().values())])
     return bool(acc.gather(torch.tensor([float(ok)], device=acc.device)).min() > 0)
 
 # %% ../nbs/41_train.ipynb #3012d85d
@@ -155,7 +171,7 @@ def _save(run: Run):
     acc.wait_for_everyone()
     # without the frozen parameters (a LoRA's base): a resume rebuilds them from their files
     save_model_state(acc, run.net, staging, run.cfg.to_yaml_dict(), run.mode.base_is_rebuilt)
-    save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema, run.fused)
+    save_training_state(staging, acc.process_index, is_main, state, run.rng, run.gdf, run.ema, run.fused, run.posthoc)
     # accelerate's files are not fsynced: on disk before info.json names them (each process, its node), once every
     # process has written (an fsync walk beside another process's write-then-rename would meet a vanished temp file)
     acc.wait_for_everyone()
@@ -204,7 +220,7 @@ def load_checkpoint(run: Run, state_dir):
     state)."""
     load_model_state(run.acc, run.net, state_dir, run.cfg.to_yaml_dict(), run.mode.base_is_rebuilt)
     # False (no stream of this rank): a fresh one
-    load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema, run.fused)
+    load_training_state(state_dir, run.acc.process_index, run.state, run.rng, run.gdf, run.ema, run.fused, run.posthoc)
     if not weights_finite(run): raise ValueError("its weights hold NaN or inf")
 
 def resume(run: Run) -> Path:
