@@ -577,8 +577,9 @@ class Muon(OptimizerSpec):
     @classmethod
     def build(cls, params, t, lr, momentum=0.95, nesterov=True, ns_steps=5):
         groups = [g if isinstance(g, dict) else {"params": [g]} for g in params]
-        # groups from `optimizer_groups` carry their part; bare tensors are split by their shape
-        split = {part: [{**g, "params": ps, "part": part} for g in groups
+        # groups from `optimizer_groups` carry their part (dropped here: the part's optimizer says it, and a saved
+        # state's bytes must not depend on which string object the key was); bare tensors are split by their shape
+        split = {part: [{**{k: v for k, v in g.items() if k != "part"}, "params": ps} for g in groups
                         if (ps := [p for p in g["params"] if (g.get("part") or cls.part_of("", p)) == part])]
                  for part in ("muon", "adamw")}
         parts = {"muon": lambda gs: torch.optim.Muon(gs, lr=lr, weight_decay=t.weight_decay, momentum=momentum,
