@@ -1,5 +1,5 @@
-"""The optimizers beyond AdamW (adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw, muon), the LR schedules and the fused
-backward pass through the trainer's paths:
+"""The optimizers beyond AdamW (adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw, muon), the LR schedules
+and the fused backward pass through the trainer's paths:
 each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes and commits
 the very state the killed process had written (weights, optimizer state, EMA, data position, random streams), and the
 planner's state bytes are the trainer's (Muon: its momentum buffers on the matrices, AdamW's two moments on the
