@@ -195,7 +195,7 @@ class TrainConfig:
     lr_cycles: int = 1                    # cosine_with_restarts: cosine cycles over the run
     lr_power: float = 1.0                 # polynomial: the decay's power (1 = linear)
     scale_lr: bool = False                # lr *= batch per process * accumulation * processes (SD v1 rule)
-    # adamw, adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw (optimizers.OPTIMIZERS) or a registered one
+    # adamw, adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw, muon (optimizers.OPTIMIZERS) or your own
     optimizer: Choice["optimizer"] = "adamw"
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # the optimizer's own options, e.g. {d_coef: 0.5}
     # one GPU: step each weight inside backward and free its gradient at once (no full-size gradients in memory)

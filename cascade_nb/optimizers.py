@@ -1,4 +1,4 @@
-"""The LR warm-up and decay, the optimizers by name (AdamW, 8-bit AdamW, Adafactor, CAME, Lion, Prodigy, schedule-free AdamW) with their options, bf16 weights with stochastic rounding, the optimizer step inside backward, and parameter groups at their own LR and weight decay.
+"""The LR warm-up and decay, the optimizers by name (AdamW, 8-bit AdamW, Adafactor, CAME, Lion, Prodigy, schedule-free AdamW, Muon) with their options, bf16 weights with stochastic rounding, the optimizer step inside backward, and parameter groups at their own LR and weight decay.
 
 Docs: https://cascade-nb.github.io/cascade_nb/optimizers.html.md"""
 
@@ -13,7 +13,7 @@ from torch import nn
 from .core import human_count, seeded_rand
 from .registry import registry, ConfigError
 from .config import Config, need, register_load_check
-from .typed_yaml import Range, coerce, POSITIVE, AT_LEAST_0
+from .typed_yaml import Range, coerce, POSITIVE, AT_LEAST_0, DECAY
 from .ema import local_shard, resharded
 
 # %% auto #0
@@ -23,7 +23,7 @@ __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'ADAM_LR', '
            'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
            'on_load_optimizer_args', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups',
            'group_settings', 'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'on_load_optimization',
-           'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view']
+           'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view', 'MuonWithAdamW', 'Muon']
 
 # %% ../nbs/40a_optimizers.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -131,6 +131,11 @@ class OptimizerSpec:
         """A context in which the trained parameters hold the weights to sample, score and release, and after which they
         are back bit for bit: for most optimizers the trained weights themselves, so nothing to do."""
         return contextlib.nullcontext()
+    @staticmethod
+    def part_of(name: str, p: torch.Tensor) -> str | None:
+        """Which of its inner optimizers steps the trained parameter `name` (`optimizer_groups` splits the groups by
+        it and marks each with its `part`); None: one optimizer steps them all."""
+        return None
     @staticmethod
     def build(params, t, lr: float, **args) -> torch.optim.Optimizer: raise NotImplementedError
     @staticmethod
@@ -403,8 +408,9 @@ def _unused(groups: dict, t, decided: set) -> str | None:
 
 def optimizer_groups(groups: dict[str, list], t, scale: float = 1.0) -> list[dict]:
     """torch param groups of `named_groups`: one per group and LR multiplier (`lr_multipliers`, first matching pattern),
-    with `lr`, `weight_decay`, the `group` name and the `lr_multiplier`. A multiplier of 0 freezes the parameter."""
-    out, decided = {}, set()
+    with `lr`, `weight_decay`, the `group` name and the `lr_multiplier`, split by the optimizer's `part_of` (then marked
+    with their `part`). A multiplier of 0 freezes the parameter."""
+    out, decided, part_of = {}, set(), OPTIMIZERS.choose(getattr(t, "optimizer", "adamw")).part_of
     for group, named in groups.items():
         settings = group_settings(t, group, scale)
         for name, p in named:
@@ -412,9 +418,9 @@ def optimizer_groups(groups: dict[str, list], t, scale: float = 1.0) -> list[dic
             m = 1.0 if pat is None else float(t.lr_multipliers[pat])
             decided.add(pat)
             if m == 0: p.requires_grad_(False); continue
-            key = (group, m)
+            key = (group, m, part_of(name, p))
             if key not in out: out[key] = {"params": [], **settings, "lr": settings["lr"] * m, "group": group,
-                                           "lr_multiplier": m}
+                                           "lr_multiplier": m, **({"part": key[2]} if key[2] else {})}
             out[key]["params"].append(p)
     if why := _unused(groups, t, decided): raise ConfigError(why)
     if groups and not out: raise ConfigError("key 'lr_multipliers': a multiplier of 0 for every trained parameter "
@@ -529,3 +535,59 @@ def evaluation_view(run):
     """The context in which `run`'s weights are the ones to sample, score, average and release (its optimizer spec's
     `evaluated`); every process enters it."""
     return OPTIMIZERS.choose(run.cfg.train.optimizer).evaluated(run.opt, run.acc.unwrap_model(run.net))
+
+# %% ../nbs/40a_optimizers.ipynb #f3ec0081
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon over the hidden matrices and AdamW over the rest as one optimizer: `step`, `zero_grad`, both parts'
+    `param_groups` and `state`, and one state dict {part: its state dict} that loads back exactly."""
+    def __init__(self, parts: dict[str, torch.optim.Optimizer]):
+        # not torch's __init__: the parts own the groups and the state
+        self.parts, self.defaults = parts, {}
+    @property
+    def param_groups(self): return [g for o in self.parts.values() for g in o.param_groups]
+    @property
+    def state(self): return {p: s for o in self.parts.values() for p, s in o.state.items()}
+    def step(self, closure=None):
+        for o in self.parts.values(): o.step()
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.parts.values(): o.zero_grad(set_to_none)
+    def state_dict(self) -> dict: return {k: o.state_dict() for k, o in self.parts.items()}
+    def load_state_dict(self, sd: dict):
+        if set(sd) != set(self.parts):
+            raise ValueError(f"an optimizer state of the parts {sorted(sd)}; this optimizer has {sorted(self.parts)}")
+        for k, o in self.parts.items(): o.load_state_dict(sd[k])
+    # copies and pickles keep the parts (torch's own would set the properties above)
+    def __getstate__(self): return self.__dict__
+    def __setstate__(self, state): self.__dict__.update(state)
+
+# %% ../nbs/40a_optimizers.ipynb #d1874dea
+@register_optimizer("muon")
+class Muon(OptimizerSpec):
+    """Muon (Jordan et al. 2024; `torch.optim.Muon`) on the hidden weight matrices with Moonlight's RMS-matching scale
+    (Liu et al. 2025), AdamW on the rest, both at the config's `lr`."""
+    usual_lr = ADAM_LR   # the scale matches AdamW's update size, so AdamW's rates
+    fsdp_refusal = ("Muon orthogonalises each weight matrix whole (Newton-Schulz iterations), and FSDP2 gives each "
+                    "process a 1-D shard of it")
+    options = {"momentum": (float, 0.95, DECAY), "nesterov": (bool, True, None), "ns_steps": (int, 5, Range(1, 99))}
+    adamw_names = ("embed",)   # 2-D tensors that are tables looked up by index (token embeddings), not hidden maps
+    @classmethod
+    def part_of(cls, name, p):
+        "'muon' for a hidden weight matrix (2-D, not an embedding), 'adamw' for the rest: vectors, convolutions."
+        return "muon" if p.ndim == 2 and first_match(name, cls.adamw_names) is None else "adamw"
+    @classmethod
+    def build(cls, params, t, lr, momentum=0.95, nesterov=True, ns_steps=5):
+        groups = [g if isinstance(g, dict) else {"params": [g]} for g in params]
+        # groups from `optimizer_groups` carry their part (dropped here: the part's optimizer says it, and a saved
+        # state's bytes must not depend on which string object the key was); bare tensors are split by their shape
+        split = {part: [{**{k: v for k, v in g.items() if k != "part"}, "params": ps} for g in groups
+                        if (ps := [p for p in g["params"] if (g.get("part") or cls.part_of("", p)) == part])]
+                 for part in ("muon", "adamw")}
+        parts = {"muon": lambda gs: torch.optim.Muon(gs, lr=lr, weight_decay=t.weight_decay, momentum=momentum,
+                                                     nesterov=nesterov, ns_steps=ns_steps,
+                                                     adjust_lr_fn="match_rms_adamw"),
+                 "adamw": lambda gs: torch.optim.AdamW(gs, lr=lr, betas=t.adam_betas, eps=t.adam_eps,
+                                                       weight_decay=t.weight_decay, fused=True)}
+        return MuonWithAdamW({k: make(split[k]) for k, make in parts.items() if split[k]})
+    @classmethod
+    def state_bytes_of(cls, shapes, param_bytes, args=None):
+        return sum(math.prod(s) * (1 if len(s) == 2 else 2) * param_bytes for s in shapes)

@@ -1,8 +1,9 @@
-"""The optimizers beyond AdamW (adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw), the LR schedules and the fused
-backward pass through the trainer's paths:
+"""The optimizers beyond AdamW (adamw8bit, adafactor, came, lion, prodigy, schedulefree_adamw, muon), the LR schedules
+and the fused backward pass through the trainer's paths:
 each optimizer's state survives a save and load exactly; a run killed in its checkpoint commit resumes and commits
 the very state the killed process had written (weights, optimizer state, EMA, data position, random streams), and the
-planner's state bytes are the trainer's; Prodigy's step-size estimate is the same on two DDP processes; FSDP2 refuses
+planner's state bytes are the trainer's (Muon: its momentum buffers on the matrices, AdamW's two moments on the
+rest); Prodigy's step-size estimate and Muon's orthogonalised steps are the same on two DDP processes; FSDP2 refuses
 the optimizers that cannot step its shards, before anything is built; the schedules' options are checked;
 schedule-free AdamW's evaluation view gives x and leaves the trained y bit for bit, and its released weights are x."""
 import copy, io, json, pytest, torch
@@ -14,7 +15,7 @@ from cascade_nb.config import ConfigError, load_config
 from cascade_nb.optimizers import OPTIMIZERS
 import cascade_nb.modes   # noqa: F401 -- configs load as every command loads them
 
-NEW = ("adamw8bit", "adafactor", "came", "lion", "prodigy", "schedulefree_adamw")
+NEW = ("adamw8bit", "adafactor", "came", "lion", "prodigy", "schedulefree_adamw", "muon")
 ROOT = __import__("conftest").ROOT
 DEMO = str(ROOT / "configs" / "demo.yaml")
 
@@ -53,17 +54,20 @@ def test_optimizer_state_round_trips_exactly(name):
     # schedule-free: every EMA update, validation, sample grid and export goes through its evaluation view (x), the
     # state keeps y
     ("schedulefree_adamw", ["lr=3e-3", "lr_schedule=constant", "val_every=2", "val_batches=1",
-                            f"val_webdataset_path={ROOT}/data_samples/emoji/shard-000005.tar"])])
+                            f"val_webdataset_path={ROOT}/data_samples/emoji/shard-000005.tar"]),
+    # Muon's momentum buffers and AdamW's moments in one state dict, each part at its groups' LR (lr_multipliers)
+    ("muon", ["lr_schedule=cosine", "lr_multipliers={up_blocks: 0.5}"])])
 def test_killed_in_its_commit_resumes_to_the_same_state(tmp_path, name, extra):
     """Killed while committing update 4 and resumed from update 2, each optimizer commits the very state (weights,
     optimizer state, EMA, data position, random streams) the killed process had written for update 4."""
     args = demo_args(tmp_path, "res", "updates=4", "save_every=2", f"optimizer={name}", *extra)
-    flags = ["--report-memory"] if name == "adafactor" else []
+    flags = ["--report-memory"] if name in ("adafactor", "muon") else []
     resumed = resumes_to_the_killed_state(tmp_path / "ckpt" / "res", args, resume_flags=flags)
-    if name == "adafactor": _assert_planned_state_bytes(resumed.stdout, args)
+    if name in ("adafactor", "muon"): _assert_planned_state_bytes(resumed.stdout, args, name)
+    if name == "muon": _assert_muon_split(tmp_path, "res")
     if name == "schedulefree_adamw": _assert_released_is_x(tmp_path, "res")
 
-def _assert_planned_state_bytes(stdout, args):
+def _assert_planned_state_bytes(stdout, args, name):
     """The planner's 'optimizer state' row against the bytes the trainer's (factored) optimizer holds; fused backward
     with stochastic rounding keeps fp32 states (the steps run on fp32 copies of the bf16 weights)."""
     import re
@@ -71,8 +75,24 @@ def _assert_planned_state_bytes(stdout, args):
     got = [json.loads(m) for m in re.findall(r"memory-report (\{.*?\})", stdout)]
     plan = plan_memory(load_config(args[0], args[1:])).rows
     assert len(got) == 1, got
-    assert got[0]["optimizer"] == pytest.approx(plan["optimizer state (adafactor)"], rel=0.01), (got, plan)
+    assert got[0]["optimizer"] == pytest.approx(plan[f"optimizer state ({name})"], rel=0.01), (got, plan)
     assert got[0]["gradients"] <= plan["gradients"], (got, plan)   # at most one tensor's gradient alive
+
+def _assert_muon_split(tmp, name):
+    """The committed state holds a Muon part whose state is one momentum buffer per 2-D weight and an AdamW part with
+    two moments per bias, gain and convolution; together they cover every trained parameter once."""
+    d = tmp / "ckpt" / name
+    opt = torch.load(d / json.loads((d / "info.json").read_text())["state_dir"] / "optimizer.bin", weights_only=True)
+    assert sorted(opt) == ["adamw", "muon"], sorted(opt)
+    muon, adamw = opt["muon"]["state"].values(), opt["adamw"]["state"].values()
+    assert muon and all(list(s) == ["momentum_buffer"] and s["momentum_buffer"].ndim == 2 for s in muon)
+    assert adamw and all(s["exp_avg"].ndim in (1, 4) and "exp_avg_sq" in s for s in adamw)
+    # both parts at the run's one LR, each with the lr_multipliers' two groups
+    base = {round(g["lr"] / g["lr_multiplier"], 12) for v in opt.values() for g in v["param_groups"]}
+    mults = {k: sorted(g["lr_multiplier"] for g in v["param_groups"]) for k, v in opt.items()}
+    assert len(base) == 1 and mults == {"muon": [0.5, 1.0], "adamw": [0.5, 1.0]}, (base, mults)
+    n = sum(len(g["params"]) for v in opt.values() for g in v["param_groups"])
+    assert n == len(muon) + len(adamw) == len(weights(tmp, name)), (n, len(muon), len(adamw))
 
 def _assert_released_is_x(tmp, name):
     """The released generator is x = y + (1 - 1/beta1)(z - y), exactly as `optimizer.eval()` forms it, from the
@@ -117,12 +137,14 @@ def test_schedule_free_view_gives_x_and_leaves_y_bit_identical():
                                    ["optimizer=schedulefree_adamw", "lr_schedule=constant"],
                                    ["optimizer=adafactor", "optimizer_args={beta1: 0.9}"],
                                    ["optimizer=came", "lr=4e-4"],
-                                   ["optimizer=adamw8bit"]],
-                         ids=["prodigy", "schedulefree_adamw", "adafactor", "came", "adamw8bit"])
+                                   ["optimizer=adamw8bit"],
+                                   ["optimizer=muon"]],
+                         ids=["prodigy", "schedulefree_adamw", "adafactor", "came", "adamw8bit", "muon"])
 def test_two_ddp_processes_agree(tmp_path, extra):
     """Every process computes the same step from the same all-reduced gradients (Prodigy: the same step size estimate;
     schedule-free: the same y and z; Adafactor and CAME: the same factored moments; 8-bit AdamW: the same
-    quantised moments from bitsandbytes' CPU kernels): identical trained weights on both. (Lion runs on two processes
+    quantised moments from bitsandbytes' CPU kernels; Muon: the same orthogonalised momentum of each whole matrix):
+    identical trained weights on both. (Lion runs on two processes
     under FSDP2 below.)"""
     res = _launch_2proc("--check-ddp-sync", *demo_args(tmp_path, "ddp", "updates=2", "save_every=2", "batch_size=8",
                                                        *extra))
@@ -130,10 +152,16 @@ def test_two_ddp_processes_agree(tmp_path, extra):
 
 def test_fsdp_refuses_the_optimizers_that_cannot_step_shards():
     from cascade_nb.memory import plan_memory
-    for name in ("adafactor", "came", "prodigy"):
+    from accelerate.utils import DistributedType
+    from cascade_nb.train import check_optimizer
+    for name in ("adafactor", "came", "prodigy", "muon"):
         cfg = load_config(DEMO, ["webdataset_path=x", f"optimizer={name}"])
         with pytest.raises(ConfigError, match=f"optimizer '{name}'|{OPTIMIZERS[name].__name__}"):
             plan_memory(cfg, world_size=2, fsdp=True)
+    # Muon's reason, in one line, from the trainer's launch check (before anything is built)
+    with pytest.raises(ConfigError, match="optimizer 'muon' does not work with FSDP: Muon orthogonalises each weight "
+                                          "matrix whole"):
+        check_optimizer("muon", DistributedType.FSDP)
     for name in ("lion", "schedulefree_adamw"):
         cfg = load_config(DEMO, ["webdataset_path=x", f"optimizer={name}", "lr_schedule=constant"])
         plan_memory(cfg, world_size=2, fsdp=True)
