@@ -111,3 +111,24 @@ def test_two_process_ddp(tmp_path):
     assert res.stdout.count("weights identical on 2 processes") == 2, res.stdout[-2000:]
     i = info(tmp_path, "ddp")
     assert i["num_processes"] == 2 and i["update"] == 2 and i["config"]["adapter"] == "tlora"
+
+def test_gradient_checkpointing_recomputes_at_the_forwards_noise_level():
+    "Stage C's checkpointed blocks rerun in backward, outside the loss's context: they must see its logSNR again."
+    from cascade_nb.adapters import apply_lora, lora_layers
+    from cascade_nb.gdf.noise_conditions import noise_level
+    from cascade_nb.models.stage_c import StageC
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        m = StageC.from_preset("tiny")
+        with torch.no_grad(): m.clf[1].weight.normal_(std=0.1)
+        apply_lora(m, [".attn"], rank=4, adapter="tlora")
+        for l in lora_layers(m).values(): torch.nn.init.normal_(l.tlora_up, std=0.1)
+        m.gradient_checkpointing = ckpt
+        x, r = torch.randn(2, 16, 6, 6), torch.full((2,), 0.8)
+        conds = dict(clip_text=torch.randn(2, 77, 64), clip_text_pooled=torch.randn(2, 1, 64),
+                     clip_img=torch.randn(2, 1, 64))
+        with noise_level(torch.full((2,), -3.0)): loss = m(x, r, **conds).square().mean()
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6), (grads[0] - grads[1]).abs().max()
