@@ -169,10 +169,11 @@ class Adapter(nn.Module):
         return self
 
     @classmethod
-    def n_params(cls, shape, **keys) -> int:
-        "Trained parameters for a weight of `shape` (the memory planner), counted on the meta device."
+    def n_params(cls, shape, trained: bool = True, **keys) -> int:
+        """Trained parameters for a weight of `shape` (the memory planner), counted on the meta device; with `trained`
+        False the frozen ones it keeps (T-LoRA's Ortho-LoRA copy): weights without gradients or optimizer state."""
         with torch.device("meta"): tensors = cls.build(torch.empty(shape), **keys).tensors()
-        return sum(t.numel() for t in tensors.values())
+        return sum(t.numel() for t in tensors.values() if t.requires_grad == trained)
 
 # %% ../nbs/60_adapters.ipynb #67dea3f8
 @register_adapter("lora")

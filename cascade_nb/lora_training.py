@@ -244,6 +244,9 @@ def lora_memory_terms(cfg, generator, batch: int = 1, side: int = 1, prec=None) 
     te_kind, te_keys = adapter_keys(text_encoder_lora(lc)) if te_shapes else (None, {})
     n_train += sum(te_kind.n_params(s, **te_keys) for s in te_shapes)
     if te_shapes: rows["merged text-encoder adapter weights"] = sum(math.prod(s) for s in te_shapes) * prec.compute
+    # frozen adapter tensors (T-LoRA's Ortho-LoRA copy): fp32 weights, no gradients, no optimizer state
+    if frozen := sum(kind.n_params(s, trained=False, **keys) for s in shapes):
+        rows["frozen adapter copies"] = frozen * 4
     if adapted:
         n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
         rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing

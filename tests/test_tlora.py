@@ -132,3 +132,17 @@ def test_gradient_checkpointing_recomputes_at_the_forwards_noise_level():
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6), (grads[0] - grads[1]).abs().max()
+
+def test_memory_planner_counts_the_frozen_copy_as_weights():
+    "On the 3.6B: T-LoRA trains as many numbers as LoRA (same gradients, Adam state) plus its frozen copy, as weights."
+    from cascade_nb.config import load_config
+    from cascade_nb.memory import plan_memory
+    rows = {}
+    for a in ("lora", "tlora"):
+        cfg = load_config(ROOT / "configs" / "lora_demo.yaml", ["webdataset_path=data_samples/emoji", f"adapter={a}",
+                          "model_version=3.6B", "model_overrides={}", "latent_space=effnet"])
+        rows[a] = plan_memory(cfg).rows
+    assert rows["tlora"]["gradients"] == rows["lora"]["gradients"]
+    assert rows["tlora"]["optimizer state (adamw)"] == rows["lora"]["optimizer state (adamw)"]
+    assert rows["tlora"]["frozen adapter copies"] == rows["lora"]["gradients"] - 1280 * 4   # minus the token row
+    assert "frozen adapter copies" not in rows["lora"]
