@@ -570,8 +570,9 @@ def tlora_mask(logsnr: torch.Tensor | None, max_rank: int, min_rank: int = 1, po
     """(max_rank,) weights of the rank components for one network call at `logsnr` (B,): the share of its samples
     whose rank includes each (1/0 where they share one level, as in sampling); all ones without a noise level."""
     if logsnr is None: return torch.ones(max_rank)
-    r = tlora_rank(logsnr.detach().flatten().cpu(), max_rank, min_rank, power)
-    return (torch.arange(max_rank) < r[:, None]).float().mean(0)
+    # on logsnr's device: no copy to the host (a sync per adapted weight on a GPU)
+    r = tlora_rank(logsnr.detach().flatten(), max_rank, min_rank, power)
+    return (torch.arange(max_rank, device=r.device) < r[:, None]).float().mean(0)
 
 # %% ../nbs/60_adapters.ipynb #896cd51c
 @register_adapter("tlora")
@@ -588,7 +589,7 @@ class TLoRA(Adapter):
         super().__init__(shape, lora_alpha)
         self.rank, n_in, tail = rank, math.prod(shape[1:]), [1] * (len(shape) - 2)
         if not 1 <= tlora_min_rank <= rank:
-            raise ConfigError(f"key 'adapter_args': tlora_min_rank {tlora_min_rank} is above rank {rank}; "
+            raise ConfigError(f"key 'adapter_args': tlora_min_rank {tlora_min_rank} with rank {rank}; "
                               f"expected 1..{rank}")
         self._options = dict(tlora_min_rank=tlora_min_rank, tlora_alpha=tlora_alpha, tlora_ortho=tlora_ortho)
         G = torch.randn(shape[0], n_in) / math.sqrt(n_in)
