@@ -1,4 +1,4 @@
-"""Which weights adapt, one protocol for every adapter type, and the types: LoRA, LoKr, LoHa, DoRA, OFT and a full difference.
+"""Which weights adapt, one protocol for every adapter type, and the types: LoRA, LoKr, LoHa, DoRA, OFT, a full difference and T-LoRA.
 
 Docs: https://cascade-nb.github.io/cascade_nb/adapters.html.md"""
 
