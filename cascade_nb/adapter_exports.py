@@ -22,6 +22,7 @@ from .lora_converters import (kohya_parts, refuse_text_encoder, to_diffusers_mod
 from .lora_file import (adapter_entries, adapter_metadata, load_adapter_file,
                                   lora_tokens, token_names, weight_shapes)
 from .adapter_readers import is_embedding_file
+from .lora_file import FULL_RANK_FIELD, full_rank_forms
 from .ema import WEIGHTS_FIELD, WEIGHTS_KINDS, weights_kind
 
 # %% auto #0
@@ -163,9 +164,13 @@ def export_adapter(lora: dict, layout: str, out, model: nn.Module | None = None,
     emb = text_model.get_input_embeddings() if text_model is not None else None
     lora_tokens(lora, text_width or (emb.embedding_dim if emb is not None else None),
                 emb.num_embeddings if emb is not None else None)
+    # a type whose ΔW follows the noise level (T-LoRA) has no form in another layout: its full-rank one, said twice
+    lora, folded = full_rank_forms(lora) if layout not in ("cascade_nb", "embedding") else (lora, [])
     meta = adapter_metadata(_adapters_only(lora), layout, base, token_names(lora), module_filters, options)
     ctx = ExportContext(model, text_model, {**meta, "modelspec.title": Path(out).stem,
-                                            **({WEIGHTS_FIELD: weights} if weights else {})}, reader=reader)
+                                            **({WEIGHTS_FIELD: weights} if weights else {}),
+                                            **({FULL_RANK_FIELD: "full rank"} if folded else {})}, folded,
+                     reader=reader)
     # a folder, a read-only place, a full disk: one line naming --out, not the temporary file being written
     try: return writer(lora, Path(out), ctx), ctx.warnings
     except (OSError, SafetensorError) as e:

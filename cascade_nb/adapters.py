@@ -1,4 +1,4 @@
-"""Which weights adapt, one protocol for every adapter type, and the types: LoRA, LoKr, LoHa, DoRA, OFT and a full difference.
+"""Which weights adapt, one protocol for every adapter type, and the types: LoRA, LoKr, LoHa, DoRA, OFT, a full difference and T-LoRA.
 
 Docs: https://cascade-nb.github.io/cascade_nb/adapters.html.md"""
 
@@ -14,12 +14,15 @@ from torch.nn.utils import parametrize
 from .registry import registry
 from .config import ConfigError
 from .optimizers import first_match
+from .typed_yaml import AT_LEAST_1, POSITIVE
+from .gdf.noise_conditions import CosineTNoiseCond, current_noise_level
 
 # %% auto #0
 __all__ = ['LORA_INITS', 'ADAPTERS', 'LYCORIS_FUNCTIONAL', 'match_filters', 'lora_targets', 'register_lora_init',
            'register_adapter', 'fuse_lora', 'split_rows', 'cat_rows', 'Adapter', 'LoRA', 'shapes_of', 'NeedsBase',
            'is_depthwise', 'lycoris_rebuilds', 'fold_scale', 'param_owner', 'apply_lora', 'base_state_dict',
-           'is_adapter', 'lora_layers', 'scaled_adapters', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff']
+           'is_adapter', 'lora_layers', 'scaled_adapters', 'LoKr', 'LoHa', 'DoRA', 'OFT', 'FullDiff', 'tlora_rank',
+           'tlora_mask', 'TLoRA']
 
 # %% ../nbs/60_adapters.ipynb #7e5fb85a
 def match_filters(name: str, filters) -> bool:
@@ -168,10 +171,11 @@ class Adapter(nn.Module):
         return self
 
     @classmethod
-    def n_params(cls, shape, **keys) -> int:
-        "Trained parameters for a weight of `shape` (the memory planner), counted on the meta device."
+    def n_params(cls, shape, trained: bool = True, **keys) -> int:
+        """Trained parameters for a weight of `shape` (the memory planner), counted on the meta device; with `trained`
+        False the frozen ones it keeps (T-LoRA's Ortho-LoRA copy): weights without gradients or optimizer state."""
         with torch.device("meta"): tensors = cls.build(torch.empty(shape), **keys).tensors()
-        return sum(t.numel() for t in tensors.values())
+        return sum(t.numel() for t in tensors.values() if t.requires_grad == trained)
 
 # %% ../nbs/60_adapters.ipynb #67dea3f8
 @register_adapter("lora")
@@ -622,3 +626,99 @@ class FullDiff(Adapter):
         if t["diff"].ndim < 2: raise ValueError(f"{shapes_of(t)}: expected the weight's own shape")
         return t["diff"].shape[0], math.prod(t["diff"].shape[1:])
 
+
+# %% ../nbs/60_adapters.ipynb #6cd141a2
+_COSINE_T = CosineTNoiseCond()
+
+def tlora_rank(logsnr: torch.Tensor, max_rank: int, min_rank: int = 1, power: float = 1.0) -> torch.Tensor:
+    """T-LoRA's active rank at each `logsnr` (B,): ⌊(1 − u)^power·(max_rank − min_rank)⌋ + min_rank, u the cosine
+    schedule's t of that logSNR (Soboleva et al. 2025, with t/T = u)."""
+    u = _COSINE_T(torch.as_tensor(logsnr).double())
+    return (torch.floor((1 - u).clamp(0, 1) ** power * (max_rank - min_rank)) + min_rank).long()
+
+def tlora_mask(logsnr: torch.Tensor | None, max_rank: int, min_rank: int = 1, power: float = 1.0) -> torch.Tensor:
+    """(max_rank,) weights of the rank components for one network call at `logsnr` (B,): the share of its samples
+    whose rank includes each (1/0 where they share one level, as in sampling); all ones without a noise level."""
+    if logsnr is None: return torch.ones(max_rank)
+    # on logsnr's device: no copy to the host (a sync per adapted weight on a GPU)
+    r = tlora_rank(logsnr.detach().flatten(), max_rank, min_rank, power)
+    return (torch.arange(max_rank, device=r.device) < r[:, None]).float().mean(0)
+
+# %% ../nbs/60_adapters.ipynb #896cd51c
+@register_adapter("tlora")
+class TLoRA(Adapter):
+    "ΔW = (alpha/rank)·(U·diag(m(λ))·D − U0·diag(m(λ))·D0): r(λ) components act (T-LoRA, Soboleva et al. 2025)."
+    signature, keys, row_tensors = "tlora_down", ("rank", "lora_alpha"), ("tlora_up", "tlora_up0")
+    names = ("tlora_down", "tlora_up", "tlora_down0", "tlora_up0")
+    optional = frozen = ("tlora_down0", "tlora_up0")   # the Ortho-LoRA copy: absent with tlora_ortho false
+    own_options = {"tlora_min_rank": (int, 1, AT_LEAST_1), "tlora_alpha": (float, 1.0, POSITIVE),
+                   "tlora_ortho": (bool, True, None)}
+    follows_noise_level = True   # ΔW depends on the call's logSNR: sampled live; merged and exported at full rank
+    peft_refuses = "peft cannot express a rank that follows the noise level (T-LoRA)"
+    def __init__(self, shape, rank=4, lora_alpha=1.0, tlora_min_rank=1, tlora_alpha=1.0, tlora_ortho=True):
+        super().__init__(shape, lora_alpha)
+        self.rank, n_in, tail = rank, math.prod(shape[1:]), [1] * (len(shape) - 2)
+        if not 1 <= tlora_min_rank <= rank:
+            raise ConfigError(f"key 'adapter_args': tlora_min_rank {tlora_min_rank} with rank {rank}; "
+                              f"expected 1..{rank}")
+        self._options = dict(tlora_min_rank=tlora_min_rank, tlora_alpha=tlora_alpha, tlora_ortho=tlora_ortho)
+        G = torch.randn(shape[0], n_in) / math.sqrt(n_in)
+        if tlora_ortho and not G.is_meta:
+            P, S, Qt = torch.linalg.svd(G, full_matrices=False)
+            up, down = P[:, :rank] * S[:rank].sqrt(), S[:rank].sqrt()[:, None] * Qt[:rank]   # (out, r), (r, in·k·k)
+        else:
+            up, down = G.new_zeros(shape[0], rank), G.new_empty(rank, n_in)
+            if not G.is_meta: _init_peft(down, up)
+        self.tlora_down = nn.Parameter(down.reshape(rank, *shape[1:]).contiguous())
+        self.tlora_up = nn.Parameter(up.reshape(shape[0], rank, *tail).contiguous())
+        if tlora_ortho:
+            self.tlora_down0 = nn.Parameter(self.tlora_down.detach().clone(), requires_grad=False)
+            self.tlora_up0 = nn.Parameter(self.tlora_up.detach().clone(), requires_grad=False)
+
+    def mask(self) -> torch.Tensor:
+        "(rank,) weights of the components at the noise level of the network call in progress (`tlora_mask`)."
+        o = self.options()
+        m = tlora_mask(current_noise_level(), self.rank, o.get("tlora_min_rank", 1), o.get("tlora_alpha", 1.0))
+        return m.to(self.tlora_down.device)
+
+    def update(self, W=None) -> torch.Tensor:
+        m = self.mask()
+        def product(up, down): return (up.flatten(1) * m) @ down.flatten(1)            # (out, in·k·k)
+        d = product(self.tlora_up, self.tlora_down)
+        if hasattr(self, "tlora_up0"): d = d - product(self.tlora_up0, self.tlora_down0)
+        return d.view(self.shape) * (self.alpha / self.rank)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        "As a module's, but the frozen Ortho-LoRA copy stays frozen (`load_lora` unfreezes a loaded adapter)."
+        super().requires_grad_(requires_grad)
+        for n in self.frozen:
+            if hasattr(self, n): getattr(self, n).requires_grad_(False)
+        return self
+
+    @classmethod
+    def build(cls, W, rank=4, lora_alpha=1.0, **options): return cls(W.shape, rank, lora_alpha, **options)
+    @classmethod
+    def from_tensors(cls, tensors, alpha, shape, options=None):
+        self = super().from_tensors(tensors, alpha, shape, options)
+        self.rank = self.tlora_down.shape[0]
+        return self.requires_grad_(True)
+    @classmethod
+    def claims(cls, names): return "tlora_down" in names
+    @classmethod
+    def default_alpha(cls, tensors): return float(tensors["tlora_down"].shape[0])
+    @classmethod
+    def matrix_shape(cls, t):
+        "A LoRA's (tlora_down (rank, in[, k, k]), tlora_up (out, rank[, 1, 1])), the frozen copy of the same shapes."
+        lora = LoRA.matrix_shape({"lora_down": t["tlora_down"], "lora_up": t["tlora_up"]})
+        copy = [n for n in cls.frozen if n in t]
+        if copy and (len(copy) < 2 or t["tlora_down0"].shape != t["tlora_down"].shape
+                     or t["tlora_up0"].shape != t["tlora_up"].shape):
+            raise ValueError(f"{shapes_of(t)} do not fit: expected tlora_down0, tlora_up0 shaped as tlora_down, "
+                             "tlora_up")
+        return lora
+    @classmethod
+    def full_rank_form(cls, t: dict, alpha: float) -> tuple[dict, float]:
+        "(plain LoRA tensors, alpha) of its ΔW at full rank: [U, −U0]·[D; D0] at rank 2r, (2·alpha)/(2r) = alpha/r."
+        if "tlora_up0" not in t: return {"lora_down": t["tlora_down"], "lora_up": t["tlora_up"]}, alpha
+        down, up = torch.cat([t["tlora_down"], t["tlora_down0"]]), torch.cat([t["tlora_up"], -t["tlora_up0"]], dim=1)
+        return {"lora_down": down, "lora_up": up}, 2 * alpha

@@ -6,7 +6,7 @@ Docs: https://cascade-nb.github.io/cascade_nb/export.html.md"""
 
 # %% ../nbs/52_export.ipynb #7a6784e9
 from __future__ import annotations
-import json, sys
+import json, sys, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -19,8 +19,8 @@ from .config import ConfigError
 
 # %% auto #0
 __all__ = ['COMFYUI_CHECKPOINT', 'CHECKPOINT_LAYOUTS', 'TOKEN_TABLE', 'CheckpointLayout', 'text_state_dict',
-           'checkpoint_state_dict', 'source_config', 'source_generator', 'source_text_model', 'RunModels', 'run_models',
-           'checkpoint_metadata', 'export_checkpoint', 'main']
+           'checkpoint_state_dict', 'fold_parametrizations', 'source_config', 'source_generator', 'source_text_model',
+           'RunModels', 'run_models', 'checkpoint_metadata', 'export_checkpoint', 'main']
 
 # %% ../nbs/52_export.ipynb #ffc45031
 @dataclass(frozen=True)
@@ -84,6 +84,21 @@ def checkpoint_state_dict(layout: CheckpointLayout, stage: str, parts: dict, dty
         out.update({prefixes[part] + k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()})
     return out
 
+# %% ../nbs/52_export.ipynb #67281bee
+def fold_parametrizations(model: nn.Module) -> nn.Module:
+    """`model` with every parametrization (a run's attached adapters) folded into its weight, W ← W + ΔW as outside a
+    network call; a warning where a ΔW follows the noise level (T-LoRA: folded at full rank, its clean-end form)."""
+    from torch.nn.utils import parametrize
+    kinds = sorted({getattr(p, "kind", "?") for m in model.modules() if parametrize.is_parametrized(m)
+                    for ps in m.parametrizations.values() for p in ps if getattr(p, "follows_noise_level", False)})
+    if kinds: warnings.warn(f"{', '.join(kinds)} adapters follow the noise level, which a checkpoint cannot: folded at "
+                            "full rank (every component, the clean end)", stacklevel=2)
+    for m in list(model.modules()):
+        if parametrize.is_parametrized(m):
+            for name in list(m.parametrizations):
+                with torch.no_grad(): parametrize.remove_parametrizations(m, name, leave_parametrized=True)
+    return model
+
 # %% ../nbs/52_export.ipynb #4de0b886
 def source_config(source):
     "(config, run directory or None) of a run directory (its info.json) or a training config YAML."
@@ -110,6 +125,8 @@ def source_generator(cfg, run, ema: bool | None = None) -> tuple[nn.Module, Path
         return build_generator(cfg).eval(), Path(cfg.model.generator_checkpoint_path)
     from cascade_nb.sample import run_generator
     _, generator, weights = run_generator(run, ema)
+    # adapters a run keeps attached (T-LoRA) fold in: a checkpoint holds plain weights
+    fold_parametrizations(generator)
     if not isinstance(generator, (StageC, StageB)):
         raise ValueError(f"{weights}: a '{mode.name}' run releases a {type(generator).__name__}, not a whole "
                          "generator; a checkpoint holds the generator itself")

@@ -19,8 +19,8 @@ from .lora_training import text_encoder_size, text_encoder_weight_shapes
 from .lora_converters import TEXT_ENCODER_PREFIX
 
 # %% auto #0
-__all__ = ['DELTA_LIMIT', 'meta_stage_c', 'source_label', 'run_export', 'reading_table', 'merge_reading', 'value_notes',
-           'run_check', 'main']
+__all__ = ['DELTA_LIMIT', 'meta_stage_c', 'source_label', 'run_export', 'reading_table', 'noise_note', 'merge_reading',
+           'value_notes', 'run_check', 'main']
 
 # %% ../nbs/60h_lora.ipynb #2a89e65f
 def _config(path, overrides=()):
@@ -145,6 +145,19 @@ def reading_table(rd: Reading, deltas: dict | None = None) -> str:
     if len(rd.warnings) > 8: lines.append(f"... and {len(rd.warnings) - 8} more warnings")
     return "\n".join(lines)
 
+# %% ../nbs/60h_lora.ipynb #7ec52fad
+def noise_note(rd: Reading, metadata: dict, consumer: str):
+    "A warning where the adapters follow the noise level (T-LoRA) and `consumer` cannot, or an export dropped that."
+    from cascade_nb.adapters import ADAPTERS
+    from cascade_nb.lora_file import FULL_RANK_FIELD
+    kind = metadata.get("cascade_nb.adapter_type", "")
+    if metadata.get(FULL_RANK_FIELD):
+        rd.warnings.append("its adapters were trained with a rank that follows the noise level (T-LoRA); this export "
+                           "holds their full-rank form, which acts at every step")
+    elif consumer != "cascade_nb" and getattr(ADAPTERS.get(kind), "follows_noise_level", False):
+        rd.warnings.append(f"{kind} adapters follow the noise level, which {consumer} cannot express: export it with "
+                           "--to kohya for their full-rank form (every component at every step)")
+
 # %% ../nbs/60h_lora.ipynb #6dc0eb44
 @torch.no_grad()
 def merge_reading(model: nn.Module, rd: Reading) -> dict[str, torch.Tensor]:
@@ -192,6 +205,7 @@ def run_check(source, consumer: str | None = None, model_arg=None, config_path=N
 
     if (layout := source_layout(src)) in ("cascade_nb", "peft") and consumer not in ("peft", "official", "cascade_nb"):
         rd.warnings.append(f"a {layout}-layout file: for {consumer}, export it with --to kohya")
+    noise_note(rd, src.metadata, consumer)
     table = reading_table(rd, merge_reading(model, rd) if model is not None else None)
     return rd, f"{source_label(src)}\n{table}" if src.info_path else table
 

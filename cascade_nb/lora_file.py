@@ -16,10 +16,11 @@ from .ema import full_tensor
 from .adapters import ADAPTERS, Adapter, LoRA, param_owner, shapes_of, base_state_dict, lora_layers
 
 # %% auto #0
-__all__ = ['lora_state_dict', 'lora_entries', 'require_lora_only', 'adapter_kind', 'alpha_value', 'check_entry', 'entry_fits',
-           'entry_finite', 'adapter_entries', 'load_adapter_file', 'weight_shapes', 'adapter_from_entry', 'lora_delta',
-           'load_lora', 'adapter_options', 'layer_records', 'lora_tokens', 'token_names', 'save_lora',
-           'adapter_metadata', 'adapter_file_options', 'merge_lora', 'unmerge_lora']
+__all__ = ['FULL_RANK_FIELD', 'lora_state_dict', 'lora_entries', 'require_lora_only', 'adapter_kind', 'alpha_value',
+           'check_entry', 'entry_fits', 'entry_finite', 'adapter_entries', 'load_adapter_file', 'weight_shapes',
+           'adapter_from_entry', 'lora_delta', 'load_lora', 'adapter_options', 'layer_records', 'lora_tokens',
+           'token_names', 'save_lora', 'adapter_metadata', 'adapter_file_options', 'merge_lora', 'unmerge_lora',
+           'full_rank_forms']
 
 # %% ../nbs/60a_lora_file.ipynb #c9b4730a
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -315,3 +316,22 @@ def unmerge_lora(model: nn.Module, lora: dict, scale: float = 1.0, options: dict
             raise ValueError(f"unmerge_lora: {p} is a {a.kind} merged elsewhere; its original weight was not kept")
         W.copy_(kept.pop(p) if a.keeps_original else a.unmerge(W, scale).to(W.dtype))
     return model
+
+# %% ../nbs/60a_lora_file.ipynb #54f83d58
+FULL_RANK_FIELD = "cascade_nb.noise_level_dropped"
+"The header field of an export whose noise-dependent adapters were written at full rank (`full_rank_forms`)."
+
+def full_rank_forms(lora: dict) -> tuple[dict, list[str]]:
+    """(`lora` with each entry of a type whose ΔW follows the noise level rewritten as the plain LoRA of its full-rank
+    form (`full_rank_form`), warnings naming them): what a layout without a noise level can hold."""
+    out, done = dict(lora), []
+    for p, (cls, t, alpha) in adapter_entries({k: v for k, v in lora.items() if not k.startswith("tokens.")}).items():
+        if not getattr(cls, "follows_noise_level", False): continue
+        for k in [*t, "alpha"]: out.pop(f"{p}.{k}", None)
+        new, alpha = cls.full_rank_form(t, alpha)
+        out.update({f"{p}.{k}": v for k, v in new.items()}, **{f"{p}.alpha": torch.tensor(float(alpha))})
+        done.append((cls.kind, p))
+    if not done: return out, []
+    return out, [f"{len(done)} {done[0][0]} layers (e.g. {done[0][1]}) follow the noise level, which this layout "
+                 "cannot express: written at full rank (every component, as merged), not the schedule they "
+                 "trained with"]

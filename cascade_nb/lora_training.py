@@ -23,7 +23,8 @@ from .lora_converters import (TEXT_ENCODER_FILTERS, KOHYA_TE_STEMS, from_kohya, 
                                         is_reference_lora, load_lora_file, split_text_encoder,
                                         text_encoder_from_kohya, text_encoder_state_dict)
 from .train_tokens import TokenDeltas, add_train_tokens, load_tokens, token_state_dict
-from .lora_file import (adapter_metadata, adapter_file_options, adapter_options, load_adapter_file,
+from .lora_file import (adapter_entries, adapter_metadata, adapter_file_options, adapter_options,
+                                  load_adapter_file,
                                   load_lora, lora_state_dict, lora_tokens, merge_lora, token_names)
 from .prior_preservation import has_prior_entries, prior_extras, prior_loss
 from .prompt_weights import chunked_conditions, plain_prompts, prompt_inputs
@@ -185,10 +186,16 @@ def lora_base_generator(cfg, run, what: str = "LoRA") -> nn.Module:
 # %% ../nbs/60e_lora_training.ipynb #aea67130
 def merged_lora_run(cfg, run, base: nn.Module, ema: bool | None = None) -> tuple[nn.Module, Path]:
     """(`base` with the run's `lora_ema.safetensors` or `lora.safetensors` merged in as `ema` chooses
-    (`released_file`), that file): how a LoRA run samples (`TrainingMode.released_generator`)."""
+    (`released_file`), that file; a type that follows the noise level, T-LoRA,
+    attached, not merged): how a LoRA run samples (`TrainingMode.released_generator`)."""
     path = released_file(run, LoraTraining.released_name, ema)
     # the adapters; the trained tokens go into a text encoder (`LoraTraining.add_released_tokens`)
-    load_lora_file(path, base)
+    generator, _ = split_text_encoder({k: v for k, v in load_adapter_file(path).items() if not k.startswith("tokens.")})
+    # a type whose ΔW follows the noise level (T-LoRA) stays attached: the sampler's noise level reaches it per step
+    if any(getattr(e[0], "follows_noise_level", False) for e in adapter_entries(generator).values()):
+        load_lora(base, generator, options=adapter_file_options(path))
+        base.requires_grad_(False)
+    else: load_lora_file(path, base)
     return base, path
 
 # %% ../nbs/60e_lora_training.ipynb #934cdda4
@@ -237,6 +244,9 @@ def lora_memory_terms(cfg, generator, batch: int = 1, side: int = 1, prec=None) 
     te_kind, te_keys = adapter_keys(text_encoder_lora(lc)) if te_shapes else (None, {})
     n_train += sum(te_kind.n_params(s, **te_keys) for s in te_shapes)
     if te_shapes: rows["merged text-encoder adapter weights"] = sum(math.prod(s) for s in te_shapes) * prec.compute
+    # frozen adapter tensors (T-LoRA's Ortho-LoRA copy): fp32 weights, no gradients, no optimizer state
+    if frozen := sum(kind.n_params(s, trained=False, **keys) for s in shapes):
+        rows["frozen adapter copies"] = frozen * 4
     if adapted:
         n_attn = sum(isinstance(m, AttnBlock) for m in generator.modules())
         rows["merged LoRA weights"] = (adapted // max(1, n_attn) if cfg.model.gradient_checkpointing

@@ -19,6 +19,7 @@ from .config import (Config, ConfigError, SECTIONS, import_modules,
 from .data.sources import source_entries
 from .registry import registry, UnknownChoice, load_builtin_parts
 from .gdf.presets import training_shift
+from .gdf.noise_conditions import noise_level
 from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
 # the `recipe` section the modes' loss reads (`cfg.recipe`): registered whenever the modes are
 import cascade_nb.recipe_config
@@ -382,7 +383,8 @@ def diffusion_loss(generator, gdf, x0, conds: dict, rng: torch.Generator | None 
     `retarget(d)` replaces the target (prior prediction, nbs/60d_prior_preservation)."""
     d = gdf.diffuse(x0, epsilon=epsilon, t=t, shift=shift, loss_shift=shift, generator=rng)
     target = d.target if retarget is None else retarget(d)
-    pred = generator(d.noised, d.noise_cond, **conds)
+    # the noise level reaches parts that follow it (T-LoRA's rank mask, nbs/60_adapters)
+    with noise_level(d.logsnr): pred = generator(d.noised, d.noise_cond, **conds)
     per_element = LOSS_TYPES.choose(loss_type or gdf.loss_type)(pred.float(), target.float(), d.logsnr,
                                                                 gdf.huber_c if huber_c is None else huber_c)
     if weight is not None: per_element = per_element * weight.to(per_element.device, torch.float32)

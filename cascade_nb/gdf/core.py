@@ -13,7 +13,7 @@ from ..core import append_dims
 from .schedules import BaseSchedule
 from .scalers import BaseScaler
 from .targets import BaseTarget
-from .noise_conditions import BaseNoiseCond
+from .noise_conditions import BaseNoiseCond, noise_level
 from .loss_weights import BaseLossWeight
 from .samplers import BaseSampler, DDPMSampler, seeded_randn
 
@@ -170,11 +170,13 @@ class GDF(Diffuser):
             logsnr, logsnr_next = logsnr_range[i].expand(x.shape[0]), logsnr_range[i + 1].expand(x.shape[0])
             r = self.noise_cond(logsnr)
             scale = cfg_scale(cfg, t, cfg_t_start, cfg_t_stop)
+            # the step's logSNR reaches parts that follow it (T-LoRA's rank), for this call only: not across a yield
             if scale is not None:
-                pred_cond, pred_uncond = model(torch.cat([x, x]), torch.cat([r, r]), **batched_inputs).chunk(2)
+                with noise_level(torch.cat([logsnr, logsnr])):
+                    pred_cond, pred_uncond = model(torch.cat([x, x]), torch.cat([r, r]), **batched_inputs).chunk(2)
                 pred = guide(pred_cond, pred_uncond, scale, cfg_rho)
             else:
-                pred = model(x, r, **model_inputs)
+                with noise_level(logsnr): pred = model(x, r, **model_inputs)
             x0, eps = self.undiffuse(x, logsnr, pred)
             x = sampler(x, x0, eps, logsnr, logsnr_next, self.input_scaler, generator=generator, **sampler_params)
             changes = yield SampleStep(x0, x, pred)

@@ -6,13 +6,14 @@ Docs: https://cascade-nb.github.io/cascade_nb/gdf.noise_conditions.html.md"""
 
 # %% ../../nbs/13_gdf.noise_conditions.ipynb #13faf240
 from __future__ import annotations
-import math
+import contextlib, contextvars, math
 import torch
 from .schedules import interp1d, sd_abar_table
 
 # %% auto #0
 __all__ = ['BaseNoiseCond', 'CosineTNoiseCond', 'EDMNoiseCond', 'SigmoidNoiseCond', 'LogSNRNoiseCond', 'EDMSigmaNoiseCond',
-           'RectifiedFlowsNoiseCond', 'PiecewiseLinearNoiseCond', 'StableDiffusionNoiseCond', 'DiscreteNoiseCond']
+           'RectifiedFlowsNoiseCond', 'PiecewiseLinearNoiseCond', 'StableDiffusionNoiseCond', 'DiscreteNoiseCond',
+           'noise_level', 'current_noise_level']
 
 # %% ../../nbs/13_gdf.noise_conditions.ipynb #1766546b
 class BaseNoiseCond:
@@ -93,3 +94,17 @@ class DiscreteNoiseCond(BaseNoiseCond):
     def cond(self, logsnr):
         lo, hi = self.continuous_range
         return ((self.noise_cond(logsnr) - lo) / (hi - lo) * self.steps).long()
+
+# %% ../../nbs/13_gdf.noise_conditions.ipynb #52fca234
+_NOISE_LEVEL = contextvars.ContextVar("cascade_nb_noise_level", default=None)
+
+@contextlib.contextmanager
+def noise_level(logsnr: torch.Tensor):
+    "A context in which `current_noise_level()` is `logsnr` (B,): set it around a network call (training and sampling)."
+    token = _NOISE_LEVEL.set(logsnr)
+    try: yield logsnr
+    finally: _NOISE_LEVEL.reset(token)
+
+def current_noise_level() -> torch.Tensor | None:
+    "The logSNR (B,) of the network call in progress (`noise_level`), None outside one."
+    return _NOISE_LEVEL.get()

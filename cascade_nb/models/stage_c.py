@@ -6,12 +6,13 @@ Docs: https://cascade-nb.github.io/cascade_nb/models.stage_c.html.md"""
 
 # %% ../../nbs/21_models.stage_c.ipynb #d2e61e28
 from __future__ import annotations
-import math, warnings
+import contextlib, math, warnings
 from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from ..gdf.noise_conditions import current_noise_level, noise_level
 from ..core import resolve_dtype, checkpoint_file, save_with_config, load_with_config
 from ..hub import weights_file
 from .blocks import (LayerNorm2d, ResBlock, AttnBlock, FeedForwardBlock, TimestepBlock,
@@ -188,7 +189,9 @@ class CascadeUNet(nn.Module):
 
     def _run(self, block, *args):
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, *args, use_reentrant=False)
+            # the recompute in backward runs at the forward's noise level (T-LoRA's rank mask reads it)
+            at = lambda: (contextlib.nullcontext(), noise_level(current_noise_level()))
+            return checkpoint(block, *args, use_reentrant=False, context_fn=at)
         return block(*args)
 
     def _run_level(self, x, blocks, repeat_mappers, r_embed, clip, cnet, skip=None):
