@@ -169,7 +169,6 @@ class Adapter(nn.Module):
         declared = (set(cls.keys) | set(cls.own_options)) - {"rank", "lora_alpha"}   # the tensors give those two
         self._options = {k: v for k, v in (options or {}).items() if k in declared}
         return self
-
     @classmethod
     def n_params(cls, shape, trained: bool = True, **keys) -> int:
         """Trained parameters for a weight of `shape` (the memory planner), counted on the meta device; with `trained`
