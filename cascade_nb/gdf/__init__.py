@@ -14,9 +14,9 @@ from .schedules import (BaseSchedule, CosineSchedule, CosineSchedule2, SqrtSched
     sd_abar_table, bucket_ema_, SCHEDULES, register_schedule)
 from .scalers import BaseScaler, VPScaler, LERPScaler
 from .targets import BaseTarget, EpsilonTarget, X0Target, VTarget, RectifiedFlowsTarget
-from cascade_nb.gdf.noise_conditions import (BaseNoiseCond, CosineTNoiseCond, EDMNoiseCond, SigmoidNoiseCond,
+from .noise_conditions import (BaseNoiseCond, CosineTNoiseCond, EDMNoiseCond, SigmoidNoiseCond,
     LogSNRNoiseCond, EDMSigmaNoiseCond, RectifiedFlowsNoiseCond, PiecewiseLinearNoiseCond, StableDiffusionNoiseCond,
-    DiscreteNoiseCond)
+    DiscreteNoiseCond, noise_level, current_noise_level)
 from .loss_weights import (BaseLossWeight, ConstantLossWeight, SNRLossWeight, P2LossWeight,
     SNRPlusOneLossWeight, MinSNRLossWeight, MinSNRPlusOneLossWeight, TruncatedSNRLossWeight, SechLossWeight,
     DebiasedLossWeight, SigmoidLossWeight, ComposedLossWeight, AdaptiveLossWeight)
@@ -45,6 +45,7 @@ __all__ = [
     # noise conditions
     "BaseNoiseCond", "CosineTNoiseCond", "EDMNoiseCond", "SigmoidNoiseCond", "LogSNRNoiseCond", "EDMSigmaNoiseCond",
     "RectifiedFlowsNoiseCond", "PiecewiseLinearNoiseCond", "StableDiffusionNoiseCond", "DiscreteNoiseCond",
+    "noise_level", "current_noise_level",
     # loss weights
     "BaseLossWeight", "ConstantLossWeight", "SNRLossWeight", "P2LossWeight", "SNRPlusOneLossWeight", "MinSNRLossWeight",
     "MinSNRPlusOneLossWeight", "TruncatedSNRLossWeight", "SechLossWeight", "DebiasedLossWeight", "SigmoidLossWeight",
