@@ -476,8 +476,6 @@ def read_kohya(sd: dict, params: dict, metadata: dict | None = None, config: dic
 # %% ../nbs/60f_adapter_readers.ipynb #be0ae76e
 def _lycoris_te(t: str): return [f"lora_te_{t.replace('.', '_')}"]
 
-_LYCORIS_TYPES = ("lora", "dora", "loha", "lokr", "oft", "full")   # its locon (+ dora_wd), loha, lokr, diag-oft, full
-
 def _lycoris_refusal(kind: str, t: dict, alpha, shape) -> str | None:
     "Why `lycoris.kohya` fails on the whole file at this layer (None: it builds the module)."
     if alpha is None and kind in ("lokr", "oft"): return "no .alpha: LyCORIS calls float(alpha) (TypeError)"
@@ -492,8 +490,7 @@ def _lycoris_delta(cls, t: dict, alpha, W) -> tuple[torch.Tensor, float, float |
     a = alpha or None
     if cls.kind == "oft": return adapter_from_entry((cls, t, (alpha or 0) * W.shape[0]), W.shape).update(W), 1.0, None
     if cls.kind == "full": return t["diff"].float(), 1.0, None
-    probe = adapter_from_entry((cls, t, 1.0), W.shape)
-    rank = None if cls.kind == "lokr" and probe.rank is None else probe.rank
+    rank = adapter_from_entry((cls, t, 1.0), W.shape).rank
     scale = 1.0 if rank is None else (a or rank) / rank
     d = adapter_from_entry((cls, t, scale * rank if rank else 1.0), W.shape).update(W.float())
     # LyCORIS 4.1.3's merge (`get_diff_weight`, what kohya's gen script merges with) applies the scale twice
@@ -511,7 +508,7 @@ def read_lycoris(sd: dict, params: dict, metadata: dict | None = None, config: d
         alpha = alpha_value(t.pop("alpha"), f"{x}.alpha") if "alpha" in t else None
         try: cls = adapter_kind(t, x)
         except (KeyError, ValueError): continue
-        if cls.kind not in _LYCORIS_TYPES: continue
+        if cls.lycoris_algo is None: continue      # a type LyCORIS has no module for (the type says: `lycoris_algo`)
         used.update(k for k in sd if k.startswith(x + "."))
         W = params[tg.weight] if tg.rows is None else params[tg.weight][tg.rows]
         if why := _lycoris_refusal(cls.kind, t, alpha, W.shape):
