@@ -73,7 +73,8 @@ def _safe_name(token: str) -> str: return re.sub(r"[^A-Za-z0-9_-]+", "_", token)
 
 KOHYA_READERS = Registry("kohya_reader", {
     "comfyui": "ComfyUI's LoRA loader (its form of DoRA's magnitude and of OFT's rescale)",
-    "lycoris": "LyCORIS' kohya loader, `lycoris.kohya`, with which kohya's Stable Cascade scripts load LyCORIS types"})
+    "lycoris": "LyCORIS' kohya loader, `lycoris.kohya`, with which kohya's Stable Cascade scripts load LyCORIS types"},
+    how="KOHYA_READERS.register('name', description) in cascade_nb.adapter_exports, and the types' consumer_form")
 "The readers of the kohya layout that `export --to kohya --for READER` writes a file for (`Adapter.consumer_form`)."
 
 @dataclass
