@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from safetensors.torch import load_file
 from .core import Weights, safetensors_header, save_safetensors_atomic
+from .loss_terms import released_state
 from .typed_yaml import Range, AT_LEAST_1
 from .config import config_section, register_load_check, need
 
@@ -163,7 +164,10 @@ def released_ema(ema: EMA, acc, mode, net: nn.Module, names: list[str]) -> dict:
     """The EMA's released files, `{name}_ema`: a whole-model EMA as the first of the run's file `names` (the state's
     file, or gathered); a `trained_only` one as each of the mode's `released` files, made with the EMA swapped into the
     prepared `net` (all processes: FSDP gathers)."""
-    if not ema.trained_only: return {f"{names[0]}_ema": ema.saved or gather_ema(ema)}
+    if not ema.trained_only:
+        # the state's file as it is, unless it holds a loss term's module (nbs/36_loss_terms), which is not released
+        whole = ema.saved if ema.saved and not mode.loss_terms else released_state(gather_ema(ema))
+        return {f"{names[0]}_ema": whole}
     with ema_weights(ema, acc.unwrap_model(net)):
         # copies: a state dict may alias the weights, which get their own values back on leaving
         return {f"{n}_ema": Weights({k: v.clone() for k, v in sd.items()}, getattr(sd, "metadata", None))

@@ -21,15 +21,17 @@ from .registry import registry, UnknownChoice, load_builtin_parts
 from .gdf.presets import training_shift
 from .gdf.noise_conditions import noise_level
 from .gdf.recipe import LOSS_TYPES, pyramid_noise, recipe_noise
+from .loss_terms import add_loss_terms, loss_term_targets, loss_terms_memory, released_state
+from .optimizers import OPTIMIZERS
 # the `recipe` section the modes' loss reads (`cfg.recipe`): registered whenever the modes are
 import cascade_nb.recipe_config
 
 # %% auto #0
-__all__ = ['TRAINING_MODES', 'BatchInputs', 'unwrap_state_dict', 'MemoryTerms', 'wrong_stage', 'released_file',
-           'load_released_generator', 'TrainedGroups', 'TrainingMode', 'weights_key', 'build_generator',
-           'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions', 'PixelSpace',
-           'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss', 'mask_weight',
-           'sample_weights', 'register_training_mode', 'build_training_mode', 'refuse_loss_weights',
+__all__ = ['TRAINING_MODES', 'BatchInputs', 'unwrap_state_dict', 'MemoryTerms', 'generator_memory_terms', 'wrong_stage',
+           'released_file', 'load_released_generator', 'TrainedGroups', 'TrainingMode', 'weights_key',
+           'build_generator', 'check_model_overrides', 'build_text_encoder', 'build_image_encoder', 'conditions',
+           'PixelSpace', 'EffnetSpace', 'StageASpace', 'load_frozen', 'build_latent_space', 'diffusion_loss',
+           'mask_weight', 'sample_weights', 'register_training_mode', 'build_training_mode', 'refuse_loss_weights',
            'refuse_prior_entries', 'resolve_mode', 'check_mode_sections', 'on_load_training_mode',
            'on_load_param_groups', 'FullTraining', 'StageBTraining']
 
@@ -77,7 +79,7 @@ class BatchInputs:
         """`{weight}` from the batch's loss weights and masks; a ConfigError for a mode that does not weight its loss.
         It stays `sample_weights`, a function: LoRA's `prior_extras` and the data tests call it too (the latter with no
         mode)."""
-        return sample_weights(batch, x0, self)
+        return {**sample_weights(batch, x0, self), **loss_term_targets(self, batch, x0)}   # + the loss terms' targets
 
     def uncond(self, conds: dict) -> dict:
         "Unconditional inputs for CFG: empty captions, zero image embedding."
@@ -87,7 +89,8 @@ class BatchInputs:
 def unwrap_state_dict(accelerator, model) -> dict:
     "Full state dict of a prepared model in the official layout (no DDP/FSDP/compile prefixes)."
     sd = accelerator.get_state_dict(model)
-    return {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
+    # a loss term's trained module (e.g. feature alignment's projector) trains with the generator but is not released
+    return released_state({k.removeprefix("_orig_mod."): v for k, v in sd.items()})
 
 # %% ../nbs/40b_modes.ipynb #250db15d
 class MemoryTerms(NamedTuple):
@@ -96,6 +99,15 @@ class MemoryTerms(NamedTuple):
     train_bytes: int             # bytes per trainable parameter (weights, gradients; Adam keeps 2 of these)
     weight_grads: str = "all"    # which generator weights get gradients: 'all', 'attn' (LoRA on attention), 'none'
     rows: dict | None = None     # extra rows: name → bytes (may use `batch`, `side`, `prec` the planner passes)
+
+def generator_memory_terms(cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
+    """A mode's `memory_terms` where the whole generator trains: its weights, and the rows of the extra loss terms'
+    trained modules and frozen parts (nbs/36_loss_terms)."""
+    itemsize, t = resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize, cfg.train
+    spec = OPTIMIZERS.choose(t.optimizer)   # stochastic rounding steps in fp32: its state is fp32
+    state = lambda shapes: spec.state_bytes_of(shapes, 4 if t.stochastic_rounding else itemsize, spec.args(t))
+    return MemoryTerms(sum(p.numel() for p in generator.parameters()), itemsize,
+                       rows=loss_terms_memory(cfg, generator, itemsize, state))
 
 # %% ../nbs/40b_modes.ipynb #43cbd572
 def wrong_stage(mode: type, stage: str) -> str:
@@ -154,6 +166,7 @@ class TrainingMode(TrainedGroups, BatchInputs):
     base_is_rebuilt = False      # True: the state leaves out the frozen base, rebuilt from its files on resume
     predicts_prior = has_adapters = False   # LoRA: `prior: true` samples target its base; `adapter_scaled(net, s)`
     follows_control = False      # its samples follow a control image (`--control`, a batch's `controls`): ControlNet
+    loss_terms = {}              # the extra loss terms a run adds (nbs/36_loss_terms, `build_loss_terms` sets them)
     def __init__(self, cfg: Config, generator, tokenizer=None, text_model=None, image_model=None, space=None,
                  compute_dtype=torch.float32):
         self.cfg, self.net, self.tokenizer, self.text_model = cfg, generator, tokenizer, text_model
@@ -186,10 +199,7 @@ class TrainingMode(TrainedGroups, BatchInputs):
     def add_released_tokens(cls, cfg: Config, run, tokenizer, text_model, ema: bool | None = None) -> list[str]:
         "Add what a finished run trained in the text encoder to `tokenizer`, `text_model` (LoRA: tokens): their names."
         return []
-    @classmethod
-    def memory_terms(cls, cfg: Config, generator: nn.Module, batch: int = 1, side: int = 1, prec=None) -> MemoryTerms:
-        itemsize = resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize
-        return MemoryTerms(sum(p.numel() for p in generator.parameters()), itemsize)
+    memory_terms = staticmethod(generator_memory_terms)   # what it adds to the memory plan (above)
 
     # --- the data: `encode`, `extras`, `uncond` (`BatchInputs`, above)
 
@@ -198,8 +208,9 @@ class TrainingMode(TrainedGroups, BatchInputs):
     def loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
         "(weighted mean loss, per-sample raw loss, Diffused) of one micro-batch; runs under the loop's autocast."
         # `epsilon` given (validation's fixed noise) or drawn by the mode
-        eps = kw.pop("epsilon") if "epsilon" in kw else self.epsilon(x0, rng)
-        return diffusion_loss(net, gdf, x0, conds, rng=rng, shift=training_shift(self.cfg), epsilon=eps, **kw)
+        eps, terms = kw.pop("epsilon") if "epsilon" in kw else self.epsilon(x0, rng), kw.pop("terms", None)
+        return add_loss_terms(self.loss_terms, terms, lambda: diffusion_loss(net, gdf, x0, conds, rng=rng,
+                              shift=training_shift(self.cfg), epsilon=eps, **kw))
     def trainable_modules(self, net) -> list[nn.Module]: return [net]
     def frozen_train_modules(self, net) -> list[nn.Module]:
         "Frozen modules also in train mode: none; with `frozen_dropout: reference` the frozen `net.generator`, all run."

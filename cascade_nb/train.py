@@ -25,6 +25,7 @@ from .modes import (build_generator, build_text_encoder, build_image_encoder, bu
                               TrainingMode, build_training_mode, check_model_overrides)
 from .gdf.presets import gdf_from_config, training_shift
 from .gdf.recipe import schedule_at_update
+from .loss_terms import build_loss_terms
 from .data.sources import format_skips
 from .run_data import sample_rows, validation_loss, per_process_batch, training_data, preview_batch
 from fastprogress.fastprogress import progress_bar
@@ -535,6 +536,8 @@ def build_models(cfg: Config, acc) -> tuple:
     tokenizer, text_model = build_text_encoder(cfg, device, frozen_dtype)
     mode = build_training_mode(cfg, generator, tokenizer, text_model, build_image_encoder(cfg, device, frozen_dtype),
                                build_latent_space(cfg, device, frozen_dtype), frozen_dtype)
+    # extra loss terms (nbs/36_loss_terms): their trained modules join the generator before the optimizer and EMA
+    build_loss_terms(mode, device, frozen_dtype, fsdp=acc.distributed_type == DistributedType.FSDP)
     net, gdf = mode.net, gdf_from_config(cfg.gdf, cfg.recipe)
     ema = None
     if t.ema_start_iters is not None and mode.supports_ema:
