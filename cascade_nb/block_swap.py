@@ -210,9 +210,9 @@ def prepare_swapped(acc, cfg, net: nn.Module, opt):
     s, n = cfg.block_swap, cfg.block_swap.blocks_to_swap
     if not (n or s.activation_offload): return acc.prepare(net, opt)
     if n and acc.num_processes > 1:
-        raise ConfigError(f"key 'blocks_to_swap': {n} on {acc.num_processes} processes ({acc.distributed_type.value}): "
-                          "FSDP shards the weights block swap moves and DDP reduces them in buckets on the GPU; train on "
-                          "one process or set blocks_to_swap: 0")
+        raise ConfigError(f"key 'blocks_to_swap': {n} on {acc.num_processes} processes "
+                          f"({acc.distributed_type.value}): FSDP shards the weights block swap moves and DDP "
+                          "reduces them in buckets on the GPU; train on one process or set blocks_to_swap: 0")
     net, opt = acc.prepare(net, opt, device_placement=[not n, True])
     model = acc.unwrap_model(net)
     if n: BlockSwapper(model, n, acc.device, [o.state for o in getattr(opt, "opts", ())]).place(model)
