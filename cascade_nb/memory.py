@@ -460,9 +460,10 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
         yield ("activation offload to host memory",
                {"gradient_checkpointing": True, "activation_offload": True}, world_size, fsdp)
     if m.stage == "c" and mode.trains_generator and world_size == 1 and not fsdp and not m.compile:
-        # a lever with a size: `suggest` takes the fewest blocks that fit (one or two cost more than their double buffer)
+        # a lever with a size: `suggest` takes the fewest blocks that fit (one or two cost their double buffer)
         n = len(stage_blocks(meta_generator(cfg)))
-        yield "block swap ({blocks_to_swap} blocks in host memory)", {"blocks_to_swap": range(3, n + 1)}, world_size, fsdp
+        yield ("block swap ({blocks_to_swap} blocks in host memory)", {"blocks_to_swap": range(3, n + 1)},
+               world_size, fsdp)
     for n in (2, 4, 8):   # FSDP takes plain AdamW: bitsandbytes' 8-bit AdamW cannot step DTensor shards
         if n > world_size or (n == world_size and not fsdp):
             yield (f"FSDP over {n} GPUs (AdamW)", {"optimizer": "adamw", "fused_backward": False,
