@@ -15,6 +15,9 @@ Measurements:
 - lora: the same for LoRA rank 4 '.attn' on the 3.6B at batch 4 @768 (the reference needs about 45 GB).
 - sampling: the whole cascade (Stage C 20 steps -> Stage B 10 steps -> Stage A) at 1024x1024, images/s; the weights in
   --models when given, else tiny-twin weights (`write_tiny_checkpoints`: the same code path, not the real cost).
+- swap: block swap (nbs/40g_block_swap) on the 3.6B at batch 1 @768 with the 8 GB plan's settings (bf16 weights, fused
+  backward with stochastic rounding, Adafactor, checkpointing, activation offload): CUDA peak and step time with 0 and
+  N blocks swapped, the loss of the first step equal, next to the planner's rows for the generator.
 - train: a short run of `train()` itself on the device (the demo config), so a crash on CUDA shows here.
 """
 import argparse, contextlib, gc, math, sys, tempfile, time
@@ -27,8 +30,8 @@ from cascade_nb.models.blocks import compile_blocks
 from cascade_nb.memory import GB, plan_memory, official_config, stage_c_flops
 
 PEAK_FLOPS = 790e12   # H200 bf16 dense, the issue's reference figure
-FULL = dict(preset="1B", step_batch=16, side=24, mem_preset="3.6B", budget=80, image=1024, steps=(20, 10), iters=10)
-DRY = dict(preset="tiny", step_batch=2, side=8, mem_preset="tiny", budget=80, image=128, steps=(2, 2), iters=2)
+FULL = dict(swap_preset="3.6B", swap_blocks=(0, 36, 96), preset="1B", step_batch=16, side=24, mem_preset="3.6B", budget=80, image=1024, steps=(20, 10), iters=10)
+DRY = dict(swap_preset="tiny", swap_blocks=(0, 6), preset="tiny", step_batch=2, side=8, mem_preset="tiny", budget=80, image=128, steps=(2, 2), iters=2)
 MEMORY_OPTIONS = {   # label: overrides of the official 3.6B config
     "official (fp32 weights, AdamW)": {},
     "checkpointing": dict(gradient_checkpointing=True),
@@ -158,7 +161,40 @@ def check_train(S, device, dry):
         net = res["net"]; dev = next(net.parameters()).device; del res, net; gc.collect()
         out(f"train demo through train() on {dev}: {cfg.train.updates} updates + save + sample grid in {dt:.1f} s")
 
-CHECKS = {"step": check_step, "memory": check_memory, "lora": check_lora, "sampling": check_sampling, "train": check_train}
+def check_swap(S, device, dry):
+    "Peak memory and step time of the 8 GB plan's step with N blocks swapped; the first step's loss as with none."
+    from cascade_nb.block_swap import BlockSwapper, ActivationOffload
+    from cascade_nb.optimizers import FusedBackward, OPTIMIZERS
+    settings = dict(model_version=S["swap_preset"], batch_size=1, dtype="bfloat16", optimizer="adafactor",
+                    gradient_checkpointing=True, fused_backward=True, stochastic_rounding=True, activation_offload=True)
+    side, first = (24 if S is FULL else S["side"]), None
+    for n in S["swap_blocks"]:
+        cfg = official_config(**settings, blocks_to_swap=n)
+        torch.manual_seed(0)
+        with torch.device("cpu" if n else device): model = StageC.from_preset(S["swap_preset"]).to(torch.bfloat16)
+        model.gradient_checkpointing = True
+        try: build = lambda ps: OPTIMIZERS.choose("adafactor").build(ps, cfg.train, 1e-5)
+        except ImportError as e: return out(f"swap: skipped ({e})")
+        opt = FusedBackward(list(model.parameters()), build, stochastic_rounding=True)
+        swap = BlockSwapper(model, n, device, [o.state for o in opt.opts]).place(model) if n else None
+        ActivationOffload(model, pin_memory=device.type == "cuda")
+        if device.type == "cuda": torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(device)
+        x = inputs(model, 1, side, device, torch.bfloat16)
+        times = []
+        for k in range(S["iters"] // 2 + 1):
+            sync(device); t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16): loss = model(**x).float().square().mean()
+            loss.backward(); opt.grad_norm(); sync(device); times.append(time.perf_counter() - t0)
+            if k == 0: first = loss.item() if first is None else first; same = loss.item() == first
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        planned = generator_rows(plan_memory(cfg))
+        got = f"measured {peak / GB:6.2f} GB, ratio planned/measured {planned / peak:.3f}" if peak else "measured n/a (CPU)"
+        out(f"swap {S['swap_preset']} {n} blocks swapped, batch 1 @{side * 32}, 8 GB plan settings: planned {planned / GB:6.2f} GB "
+            f"vs {got}; {1e3 * min(times[1:]):8.1f} ms/step; first loss {'equal to' if same else 'DIFFERS from'} 0 blocks' "
+            f"({len(swap.schedule) if swap else 0} moves logged)")
+        del model, opt, swap; gc.collect()
+
+CHECKS = {"step": check_step, "swap": check_swap, "memory": check_memory, "lora": check_lora, "sampling": check_sampling, "train": check_train}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -16,6 +16,7 @@ from .cli import cli_parser, parse_cli, cli_errors, at_least
 from .modes import TRAINING_MODES
 from .optimizers import OPTIMIZERS
 from .ema import posthoc_averages
+from .block_swap import stage_blocks, swapped_blocks
 # declared with the ControlNet; measured here
 from .controlnet import EFFNET_SAVED_PER_PIXEL, meta_controlnet
 from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
@@ -257,16 +258,19 @@ class MemoryPlan:
     rows: dict[str, int]
     notes: list[str] = field(default_factory=list)
     summary: str = ""
+    host: dict[str, int] = field(default_factory=dict)   # what block swap and activation offload keep on the host
     @property
     def peak(self) -> int: return sum(self.rows.values())
     @property
     def peak_gb(self) -> float: return self.peak / GB
     def table(self, peak_line: bool = True) -> str:
         "The rows, the notes and (unless `peak_line=False`) the final `peak per GPU ≈ N GB` line."
-        w = max(map(len, self.rows)) + 2
+        w = max(map(len, [*self.rows, *self.host])) + 2
         lines = [self.summary] * bool(self.summary) + [f"{'component':<{w}}{'GB':>8}", "-" * (w + 8)]
         lines += [f"{k:<{w}}{v / GB:8.2f}" for k, v in self.rows.items()]
-        lines += ["-" * (w + 8), *[f"note: {n}" for n in self.notes]]
+        lines += ["-" * (w + 8)] + [f"{'host memory (not in the peak)':<{w}}"] * bool(self.host)
+        lines += [f"{k:<{w}}{v / GB:8.2f}" for k, v in self.host.items()] + ["-" * (w + 8)] * bool(self.host)
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines + [f"peak per GPU ≈ {self.peak_gb:.1f} GB"] * peak_line)
     def __str__(self): return self.table()
 
@@ -297,6 +301,32 @@ def _encoder_params(cfg: Config) -> dict[str, int]:
     if m.previewer_checkpoint_path and m.latent_space != "pixels": out["previewer"] = FROZEN_PARAMS["previewer"]
     return out
 
+# %% ../nbs/70_memory.ipynb #d4f6553d
+def _host_terms(cfg: Config, gen: nn.Module, rows: dict, notes: list, act: Activations, train_b: int,
+                world_size: int) -> dict[str, int]:
+    "Block swap's and activation offload's terms: `rows` lose what moves to the host; returns the host rows."
+    s, t, host = cfg.block_swap, cfg.train, {}
+    if s.activation_offload:
+        key = next(k for k in rows if k.startswith("activations ("))
+        rows[key], host["checkpointed activations (activation_offload)"] = act.recompute, act.kept
+    if not (n := s.blocks_to_swap): return host
+    if world_size > 1: raise ConfigError(f"key 'blocks_to_swap': {n} on {world_size} GPUs; block swap trains on one")
+    spec, blocks = OPTIMIZERS.choose(t.optimizer), stage_blocks(gen)
+    state_b = 4 if t.stochastic_rounding else train_b
+    moved = []   # (weights, gradients, optimizer state) of each swapped block
+    for i in swapped_blocks(gen, n):
+        shapes = [p.shape for p in blocks[i].parameters()]
+        w = sum(math.prod(sh) for sh in shapes) * train_b
+        moved.append((w, 0 if t.fused_backward else w, spec.state_bytes_of(shapes, state_b, spec.args(t))))
+    w, g, st = map(sum, zip(*moved))
+    rows["generator weights"] -= w; rows["gradients"] -= g; rows[f"optimizer state ({t.optimizer})"] -= st
+    rows["block swap: 2 blocks in flight"] = 2 * max(a + (c if t.fused_backward else b) for a, b, c in moved)
+    host[f"block swap: {n} of {len(blocks)} blocks (weights, gradients, optimizer state)"] = w + g + st
+    notes.append(f"block swap: {n} of {len(blocks)} blocks live in pinned host memory and are copied in to run"
+                 + (", their optimizer state with them (fused backward)" if t.fused_backward else
+                    "; their optimizer step runs on the CPU"))
+    return host
+
 # %% ../nbs/70_memory.ipynb #052ba160
 def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offload: bool = False,
                 shard_size: int | None = None) -> MemoryPlan:
@@ -312,8 +342,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     gen = meta_generator(cfg)
     n_gen = sum(p.numel() for p in gen.parameters())
     amp = (t.mixed_precision or "bf16") == "bf16"
-    wb = resolve_dtype(m.dtype, allow_fp16=True).itemsize
-    prec = Precision(wb, amp)
+    prec = Precision(wb := resolve_dtype(m.dtype, allow_fp16=True).itemsize, amp)
     frozen_b = resolve_dtype(m.frozen_dtype).itemsize           # frozen encoders: fp32 unless frozen_dtype=bfloat16
     batch = per_process_batch(d.batch_size, world_size, t.grad_accum_steps)
     side = d.image_size // 32 if m.latent_space != "pixels" else d.image_size
@@ -366,6 +395,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     # activations: the generator's, plus what each mode adds
     act = activation_bytes(gen, batch, side, prec, checkpointing=ck, weight_grads=wgrads)
     rows[f"activations (batch {batch}, {side}x{side} latents{', checkpointed' if ck else ''})"] = act.peak
+    host = _host_terms(cfg, gen, rows, notes, act, train_b, world_size)
     if not fsdp:
         copies = weight_copy_bytes(gen, prec, ck)
         if copies: rows["bf16 weight copies (fp32 weights, autocast)"] = copies
@@ -377,7 +407,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
              f"weights {m.dtype or 'float32'}", "bf16 autocast" if amp else "no autocast", t.optimizer,
              f"batch {batch}/GPU @{d.image_size}", f"{world_size} GPU{'s' if world_size > 1 else ''}"
              + (f" HSDP ({shard} per shard group)" if fsdp and shard < world_size else " FSDP" if fsdp else "")]
-    return MemoryPlan(rows, notes, ", ".join(parts))
+    return MemoryPlan(rows, notes, ", ".join(parts), host)
 
 # %% ../nbs/70_memory.ipynb #226c63e1
 OFFICIAL_3B = dict(experiment_id="stage_c_3b_finetuning", model_version="3.6B", image_size=768, batch_size=1,
@@ -425,10 +455,35 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
     # a factored second moment (rows + columns per matrix): a change of recipe (its own LR), so after the others
     if t.optimizer not in ("adafactor", "came") and not fsdp and mode.trains_generator:
         yield "Adafactor (factored second moment)", {"optimizer": "adafactor"}, world_size, fsdp
+    # the host's memory for PCIe copies: what the GPU holds of the activations, then of the weights (the fewest blocks)
+    if m.stage == "c" and not (m.gradient_checkpointing and cfg.block_swap.activation_offload):
+        yield ("activation offload to host memory",
+               {"gradient_checkpointing": True, "activation_offload": True}, world_size, fsdp)
+    if m.stage == "c" and mode.trains_generator and world_size == 1 and not fsdp and not m.compile:
+        # a lever with a size: `suggest` takes the fewest blocks that fit (one or two cost their double buffer)
+        n = len(stage_blocks(meta_generator(cfg)))
+        yield ("block swap ({blocks_to_swap} blocks in host memory)", {"blocks_to_swap": range(3, n + 1)},
+               world_size, fsdp)
     for n in (2, 4, 8):   # FSDP takes plain AdamW: bitsandbytes' 8-bit AdamW cannot step DTensor shards
         if n > world_size or (n == world_size and not fsdp):
             yield (f"FSDP over {n} GPUs (AdamW)", {"optimizer": "adamw", "fused_backward": False,
-                                                   "stochastic_rounding": False}, n, True)
+                                                   "stochastic_rounding": False, "blocks_to_swap": 0}, n, True)
+
+# %% ../nbs/70_memory.ipynb #692eaa40
+def _sized(ov: dict, plan_for, budget_gb: float):
+    """A lever with a size (a `range` among the overrides `ov`): the smallest value whose plan fits `budget_gb`
+    (bisection: more of it never costs memory past its first values), else the largest; (overrides, `plan_for`'s)."""
+    key = next((k for k, v in ov.items() if isinstance(v, range)), None)
+    if key is None: return ov, plan_for(ov)
+    at = lambda j: {**ov, key: ov[key][j]}
+    lo, hi = 0, len(ov[key]) - 1
+    best = plan_for(at(hi))
+    while lo < hi and best[1].peak_gb <= budget_gb:
+        mid = (lo + hi) // 2
+        got = plan_for(at(mid))
+        if got[1].peak_gb <= budget_gb: hi, best = mid, got
+        else: lo = mid + 1
+    return at(hi), best
 
 # %% ../nbs/70_memory.ipynb #209aaad4
 def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = False) -> list[Suggestion]:
@@ -452,7 +507,8 @@ def suggest(cfg: Config, budget_gb: float, world_size: int = 1, fsdp: bool = Fal
     for label, ov, n, f in _options(cfg, world_size, fsdp):
         ov = {**overrides, **ov}
         if n != ws: ov["batch_size"] = micro * n * c.train.grad_accum_steps   # keep the batch per GPU
-        c_new, plan_new = plan_for(ov, n, f)
+        ov, (c_new, plan_new) = _sized(ov, lambda o: plan_for(o, n, f), budget_gb)
+        label = label.format(**ov)
         if plan_new.peak >= plan.peak: continue   # e.g. FSDP over 2 GPUs giving up 8-bit AdamW: try the next option
         overrides, ws, fs, c, plan = ov, n, f, c_new, plan_new
         steps.append(Suggestion(label, dict(overrides), ws, fs, plan))
@@ -488,6 +544,10 @@ RECOMMENDED = {
     "3.6B full fine-tune, batch 1 @768, one 24 GB GPU (fused backward, bf16 weights with stochastic rounding)":
         (24, dict(batch_size=1, dtype="bfloat16", frozen_dtype="bfloat16", optimizer="adafactor",
                   gradient_checkpointing=True, fused_backward=True, stochastic_rounding=True)),
+    "3.6B full fine-tune, batch 1 @768, one 8 GB GPU (the 24 GB settings, activation offload, 36 blocks swapped)":
+        (8, dict(batch_size=1, dtype="bfloat16", frozen_dtype="bfloat16", optimizer="adafactor",
+                 gradient_checkpointing=True, fused_backward=True, stochastic_rounding=True, activation_offload=True,
+                 blocks_to_swap=36)),
     "3.6B full fine-tune, batch 8 @768, one 80 GB GPU, fp32 master weights":
         (80, dict(batch_size=8, optimizer="adamw8bit", gradient_checkpointing=True)),
     "3.6B LoRA rank 4 '.attn', batch 4 @768, 24 GB":

@@ -23,8 +23,8 @@ from .registry import registry, load_builtin_parts
 from .cli import cli_parser, parse_cli, cli_errors, error_line
 from .modes import (build_generator, build_text_encoder, build_image_encoder, build_latent_space,
                               TrainingMode, build_training_mode, check_model_overrides)
-from .gdf.presets import gdf_from_config, training_shift
-from .gdf.recipe import schedule_at_update
+from .gdf import gdf_from_config, training_shift, schedule_at_update
+from .block_swap import prepare_swapped
 from .loss_terms import build_loss_terms
 from .data.sources import format_skips
 from .run_data import sample_rows, validation_loss, per_process_batch, training_data, preview_batch
@@ -644,7 +644,7 @@ def train(cfg: Config) -> dict:
 
             # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
             _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
-            net, opt = acc.prepare(net, opt)
+            net, opt = prepare_swapped(acc, cfg, net, opt)
             # under FSDP: a copy of this process's shards only; FSDP replaces the parameters with sharded ones
             if ema is not None: ema.attach(acc.unwrap_model(net))
             params = [p for p in net.parameters() if p.requires_grad]

@@ -5,7 +5,7 @@ from conftest import ROOT, run_cli
 def test_gpu_check_dry_run_prints_every_measurement():
     res = run_cli(ROOT / "bench" / "gpu_check.py", "--dry-run", env={"OMP_NUM_THREADS": "1"}, timeout=1200)   # ~1 min of CPU
     lines = [l for l in res.stdout.splitlines() if l.startswith("gpu_check ")]
-    for start in ("gpu_check step tiny eager", "gpu_check step tiny compiled", "gpu_check memory tiny official, batch 1",
+    for start in ("gpu_check step tiny eager", "gpu_check step tiny compiled", "gpu_check swap tiny 6 blocks swapped", "gpu_check memory tiny official, batch 1",
                   "gpu_check memory tiny checkpointing + 8-bit AdamW + bf16 weights", "gpu_check memory tiny LoRA r4",
                   "gpu_check sampling cascade", "gpu_check train demo through train() on cpu", "gpu_check done in"):
         assert any(l.startswith(start) for l in lines), (start, res.stdout[-3000:])
