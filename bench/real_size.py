@@ -474,16 +474,36 @@ ALLOCATORS = {"glibc": {}, "glibc, MALLOC_MMAP_THRESHOLD_=1048576": {"MALLOC_MMA
               **({"jemalloc (LD_PRELOAD)": {"LD_PRELOAD": str(JEMALLOC)}} if JEMALLOC else {})}
 
 
+# the levers `python -m cascade_nb.memory finetune_c_3b.yaml batch_size=1 --budget 24` proposes for the official 3.6B
+# full fine-tune (fp32 AdamW plans 73.5 GB), and with --budget 12 (the same with Adafactor); nbs/70_memory checks that
+# the planner still proposes them
+_BF16_SR = ["gradient_checkpointing=true", "frozen_dtype=bfloat16", "dtype=bfloat16", "fused_backward=true",
+            "stochastic_rounding=true"]
+LEVERS_3B = {"12gb": ["optimizer=adafactor", *_BF16_SR], "24gb": ["optimizer=adamw8bit", *_BF16_SR]}
+MMAP_1MB = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+
+
+def state_hashes(state: Path) -> dict:
+    """A digest of each file of a training state, as the suite's exact-resume tests compare them: less accelerate's
+    `random_states_N.pkl`, its copy of the process-global RNGs, which no training draw uses (tests/test_random_draws)."""
+    from cascade_nb.run_state import file_checksums
+    return {k: v for k, v in file_checksums(state).items() if not Path(k).name.startswith("random_states_")}
+
+
 def step_attribute(ctx):
-    """Where the memory of the full 1B and the 3.6B LoRA runs goes, beside the planner's rows for the same config:
-    each config of `full_1b` and `lora` in one process under `bench/memory_attribution.py`. Profiled (torch's
-    allocations by phase and op): a new run to update 2, where it saves, then the same command with updates=3, which
-    resumes from that state. Not profiled (the profiler's event buffers add to the resident peak): a new run to
-    update 2 under each C allocator of ALLOCATORS, for the resident peak and the time per update."""
+    """Where the memory of the full 1B, the 3.6B LoRA and the 3.6B full fine-tune (the 24 GB and 12 GB levers) runs
+    goes, beside the planner's rows for the same config: each config in one process under
+    `bench/memory_attribution.py`. Profiled (torch's allocations by phase and op): a new run to update 2, where it
+    saves, then the same command with updates=3, which resumes from that state. Not profiled (the profiler's event
+    buffers add to the resident peak): a new run to update 2 under each C allocator of ALLOCATORS, for the resident
+    peak and the time per update; and (the 3.6B full runs) one uninterrupted run to update 3, whose state must be the
+    resumed one's, file for file. `--only` picks runs and launches by parts of their names."""
     runs = {"full_1b": ("finetune_c_1b.yaml", "stage_c_lite_bf16.safetensors",
                         ["batch_size=1", "grad_accum_steps=1", *LEVERS_1B]),
             "lora": ("finetune_c_3b_lora.yaml", "stage_c_bf16.safetensors",
-                     ["batch_size=1", "grad_accum_steps=1", "dtype=bfloat16"])}
+                     ["batch_size=1", "grad_accum_steps=1", "dtype=bfloat16"]),
+            **{f"full_3b_{b}": ("finetune_c_3b.yaml", "stage_c_bf16.safetensors",
+                                ["batch_size=1", "grad_accum_steps=1", *levers]) for b, levers in LEVERS_3B.items()}}
     for name, (yaml, generator, levers) in runs.items():
         if not ctx.selected(name): continue
         config = official_config(ctx, yaml)
@@ -495,8 +515,13 @@ def step_attribute(ctx):
         planned = planned_gb(ctx, config, overrides)
         rows = [line for line in (ctx.work/"logs"/f"plan_{config.stem}.txt").read_text().splitlines()
                 if line[:1].isalpha()]
-        launches = [("profiled, new", 2, {}), ("profiled, resumed", 3, {})] + [
-            (f"new, {allocator}", 2, env) for allocator, env in ALLOCATORS.items()]
+        # the 3.6B full runs' profiled launches with glibc's mmap threshold fixed too: with its defaults the resident
+        # peak grows ~1.5x over what torch holds (the 1B's), past this machine's 24 GB for the 24 GB levers
+        first = MMAP_1MB if name.startswith("full_3b") else {}
+        launches = [("profiled, new", 2, first), ("profiled, resumed", 3, first)] + [
+            (f"new, {allocator}", 2, env) for allocator, env in ALLOCATORS.items()] + (
+            [("uninterrupted to 3, MALLOC_MMAP_THRESHOLD_=1048576", 3, MMAP_1MB)] if name.startswith("full_3b") else [])
+        launches = [launch for launch in launches if ctx.selected(launch[0])] or launches
         for i, (launch, updates, env) in enumerate(launches):
             if launch != "profiled, resumed": shutil.rmtree(ctx.work/"runs"/run_id, ignore_errors=True)
             out = ctx.work/"attribution"/f"{name}_{i}.json"
@@ -513,6 +538,7 @@ def step_attribute(ctx):
                         save_s=[r["seconds"] for r in a["phases"] if r["phase"] == "save"], phases=a["phases"],
                         command=" ".join([*(f"{k}={v}" for k, v in env.items()), "python bench/memory_attribution.py "
                                           "--out FILE", *flags, yaml, *args[1:]]))
+            if name.startswith("full_3b") and updates == 3: keep["state_sha256"] = state_hashes(state)
             line = (f"resident peak {keep['peak_rss_gb']:.2f} GB vs planner {planned:.2f} GB "
                     f"({keep['peak_rss_gb'] / planned - 1:+.0%}), of which runtime {keep['runtime_gb']:.2f} GB; "
                     f"updates of {', '.join(f'{x:.0f}' for x in a['update_s'])} s; {state.name} "
@@ -528,6 +554,11 @@ def step_attribute(ctx):
                 line = (f"torch holds {held:.2f} GB at its peak ({a['peak_phase']}; {other:.2f} GB of it loaded in "
                         f"other threads) + {mapped:.2f} GB of mapped weight files = {held + mapped:.2f} GB vs planner "
                         f"{planned:.2f} GB ({(held + mapped) / planned - 1:+.0%}); {line}")
+            if launch.startswith("uninterrupted"):   # the same state as the resumed launch's, file for file
+                resumed = ctx.results.get("attribute", {}).get(f"{name} profiled, resumed", {}).get("state_sha256")
+                keep["resume_exact"] = resumed == keep["state_sha256"] if resumed else None
+                line += ("; its state-00000003 is the resumed launch's, file for file" if keep["resume_exact"] else
+                         "; NOT the resumed launch's state" if resumed is not None else "; no resumed state to compare")
             record(ctx.results, "attribute", f"{name} {launch}", keep, line)
         shutil.rmtree(ctx.work/"runs"/run_id)   # the full 1B's states take 10 GB each
 

@@ -440,12 +440,15 @@ def report_partial_states(run_dir: RunDir):
               "checkpoint is untouched)")
 
 # %% ../nbs/41_train.ipynb #8937d129
-def _checkpoint_bytes(net: nn.Module, ema: EMA | None = None) -> int:
-    """About what one more checkpoint takes on disk: the weights twice (state + export), AdamW's two fp32 moments,
-    the EMA (at most twice)."""
+def _checkpoint_bytes(net: nn.Module, t, ema: EMA | None = None) -> int:
+    """About what one more checkpoint takes on disk: the weights twice (state + export), the optimizer's state as the
+    memory planner counts it (AdamW's two moments; Adafactor's factored ones; fp32 with stochastic rounding), the EMA
+    (at most twice)."""
     size = sum(p.numel() * p.element_size() for p in net.parameters())
-    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    return 2 * size + 8 * trainable + 2 * (ema.full_bytes if ema is not None else 0)
+    spec, trained = OPTIMIZERS.choose(t.optimizer), [p for p in net.parameters() if p.requires_grad]
+    state_b = 4 if t.stochastic_rounding or not trained else trained[0].element_size()
+    state = spec.state_bytes_of([p.shape for p in trained], state_b, spec.args(t)) if trained else 0
+    return 2 * size + state + 2 * (ema.full_bytes if ema is not None else 0)
 
 # %% ../nbs/41_train.ipynb #81125ae3
 def run_summary(run: Run, clock: Clock) -> str:
@@ -643,7 +646,7 @@ def train(cfg: Config) -> dict:
             lr_at, base_lrs = LRSchedule.of(t), [g["lr"] for g in opt.param_groups]
 
             # --- prepare: DDP / FSDP wrapping and device placement, by the launch config (not the LR: see `set_lr`)
-            _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, ema)))
+            _on_main(acc, lambda: run_dir.check_space(_checkpoint_bytes(net, t, ema)))
             net, opt = prepare_swapped(acc, cfg, net, opt)
             # under FSDP: a copy of this process's shards only; FSDP replaces the parameters with sharded ones
             if ema is not None: ema.attach(acc.unwrap_model(net))

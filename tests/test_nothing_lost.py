@@ -108,3 +108,20 @@ def test_eval_cli_bad_arguments_are_one_line(run, args, says):
     args = [str(run) if a == "DIR" else a for a in args]
     res = run_cli("-m", "cascade_nb.eval", "--checkpoint", run / "ckpt" / "r", "--captions", "2", *args, check=False)
     assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+def test_the_start_up_disk_check_counts_the_optimizers_own_state():
+    """The space a run wants free before it starts: weights twice, the EMA, and the optimizer's state as the memory
+    planner sizes it. Counting AdamW's two fp32 moments for every optimizer refused the official 3.6B full fine-tune
+    with Adafactor on 34 GB free (43 GB asked, for a 7.3 GB training state)."""
+    import torch
+    from cascade_nb.config import config_from_dict
+    from cascade_nb.models.stage_c import StageC
+    from cascade_nb.train import _checkpoint_bytes
+    with torch.device("meta"): gen = StageC.from_preset("3.6B").to(torch.bfloat16)
+    n = sum(p.numel() for p in gen.parameters())
+    base = dict(experiment_id="x", webdataset_path="data", dtype="bfloat16", fused_backward=True, batch_size=1)
+    at = lambda **kw: _checkpoint_bytes(gen, config_from_dict({**base, **kw}, training=False).train)
+    weights = 2 * 2 * n                                                   # bf16, in the state and released
+    assert weights < at(optimizer="adafactor", stochastic_rounding=True) < weights * 1.01   # factored moments
+    assert weights + 2 * n <= at(optimizer="adamw8bit") < (weights + 2 * n) * 1.01          # two 8-bit moments
+    assert at(optimizer="adamw") == weights + 2 * 2 * n                   # two moments in the weights' bf16
