@@ -7,15 +7,17 @@ Arms, everything else as shipped in configs/demo.yaml (AdamW, lr 4e-3 cosine to 
 `fp32` (as shipped); `fp32_fused` (`fused_backward`: each tensor stepped inside backward, so the SR arm's difference is
 not the fused step); `bf16_rne` (`dtype=bfloat16`: torch's fused AdamW on the bf16 weights: its moments are bf16 too,
 the update is computed in fp32 inside the kernel and the new weight written back rounded to nearest, no fp32 master
-copy; the forward and backward run in bf16); `bf16_sr` (`dtype=bfloat16 fused_backward=true stochastic_rounding=true`:
-each tensor's step on an fp32 copy with fp32 moments, rounded back into the bf16 weight at random); `bf16_rne_fp32_state`
-(an ablation: `bf16_sr`'s step, fp32 moments included, rounded back to nearest instead: what separates the rounding
-from the moments' precision).
+copy; the forward and backward run in bf16); `bf16_sr` (`dtype=bfloat16 fused_backward=true
+stochastic_rounding=true`: each tensor's step on an fp32 copy with fp32 moments, rounded back into the bf16 weight at
+random); `bf16_rne_fp32_state` (an ablation: `bf16_sr`'s step, fp32 moments included, rounded back to nearest instead:
+what separates the rounding from the moments' precision).
 
 Per run: the logged loss curve, the EMA's retrieval top-1 every 300 updates (the trainer's evaluation) and the live
 weights' at the same updates (`LiveAndUpdates`, a hook of this script), the CPU seconds of this process, and every
-`--every` updates the update's relative size ||W_after - W_before|| / ||W_before|| over the trained weights, the fraction
-of their elements the update left unchanged, and the drift from the initial weights ||W - W_0|| / ||W_0||. Results go to
+`--every` updates the update's relative size ||W_after - W_before|| / ||W_before|| over the trained weights, the
+fraction of their elements the update left unchanged, the fraction it moved by less than half a bf16 ulp (what
+round-to-nearest into bf16 would drop; in an fp32 run, the updates bf16 would lose), and the drift from the initial
+weights ||W - W_0|| / ||W_0||. Results go to
 bench/results/bf16_demo.json (an arm and seed already there is not redone); one line per run, and per arm its means
 over the seeds with ratios to `fp32`'s."""
 import argparse, contextlib, functools, json, statistics, subprocess, sys, tempfile
@@ -45,6 +47,13 @@ def trained(run) -> list[torch.Tensor]:
 
 def sq_norm(ts) -> float: return float(sum(t.float().pow(2).sum() for t in ts))
 
+def below_half_ulp(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Which elements changed by less than half the spacing of bf16 numbers at their old value (nothing included):
+    the changes that round-to-nearest into bf16 weights would drop. A bf16 ulp at |w| in [2^(k-1), 2^k) is 2^(k-8)."""
+    b = before.float()
+    half_ulp = torch.ldexp(torch.ones_like(b), torch.frexp(b).exponent - 9)
+    return ((after.float() - b).abs() < half_ulp) & (b != 0) | (after == before)
+
 @register_training_hook("bf16_demo")
 class LiveAndUpdates:
     """This script's hook: the live weights' retrieval where the trainer scores the EMA's, and every `every_update`
@@ -73,9 +82,10 @@ class LiveAndUpdates:
                                          for ts in (w, self.before, self.start, self.moved))
             n = sum(int(m.sum()) for m in moved)
             same = sum(int(((a == b) & m).sum()) for a, b, m in zip(now, before, moved))
+            small = sum(int((below_half_ulp(a, b) & m).sum()) for a, b, m in zip(now, before, moved))
             rel = (sq_norm([a.float() - b.float() for a, b in zip(now, before)]) / sq_norm(before)) ** 0.5
             drift = (sq_norm([a.float() - b.float() for a, b in zip(now, start)]) / sq_norm(start)) ** 0.5
-            self.rows.append((u, rel, same / n, drift))
+            self.rows.append((u, rel, same / n, drift, small / n))
             self.before = None
         if (u + 1) % self.every_update == 0: self.before, self.moved = [t.clone() for t in w], {}
         if u % self.every == 0:
@@ -95,11 +105,13 @@ def run_arm(arm: str, seed: int, updates: int) -> dict:
     last = [r for r in LiveAndUpdates.rows if r[0] > updates * 3 // 4]   # the last quarter's updates
     return dict(s, top1_live_curve=LiveAndUpdates.live, cpu_s=cpu, updates_measured=LiveAndUpdates.rows,
                 unchanged_last_quarter=statistics.mean(r[2] for r in last),
-                rel_change_last_quarter=statistics.mean(r[1] for r in last))
+                rel_change_last_quarter=statistics.mean(r[1] for r in last),
+                below_half_ulp_last_quarter=statistics.mean(r[4] for r in last))
 
 def arm_mean(runs: dict) -> dict:
     "The means over an arm's seeds of its one-number results."
-    keys = ("top1_final", "loss_last_100", "unchanged_last_quarter", "rel_change_last_quarter", "cpu_s")
+    keys = ("top1_final", "loss_last_100", "unchanged_last_quarter", "below_half_ulp_last_quarter",
+            "rel_change_last_quarter", "cpu_s")
     return {k: statistics.mean(r[k] for r in runs.values()) for k in keys} | {
         "top1_live_final": statistics.mean(r["top1_live_curve"][-1][1] for r in runs.values()), "seeds": len(runs)}
 
@@ -110,7 +122,8 @@ def line(arm: str, m: dict, ref: dict | None) -> str:
           ) if ref and arm != "fp32" else ""
     return (f"bf16_demo {arm} ({' '.join(ARMS[arm][0]) or 'as shipped'}; {m['seeds']} seeds): EMA top-1 "
             f"{m['top1_final']:.1%}, live {m['top1_live_final']:.1%}, loss {m['loss_last_100']:.4f} (last 100), "
-            f"unchanged {m['unchanged_last_quarter']:.1%} of weights per update (last quarter), update size "
+            f"unchanged {m['unchanged_last_quarter']:.1%} of weights per update (last quarter; moved by under half a "
+            f"bf16 ulp {m['below_half_ulp_last_quarter']:.1%}), update size "
             f"{m['rel_change_last_quarter']:.2e}, {m['cpu_s']:.0f} CPU-s" + vs)
 
 def main():
