@@ -10,7 +10,9 @@ the update is computed in fp32 inside the kernel and the new weight written back
 copy; the forward and backward run in bf16); `bf16_sr` (`dtype=bfloat16 fused_backward=true
 stochastic_rounding=true`: each tensor's step on an fp32 copy with fp32 moments, rounded back into the bf16 weight at
 random); `bf16_rne_fp32_state` (an ablation: `bf16_sr`'s step, fp32 moments included, rounded back to nearest instead:
-what separates the rounding from the moments' precision).
+what separates the rounding from the moments' precision); `fp32_amp` (`mixed_precision=bf16`: fp32 weights, the
+forward and backward under bf16 autocast, as the GPU launch configs run them: what separates the weights' rounding
+from the bf16 arithmetic).
 
 Per run: the logged loss curve, the EMA's retrieval top-1 every 300 updates (the trainer's evaluation) and the live
 weights' at the same updates (`LiveAndUpdates`, a hook of this script), the CPU seconds of this process, and every
@@ -20,7 +22,7 @@ round-to-nearest into bf16 would drop; in an fp32 run, the updates bf16 would lo
 weights ||W - W_0|| / ||W_0||. Results go to
 bench/results/bf16_demo.json (an arm and seed already there is not redone); one line per run, and per arm its means
 over the seeds with ratios to `fp32`'s."""
-import argparse, contextlib, functools, json, statistics, subprocess, sys, tempfile
+import argparse, contextlib, functools, json, re, statistics, subprocess, sys, tempfile
 from pathlib import Path
 from unittest import mock
 
@@ -38,7 +40,8 @@ def nearest_round_(out, x, generator=None):
 _BF16_SR = ["dtype=bfloat16", "fused_backward=true", "stochastic_rounding=true"]
 # arm -> (config overrides on configs/demo.yaml, the rounding FusedBackward's bf16 step uses)
 ARMS = {"fp32": ([], None), "fp32_fused": (["fused_backward=true"], None), "bf16_rne": (["dtype=bfloat16"], None),
-        "bf16_sr": (_BF16_SR, None), "bf16_rne_fp32_state": (_BF16_SR, nearest_round_)}
+        "bf16_sr": (_BF16_SR, None), "bf16_rne_fp32_state": (_BF16_SR, nearest_round_),
+        "fp32_amp": (["mixed_precision=bf16"], None)}
 RESULTS = ROOT / "bench" / "results" / "bf16_demo.json"
 
 def trained(run) -> list[torch.Tensor]:
@@ -107,7 +110,8 @@ def run_arm(arm: str, seed: int, updates: int) -> dict:
 def late_updates(r: dict, updates: int) -> dict:
     """The means of a run's measured updates over the last quarter, before the last update (where the cosine schedule's
     LR is ~0 and even fp32 leaves most weights unchanged)."""
-    late = [row for row in r["updates_measured"] if updates * 3 // 4 < row[0] < updates]
+    # (a run too short for that window, e.g. a test's: all its measured updates)
+    late = [row for row in r["updates_measured"] if updates * 3 // 4 < row[0] < updates] or r["updates_measured"]
     return {k: statistics.mean(row[i] for row in late) for k, i in
             (("rel_change_late", 1), ("unchanged_late", 2), ("below_half_ulp_late", 4))}
 
@@ -118,15 +122,21 @@ def arm_mean(runs: dict) -> dict:
         "top1_live_final": statistics.mean(r["top1_live_curve"][-1][1] for r in runs.values()), "seeds": len(runs)}
 
 def line(arm: str, m: dict, ref: dict | None) -> str:
-    "The arm's printed line: its means, and their ratios to fp32's."
-    vs = (f"; vs fp32: top-1 {100 * (m['top1_final'] - ref['top1_final']):+.1f} points, loss "
+    "The arm's printed line: its means, and their differences and ratios to fp32's `ref` (its means on the same seeds)."
+    vs = (f"; vs fp32: top-1 {100 * (m['top1_final'] - ref['top1_final']):+.1f} points (live "
+          f"{100 * (m['top1_live_final'] - ref['top1_live_final']):+.1f}), loss "
           f"x{m['loss_last_100'] / ref['loss_last_100']:.2f}, CPU x{m['cpu_s'] / ref['cpu_s']:.2f}"
           ) if ref and arm != "fp32" else ""
     return (f"bf16_demo {arm} ({' '.join(ARMS[arm][0]) or 'as shipped'}; {m['seeds']} seeds): EMA top-1 "
             f"{m['top1_final']:.1%}, live {m['top1_live_final']:.1%}, loss {m['loss_last_100']:.4f} (last 100), "
-            f"unchanged {m['unchanged_late']:.1%} of weights per update (updates 950-1150; moved by under half a "
-            f"bf16 ulp {m['below_half_ulp_late']:.1%}), update size {m['rel_change_late']:.2e}, "
+            f"unchanged {m['unchanged_late']:.1%} of weights per update (last quarter, before the last; moved by "
+            f"under half a bf16 ulp {m['below_half_ulp_late']:.1%}), update size {m['rel_change_late']:.2e}, "
             f"{m['cpu_s']:.0f} CPU-s" + vs)
+
+def dump(out: dict) -> str:
+    "The results as JSON, each innermost list (a curve's point, a measured update) on one line."
+    flat = lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]"
+    return re.sub(r"\[\s*([^\[\]{}]*?)\s*\]", flat, json.dumps(out, indent=1)) + "\n"
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,11 +161,14 @@ def main():
                   f"{[v for _, v in r['top1_curve']]}), live {r['top1_live_curve'][-1][1]:.1%}, loss "
                   f"{r['loss_last_100']:.4f}, unchanged {r['unchanged_late']:.1%}, {r['cpu_s']:.0f} CPU-s",
                   flush=True)
-            a.json.write_text(json.dumps(out, indent=1) + "\n")
+            a.json.write_text(dump(out))
     for r in (r for arm_runs in runs.values() for r in arm_runs.values()): r.update(late_updates(r, a.updates))
     out["means"] = {arm: arm_mean(runs[arm]) for arm in ARMS if arm in runs}
-    for arm, m in out["means"].items(): print(line(arm, m, out["means"].get("fp32")))
-    a.json.write_text(json.dumps(out, indent=1) + "\n")
+    for arm, m in out["means"].items():
+        # against fp32 on the same seeds: a seed is the same initial weights and data order in every arm
+        paired = {s: r for s, r in runs.get("fp32", {}).items() if s in runs[arm]}
+        print(line(arm, m, arm_mean(paired) if paired else None))
+    a.json.write_text(dump(out))
 
 if __name__ == "__main__":
     main()
