@@ -308,14 +308,14 @@ def precision_notes(t, mode, bf16: bool, upcast: bool) -> list[str]:
     if upcast:
         return ["FSDP with bf16 mixed precision: accelerate upcasts the trained weights to fp32 before sharding, so "
                 "dtype=bfloat16 saves nothing here and the released weights are fp32"]
-    notes = [f"bf16 weights with stochastic rounding: every update kept in expectation; the live weights trained as "
-             f"well as fp32 weights ({BF16_MEASURED})" if t.stochastic_rounding else
+    notes = [f"bf16 weights with stochastic rounding: every update kept in expectation, which recovered most of what "
+             f"rounding to nearest lost against fp32 weights ({BF16_MEASURED})" if t.stochastic_rounding else
              f"bf16 trained weights rounded to nearest, no fp32 master copy: an update under 2^-9 to 2^-8 of a weight "
              f"is lost, which cost top-1 and loss against fp32 weights ({BF16_MEASURED}); prefer fused_backward with "
              "stochastic_rounding, or fp32 weights"]
     if t.ema_start_iters is not None and mode.supports_ema:
         notes.append("the EMA is bf16 too, rounded to nearest: its steps (1 - ema_beta)·(weights - EMA) under half a "
-                     f"bf16 ulp are lost, so it lags the weights ({BF16_MEASURED}); score the live weights too")
+                     f"bf16 ulp are lost, and it scored below the live weights ({BF16_MEASURED}); score both")
     return notes
 
 # %% ../nbs/70_memory.ipynb #052ba160
@@ -353,7 +353,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     rows[gen_label] = 0 if offload else n_gen * (train_b if mode.trains_generator else wb) // shard
     if not mode.trains_generator: rows[f"{t.mode} weights"] = 0 if offload else n_train * train_b // shard
     rows["gradients"] = 0 if offload else n_train * train_b // shard
-    notes += precision_notes(t, mode, wb == 2, upcast)
+    notes += precision_notes(t, mode, wb == 2, upcast)   # what bf16 weights do to small updates
     if fsdp and t.grad_accum_steps > 1:   # no_sync: FSDP2 keeps each block's full gradient in the compute dtype
         rows["gradients"] = n_train * (2 if amp else train_b)
         notes.append(f"grad_accum_steps={t.grad_accum_steps} under FSDP: gradients stay unsharded (full size) between "
@@ -501,8 +501,9 @@ def format_suggestions(steps: list[Suggestion], budget_gb: float) -> str:
 
 # %% ../nbs/70_memory.ipynb #f35930fb
 RECOMMENDED = {
-    "3.6B full fine-tune, batch 8 @768, one 80 GB GPU":
-        (80, dict(batch_size=8, dtype="bfloat16", optimizer="adamw8bit", gradient_checkpointing=True)),
+    "3.6B full fine-tune, batch 8 @768, one 80 GB GPU (fused backward, bf16 weights with stochastic rounding)":
+        (80, dict(batch_size=8, dtype="bfloat16", optimizer="adamw8bit", gradient_checkpointing=True,
+                  fused_backward=True, stochastic_rounding=True)),
     "3.6B full fine-tune, batch 1 @768, one 24 GB GPU (fused backward, bf16 weights with stochastic rounding)":
         (24, dict(batch_size=1, dtype="bfloat16", frozen_dtype="bfloat16", optimizer="adafactor",
                   gradient_checkpointing=True, fused_backward=True, stochastic_rounding=True)),
