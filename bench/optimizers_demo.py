@@ -12,10 +12,10 @@ instead; Muon: AdamW's own, its update being scaled to AdamW's size), or AdamW w
 the last 100 updates, the retrieval top-1 of the EMA weights at the last evaluation and the best one, the run's CPU
 seconds (this process, one thread, data decoded in-process) with the ratio to the shipped AdamW run, and the
 optimizer state the memory planner counts for the demo's trained parameters (fp32), with its ratio to AdamW's."""
-import argparse, json, math, sys, tempfile, time
+import argparse, json, math, sys, tempfile
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_runs import train_demo, demo_scores   # noqa: E402  the demo trained in this process, its logged scores
 
 ARMS = {   # name -> config overrides on top of configs/demo.yaml (lr 4e-3, cosine, 50 warm-up updates)
     "adamw": [],
@@ -42,32 +42,18 @@ p.add_argument("--arms", default=",".join(ARMS))
 p.add_argument("--updates", type=int, default=1200)
 p.add_argument("--json", help="write (or update) the results here, one entry per arm")
 args = p.parse_args()
-torch.set_num_threads(1)
-
-import cascade_nb.train as T
-from cascade_nb.config import load_config
-from cascade_nb.optimizers import OPTIMIZERS
-
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "configs" / "demo.yaml"
+from cascade_nb.optimizers import OPTIMIZERS   # noqa: E402
 
 def run(name: str, tmp: str) -> dict:
     "Train one arm of the demo; its scores, CPU time and planned optimizer state."
     n = args.updates
-    cfg = load_config(DEMO, [f"experiment_id={name}", f"checkpoint_path={tmp}/ckpt", f"output_path={tmp}/out",
-                             f"updates={n}", f"save_every={n}", "backup_every=1000000", "num_workers=0",
-                             "tracker=none", f"eval_every={max(1, n // 4)}", *ARMS[name]])
-    t0 = time.process_time()
-    out = T.train(cfg)
-    cpu = time.process_time() - t0
-    records = [json.loads(line) for line in (Path(out["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r and r["update"] > n - 100]
-    top1 = [(r["update"], r["eval/retrieval/top1"]) for r in records if "eval/retrieval/top1" in r]
+    out, records, cpu = train_demo(name, ARMS[name], tmp, n)
+    cfg, s = out["mode"].cfg, demo_scores(records, n)
     shapes = [p.shape for p in out["net"].parameters() if p.requires_grad]
     spec = OPTIMIZERS.choose(cfg.train.optimizer)
     state = spec.state_bytes_of(shapes, 4, cfg.train.optimizer_args)
-    return dict(arm=name, overrides=ARMS[name], loss_last_100=sum(losses) / len(losses), top1_final=top1[-1][1],
-                top1_best=max(v for _, v in top1), top1_curve=top1, cpu_s=cpu, state_bytes=state,
+    return dict(arm=name, overrides=ARMS[name], loss_last_100=s["loss_last_100"], top1_final=s["top1_final"],
+                top1_best=s["top1_best"], top1_curve=s["top1_curve"], cpu_s=cpu, state_bytes=state,
                 params=sum(math.prod(s) for s in shapes), updates=n)
 
 results = {}

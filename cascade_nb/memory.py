@@ -23,11 +23,12 @@ from .core import human_count, resolve_dtype, seeded_rand, seeded_randn
 
 
 # %% auto #0
-__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'OFFICIAL_3B', 'RECOMMENDED', 'Precision',
-           'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes', 'Activations',
-           'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes', 'calibration_models',
-           'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'fsdp_refusal', 'plan_memory',
-           'official_config', 'Suggestion', 'suggest', 'format_suggestions', 'main', 'stage_c_flops']
+__all__ = ['GB', 'FROZEN_PARAMS', 'CUDA_CONTEXT', 'WEIGHT_GRADS', 'CALIBRATION_CASES', 'BF16_MEASURED', 'OFFICIAL_3B',
+           'RECOMMENDED', 'Precision', 'BlockShape', 'stage_c_blocks', 'meta_generator', 'block_activation_bytes',
+           'Activations', 'activation_bytes', 'weight_copy_bytes', 'saved_bytes', 'measure_saved_bytes',
+           'calibration_models', 'calibration_rows', 'backbone_saved_per_pixel', 'MemoryPlan', 'fsdp_refusal',
+           'precision_notes', 'plan_memory', 'official_config', 'Suggestion', 'suggest', 'format_suggestions', 'main',
+           'stage_c_flops']
 
 # %% ../nbs/70_memory.ipynb #3acbc337
 GB = 10 ** 9
@@ -301,6 +302,26 @@ def _encoder_params(cfg: Config) -> dict[str, int]:
     if m.previewer_checkpoint_path and m.latent_space != "pixels": out["previewer"] = FROZEN_PARAMS["previewer"]
     return out
 
+# %% ../nbs/70_memory.ipynb #f0610546
+BF16_MEASURED = "README demo, 3 seeds: bench/RESULTS.md, bf16_demo"
+
+def precision_notes(t, mode, bf16: bool, upcast: bool) -> list[str]:
+    """The plan's notes on what bf16 trained weights do to the updates (`t`: the config's `train` section; `mode`: the
+    registered training mode): rounded to nearest, stochastically, or upcast by FSDP; and their EMA's."""
+    if not (mode.trains_generator and bf16): return []
+    if upcast:
+        return ["FSDP with bf16 mixed precision: accelerate upcasts the trained weights to fp32 before sharding, so "
+                "dtype=bfloat16 saves nothing here and the released weights are fp32"]
+    notes = [f"bf16 weights with stochastic rounding: every update kept in expectation, which recovered most of what "
+             f"rounding to nearest lost against fp32 weights ({BF16_MEASURED})" if t.stochastic_rounding else
+             f"bf16 trained weights rounded to nearest, no fp32 master copy: an update under 2^-9 to 2^-8 of a weight "
+             f"is lost, which cost top-1 and loss against fp32 weights ({BF16_MEASURED}); prefer fused_backward with "
+             "stochastic_rounding, or fp32 weights"]
+    if t.ema_start_iters is not None and mode.supports_ema:
+        notes.append("the EMA is bf16 too, rounded to nearest: its steps (1 - ema_beta)·(weights - EMA) under half a "
+                     f"bf16 ulp are lost, and it scored below the live weights ({BF16_MEASURED}); score both")
+    return notes
+
 # %% ../nbs/70_memory.ipynb #d4f6553d
 def _host_terms(cfg: Config, gen: nn.Module, rows: dict, notes: list, act: Activations, train_b: int,
                 world_size: int) -> dict[str, int]:
@@ -361,12 +382,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     rows[gen_label] = 0 if offload else n_gen * (train_b if mode.trains_generator else wb) // shard
     if not mode.trains_generator: rows[f"{t.mode} weights"] = 0 if offload else n_train * train_b // shard
     rows["gradients"] = 0 if offload else n_train * train_b // shard
-    if mode.trains_generator and wb == 2 and not upcast and not t.stochastic_rounding:
-        notes.append("bf16 trained weights and no fp32 master copy: an update smaller than about 1/256 of a weight "
-                     "rounds to nothing, so small LRs late in a long run stop moving the weights")
-    if upcast and mode.trains_generator and wb == 2:
-        notes.append("FSDP with bf16 mixed precision: accelerate upcasts the trained weights to fp32 before "
-                     "sharding, so dtype=bfloat16 saves nothing here and the released weights are fp32")
+    notes += precision_notes(t, mode, wb == 2, upcast)   # what bf16 weights do to small updates
     if fsdp and t.grad_accum_steps > 1:   # no_sync: FSDP2 keeps each block's full gradient in the compute dtype
         rows["gradients"] = n_train * (2 if amp else train_b)
         notes.append(f"grad_accum_steps={t.grad_accum_steps} under FSDP: gradients stay unsharded (full size) between "
@@ -447,11 +463,13 @@ def _options(cfg: Config, world_size: int, fsdp: bool):
     if (t.ema_start_iters is not None or posthoc_averages(cfg)) and mode.supports_ema and not t.ema_on_cpu:
         yield "EMA on CPU", {"ema_on_cpu": True}, world_size, fsdp
     upcast = fsdp and t.mixed_precision != "no"   # FSDP2 keeps trained weights in fp32 under mixed precision
-    if mode.trains_generator and m.dtype != "bfloat16" and not upcast:
-        yield "bf16 weights (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
+    # bf16 weights rounded to nearest lose the small updates (`precision_notes`): stochastic rounding where it can run
+    # (one process, no accumulation), round-to-nearest only where it cannot
     if mode.trains_generator and not t.stochastic_rounding and world_size == 1 and not fsdp and t.grad_accum_steps == 1:
-        yield ("fused backward, bf16 weights with stochastic rounding",
+        yield ("bf16 weights, stochastic rounding (fused backward)",
                {"fused_backward": True, "stochastic_rounding": True, "dtype": "bfloat16"}, world_size, fsdp)
+    elif mode.trains_generator and m.dtype != "bfloat16" and not upcast:
+        yield "bf16 weights, rounded to nearest (dtype=bfloat16)", {"dtype": "bfloat16"}, world_size, fsdp
     # a factored second moment (rows + columns per matrix): a change of recipe (its own LR), so after the others
     if t.optimizer not in ("adafactor", "came") and not fsdp and mode.trains_generator:
         yield "Adafactor (factored second moment)", {"optimizer": "adafactor"}, world_size, fsdp
@@ -539,8 +557,9 @@ def format_suggestions(steps: list[Suggestion], budget_gb: float) -> str:
 
 # %% ../nbs/70_memory.ipynb #f35930fb
 RECOMMENDED = {
-    "3.6B full fine-tune, batch 8 @768, one 80 GB GPU":
-        (80, dict(batch_size=8, dtype="bfloat16", optimizer="adamw8bit", gradient_checkpointing=True)),
+    "3.6B full fine-tune, batch 8 @768, one 80 GB GPU (fused backward, bf16 weights with stochastic rounding)":
+        (80, dict(batch_size=8, dtype="bfloat16", optimizer="adamw8bit", gradient_checkpointing=True,
+                  fused_backward=True, stochastic_rounding=True)),
     "3.6B full fine-tune, batch 1 @768, one 24 GB GPU (fused backward, bf16 weights with stochastic rounding)":
         (24, dict(batch_size=1, dtype="bfloat16", frozen_dtype="bfloat16", optimizer="adafactor",
                   gradient_checkpointing=True, fused_backward=True, stochastic_rounding=True)),

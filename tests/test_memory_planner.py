@@ -24,6 +24,17 @@ def test_suggestions_fit_and_each_step_helps():
     assert steps[-1].plan.peak_gb <= 24
     assert all(a.plan.peak > b.plan.peak for a, b in zip(steps, steps[1:]))
 
+def test_bf16_weights_are_suggested_with_stochastic_rounding_where_it_runs():
+    "bench/RESULTS.md, bf16_demo: rounded to nearest, bf16 weights trained worse than fp32; stochastically, as well."
+    for steps in (suggest(official_config(), 24), suggest(official_config(batch_size=8), 12)):
+        bf16 = [s for s in steps if s.overrides.get("dtype") == "bfloat16" and not s.fsdp]   # FSDP upcasts to fp32
+        assert bf16 and all(s.overrides.get("stochastic_rounding") for s in bf16), [s.label for s in steps]
+        assert "stochastic rounding: every update kept" in " ".join(bf16[0].plan.notes)
+    # two processes: no fused backward, so round-to-nearest is the bf16 step, and the plan says what it loses
+    two = [s for s in suggest(official_config(batch_size=8), 12, world_size=2) if s.overrides.get("dtype")]
+    assert two[0].label == "bf16 weights, rounded to nearest (dtype=bfloat16)" and not two[0].fsdp
+    assert any(n.startswith("bf16 trained weights rounded to nearest") for n in two[0].plan.notes)
+
 def test_fsdp_shards_weights_grads_and_optimizer():
     one, eight = plan_memory(official_config(batch_size=8), 8, False), plan_memory(official_config(batch_size=8), 8, True)
     for k in ("generator weights", "gradients", "optimizer state (adamw)"):
