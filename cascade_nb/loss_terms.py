@@ -51,7 +51,7 @@ class LossTerm:
 # %% ../nbs/36_loss_terms.ipynb #fadc4be5
 @config_section("alignment", modes=("full",), resume_keys=("align_encoder", "align_block", "align_hidden"),
                 ranges=dict(align_weight=Range(0, lo_open=True, label="a weight"), align_hidden=AT_LEAST_1,
-                            align_image_size=Range(0, lo_open=True, label="a side")))
+                            align_side=Range(0, lo_open=True, label="a side")))
 @dataclass
 class AlignmentConfig:
     "REPA-style feature alignment of a Stage C block's output with a frozen vision encoder's patch features."
@@ -59,7 +59,7 @@ class AlignmentConfig:
     align_weight: float = 0.5             # lambda: loss = diffusion + lambda * (1 - mean cosine); REPA's 0.5
     align_block: Optional[str] = None     # module path of the aligned block; None: the deepest down level's last
     align_hidden: int = 2048              # width of the projector MLP (REPA: 3 layers, 2048 wide)
-    align_image_size: Optional[int] = None   # the encoder's input side; None: its processor's crop size (tiny: 32)
+    align_side: Optional[int] = None   # the encoder's input side; None: its processor's crop size (tiny: 32)
 
 @register_load_check("alignment")
 def check_alignment(cfg, where: str):
@@ -146,7 +146,7 @@ class FeatureAlignment(LossTerm):
             raise ConfigError(f"config: key 'align_block': {self.path!r} is not a block of the generator; expected one "
                               f"of {blocks[0]!r} ... {blocks[-1]!r} (down_blocks.LEVEL.INDEX or up_blocks.LEVEL.INDEX)")
         self.block, self.weight = generator.get_submodule(self.path), a.align_weight
-        self.encoder = load_feature_encoder(a.align_encoder, a.align_image_size, device, dtype)
+        self.encoder = load_feature_encoder(a.align_encoder, a.align_side, device, dtype)
         self.module = projector(block_width(generator, self.path), a.align_hidden, self.encoder.dim)
 
     def targets(self, batch: dict, x0: torch.Tensor) -> torch.Tensor:
