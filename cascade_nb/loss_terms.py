@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import frozen, resolve_dtype
+from .core import frozen, resolve_dtype, images_to_device
 from .registry import registry, ConfigError
 from .config import config_section, register_load_check, need
 from .typed_yaml import Range, AT_LEAST_1
@@ -153,8 +153,7 @@ class FeatureAlignment(LossTerm):
         if "images" not in batch:
             raise ConfigError("config: key 'align_encoder' needs the batch's images, and this data carries cached "
                               "latents only; train from images (no latent cache) or unset align_encoder")
-        images = batch["images"]
-        return self.encoder(images.float() / 255 if images.dtype == torch.uint8 else images)
+        return self.encoder(images_to_device(batch["images"], self.encoder.mean.device))
 
     def watch(self): return outputs_of(self.block)
 
