@@ -485,7 +485,8 @@ MMAP_1MB = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 def state_hashes(state: Path) -> dict:
     """A digest of each file of a training state, as the suite's exact-resume tests compare them: less accelerate's
-    `random_states_N.pkl`, its copy of the process-global RNGs, which no training draw uses (tests/test_random_draws)."""
+    `random_states_N.pkl`, its copy of the process-global RNGs, which the trainer seeds again at every update
+    (`run_state.seed_global_draws`: dropout's masks are a function of seed, rank and update)."""
     from cascade_nb.run_state import file_checksums
     return {k: v for k, v in file_checksums(state).items() if not Path(k).name.startswith("random_states_")}
 

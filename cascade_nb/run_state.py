@@ -19,10 +19,11 @@ from .train_state import TrainState
 
 # %% auto #0
 __all__ = ['INFO_KEYS', 'RunDirError', 'file_checksums', 'verify_checksums', 'checked_info', 'committed_states', 'RunDirRecord',
-           'RunDirLock', 'RunDir', 'training_generator', 'save_ema', 'save_training_state', 'write_weights',
-           'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files', 'frozen_parameters',
-           'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint', 'local_weights',
-           'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state', 'save_sample_grid']
+           'RunDirLock', 'RunDir', 'training_generator', 'seed_global_draws', 'save_ema', 'save_training_state',
+           'write_weights', 'fsync_tree', 'load_ema', 'load_training_state', 'check_checkpoint_files',
+           'frozen_parameters', 'trained_tensors_only', 'state_view', 'check_saved_tensors', 'file_fingerprint',
+           'local_weights', 'base_fingerprints', 'check_base', 'save_model_state', 'load_model_state',
+           'save_sample_grid']
 
 # %% ../nbs/40d_run_state.ipynb #70697275
 class RunDirError(RuntimeError):
@@ -276,6 +277,12 @@ class RunDir(RunDirLock):
 def training_generator(seed: int, rank: int) -> torch.Generator:
     "The random stream of process `rank` (noise, timesteps, caption dropout): a CPU generator, whatever the device."
     return torch.Generator().manual_seed(seed * 1000 + rank)
+
+# %% ../nbs/40d_run_state.ipynb #gd1a0002
+def seed_global_draws(seed: int, rank: int, update: int):
+    """Seed torch's process-global RNGs (CPU and accelerators) for update `update` of process `rank`: dropout, and any
+    layer that draws without a generator, then draws the same in a resumed run as in the uninterrupted one."""
+    torch.manual_seed(hash((seed, rank, update)) % 2 ** 63)
 
 # %% ../nbs/40d_run_state.ipynb #21c9061f
 def save_ema(ema: EMA, state_dir, is_main: bool, name: str = "ema"):

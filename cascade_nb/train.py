@@ -34,7 +34,7 @@ from .optimizers import (LRSchedule, OPTIMIZERS, set_lr, FusedBackward, evaluati
                                    optimizer_groups, describe_groups, group_lrs, group_layout)
 from .train_state import (TrainState, NonFiniteGuard, NonFiniteLossError, NonFiniteWeightsError, all_finite,
                                     TRAINING_HOOKS)
-from .run_state import (write_weights, fsync_tree, RunDir, RunDirError, training_generator,
+from .run_state import (write_weights, fsync_tree, RunDir, RunDirError, training_generator, seed_global_draws,
                                   save_training_state, load_training_state, check_checkpoint_files, save_sample_grid,
                                   save_model_state, load_model_state)
 from .stop_signals import StopFlag, next_batch, die_with_parent, StopAgreement, StopWaiting
@@ -680,10 +680,10 @@ def train(cfg: Config) -> dict:
             saved = (run_dir.info() or {}).get("update") == state.update or save(run)
             acc.print(f"{stop_message(run, stop, saved)} (it came while the data stream waited for a batch)")
             break
-        # the LR is a function of the update count only
+        # functions of the update count only: the LR, the noise-level range (recipe logsnr_*_end), dropout's draws
         lr_now = set_lr(opt, base_lrs, lr_at, state.update)
-        # ... and so is the noise-level range (a moving range: recipe logsnr_*_end)
         schedule_at_update(gdf, state.update)
+        seed_global_draws(t.seed, acc.process_index, state.update)
         for micro in range(t.grad_accum_steps):
             # at the side of this update (resolution_schedule)
             batch = at_resolution(first if micro == 0 else next(stream), cfg, state.update, device)

@@ -50,6 +50,7 @@ def test_optimizer_state_round_trips_exactly(name):
     ("lion", ["lr=1e-4", "weight_decay=0.1", "lr_schedule=cosine_with_restarts", "lr_cycles=2"]),
     # fused backward with bf16 weights and stochastic rounding: the per-tensor states and the roundings resume too
     ("adafactor", ["optimizer_args={beta1: 0.9}", "lr_schedule=rex", "fused_backward=true", "stochastic_rounding=true",
+                   "model_overrides={c_in: 3, c_out: 3, patch_size: 2, dropout: [0.1, 0.1]}",
                    "dtype=bfloat16"]),
     # schedule-free: every EMA update, validation, sample grid and export goes through its evaluation view (x), the
     # state keeps y
