@@ -333,12 +333,11 @@ def _host_terms(cfg: Config, gen: nn.Module, rows: dict, notes: list, act: Activ
     if not (n := s.blocks_to_swap): return host
     if world_size > 1: raise ConfigError(f"key 'blocks_to_swap': {n} on {world_size} GPUs; block swap trains on one")
     spec, blocks = OPTIMIZERS.choose(t.optimizer), stage_blocks(gen)
-    state_b = 4 if t.stochastic_rounding else train_b
     moved = []   # (weights, gradients, optimizer state) of each swapped block
     for i in swapped_blocks(gen, n):
         shapes = [p.shape for p in blocks[i].parameters()]
         w = sum(math.prod(sh) for sh in shapes) * train_b
-        moved.append((w, 0 if t.fused_backward else w, spec.state_bytes_of(shapes, state_b, spec.args(t))))
+        moved.append((w, 0 if t.fused_backward else w, spec.run_state_bytes(shapes, t, train_b)))
     w, g, st = map(sum, zip(*moved))
     rows["generator weights"] -= w; rows["gradients"] -= g; rows[f"optimizer state ({t.optimizer})"] -= st
     rows["block swap: 2 blocks in flight"] = 2 * max(a + (c if t.fused_backward else b) for a, b, c in moved)
@@ -390,8 +389,7 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     # the state of the trained tensors (a factored optimizer's depends on their shapes; adapters: counted as vectors)
     spec = OPTIMIZERS.choose(t.optimizer)
     shapes = [p.shape for p in gen.parameters()] if mode.trains_generator else [(n_train,)]
-    # stochastic rounding: each step runs on an fp32 copy of one tensor, so the optimizer's state is fp32
-    state_b = spec.state_bytes_of(shapes, 4 if t.stochastic_rounding else train_b, spec.args(t))
+    state_b = spec.run_state_bytes(shapes, t, train_b)   # fp32 under stochastic rounding
     rows[f"optimizer state ({t.optimizer})"] = 0 if offload else state_b // shard
     if t.fused_backward:   # one tensor's gradient at a time (the largest bounds it), freed after its step
         largest = max(math.prod(s) for s in shapes)

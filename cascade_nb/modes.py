@@ -104,8 +104,7 @@ def generator_memory_terms(cfg: Config, generator: nn.Module, batch: int = 1, si
     """A mode's `memory_terms` where the whole generator trains: its weights, and the rows of the extra loss terms'
     trained modules and frozen parts (nbs/36_loss_terms)."""
     itemsize, t = resolve_dtype(cfg.model.dtype, allow_fp16=True).itemsize, cfg.train
-    spec = OPTIMIZERS.choose(t.optimizer)   # stochastic rounding steps in fp32: its state is fp32
-    state = lambda shapes: spec.state_bytes_of(shapes, 4 if t.stochastic_rounding else itemsize, spec.args(t))
+    state = lambda shapes: OPTIMIZERS.choose(t.optimizer).run_state_bytes(shapes, t, itemsize)
     return MemoryTerms(sum(p.numel() for p in generator.parameters()), itemsize,
                        rows=loss_terms_memory(cfg, generator, itemsize, state))
 

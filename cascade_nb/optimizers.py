@@ -147,6 +147,11 @@ class OptimizerSpec:
         "Bytes of state for trained parameters of these `shapes` (default: `state_bytes` per element)."
         return int(sum(math.prod(s) for s in shapes) * cls.state_bytes(param_bytes))
     @classmethod
+    def run_state_bytes(cls, shapes, t, weight_bytes: int) -> int:
+        """The state a run's config `t` keeps for trained tensors of `shapes` held in `weight_bytes`-byte weights:
+        in their dtype, or fp32 under stochastic rounding (each step runs on an fp32 copy of its tensor)."""
+        return cls.state_bytes_of(shapes, 4 if t.stochastic_rounding else weight_bytes, cls.args(t))
+    @classmethod
     def args(cls, t) -> dict:
         "The options' values: their defaults, updated by the config's `optimizer_args`."
         return {**{k: default for k, (_, default, _) in cls.options.items()}, **(t.optimizer_args or {})}

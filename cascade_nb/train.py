@@ -446,8 +446,7 @@ def _checkpoint_bytes(net: nn.Module, t, ema: EMA | None = None) -> int:
     (at most twice)."""
     size = sum(p.numel() * p.element_size() for p in net.parameters())
     spec, trained = OPTIMIZERS.choose(t.optimizer), [p for p in net.parameters() if p.requires_grad]
-    state_b = 4 if t.stochastic_rounding or not trained else trained[0].element_size()
-    state = spec.state_bytes_of([p.shape for p in trained], state_b, spec.args(t)) if trained else 0
+    state = spec.run_state_bytes([p.shape for p in trained], t, trained[0].element_size()) if trained else 0
     return 2 * size + state + 2 * (ema.full_bytes if ema is not None else 0)
 
 # %% ../nbs/41_train.ipynb #81125ae3
