@@ -316,8 +316,10 @@ def run_overrides(ctx, generator: str, run_id: str) -> list[str]:
     out = [f"{k}={v}" for k, v in paths.items()] + [
         f"experiment_id={run_id}", f"checkpoint_path={ctx.work}/runs", f"output_path={ctx.work}/outputs",
         f"webdataset_path={ctx.work}/images"]
-    # at tiny scale the official preset, image size and text widths are swapped for the tiny ones
-    return out + ([] if ctx.scale == "official" else ["model_version=tiny", "image_size=256"])
+    # at tiny scale the official preset, image size and text widths are swapped for the tiny ones; the official
+    # presets' dropout (0.1) is kept, as it decides what a resume must restore (run_state.seed_global_draws)
+    return out + ([] if ctx.scale == "official" else ["model_version=tiny", "image_size=256",
+                                                      "model_overrides={dropout: [0.1, 0.1]}"])
 
 
 def summarise_run(ctx, step: str, config: Path, overrides: list[str], run_id, first, second, stopped_at,
