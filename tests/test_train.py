@@ -152,8 +152,8 @@ def _launch_2proc(*args, check=True):
 
 def _committable_state(state_dir) -> dict:
     """{file: digest} of a state directory, less accelerate's `random_states_N.pkl` (its copy of the process-global
-    RNGs, which no training draw uses: tests/test_random_draws.py) and torch.distributed.checkpoint's `.metadata`
-    indexes (they carry an id of their own per save; the `.distcp` shards they index are compared)."""
+    RNGs, which the trainer seeds again at every update: `run_state.seed_global_draws`) and
+    torch.distributed.checkpoint's `.metadata` indexes (they carry an id of their own per save; the `.distcp` shards they index are compared)."""
     from cascade_nb.run_state import file_checksums
     skip = lambda name: name.startswith("random_states_") or name == ".metadata"
     return {k: v for k, v in file_checksums(state_dir).items() if not skip(Path(k).name)}
