@@ -14,8 +14,8 @@ import torch
 __all__ = ['append_dims', 'atomic_path', 'atomic_write', 'atomic_write_text', 'atomic_write_json', 'atomic_dir', 'Weights',
            'save_safetensors_atomic', 'count_params', 'human_count', 'to_uint8', 'to_pil_grid', 'show_images',
            'resolve_dtype', 'default_device', 'enable_tf32', 'checkpoint_file', 'safetensors_header',
-           'save_with_config', 'read_safetensors', 'load_safetensors_strict', 'load_with_config', 'frozen', 'seeded',
-           'seeded_randn', 'seeded_rand', 'seeded_multinomial', 'images_to_device']
+           'save_with_config', 'iter_safetensors', 'read_safetensors', 'load_safetensors_strict', 'load_with_config',
+           'frozen', 'seeded', 'seeded_randn', 'seeded_rand', 'seeded_multinomial', 'images_to_device']
 
 # %% ../nbs/00_core.ipynb #9463aab6
 def append_dims(v: torch.Tensor, like: torch.Tensor | int) -> torch.Tensor:
@@ -264,16 +264,16 @@ def _header_dtypes(path) -> tuple[dict, set[str]]:
     header.pop("__metadata__", None)
     return header, {info["dtype"] for info in header.values()}
 
-def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a `.safetensors` file (floats cast to `dtype`), read one at a time without a memory map: peak
-    memory = the result + one tensor."""
+def iter_safetensors(path):
+    """(key, tensor) of each tensor of a `.safetensors` file in file order, read without a memory map into one scratch
+    buffer: each tensor is valid until the next is read (copy it out), and the process's memory grows by the largest
+    tensor only (a mapped file's pages count in its resident memory while it is mapped)."""
     safetensors_header(path)   # a truncated or corrupt file is one line naming it
     header, _ = _header_dtypes(path)
     spans = {k: info["data_offsets"] for k, info in header.items()}
     # one buffer for the file's bytes, the size of its largest tensor: no large allocation freed per tensor, which
     # the allocator may keep (a test measured the whole source again in resident memory)
     scratch = torch.empty(max((b - a for a, b in spans.values()), default=0), dtype=torch.uint8)
-    out = {}
     with open(path, "rb") as f:
         start = 8 + int.from_bytes(f.read(8), "little")
         for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -284,10 +284,13 @@ def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.
             f.seek(start + a)
             if f.readinto(memoryview(scratch[:b - a].numpy())) != b - a:
                 raise ValueError(f"{path}: truncated at tensor {key!r}")
-            t = scratch[:b - a].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-            cast = dtype is not None and t.is_floating_point() and t.dtype != dtype
-            out[key] = t.to(dtype) if cast else t.clone()
-    return out
+            yield key, scratch[:b - a].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+def read_safetensors(path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a `.safetensors` file (floats cast to `dtype`), read one at a time without a memory map: peak
+    memory = the result + one tensor."""
+    cast = lambda t: dtype is not None and t.is_floating_point() and t.dtype != dtype
+    return {k: t.to(dtype) if cast(t) else t.clone() for k, t in iter_safetensors(path)}
 
 # %% ../nbs/00_core.ipynb #afe7f9d5
 def load_safetensors_strict(model: torch.nn.Module, path, dtype: torch.dtype | None = None,
