@@ -24,9 +24,10 @@ from .lora_training import LoraTraining, merged_lora_run
 
 # %% auto #0
 __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 'teacher_dtype', 'FrozenTeacher', 'load_teacher',
-           'guided_prediction', 'ddim_step', 'TeacherMode', 'copy_matching', 'consistency_scalings', 'consistency_fn',
-           'clean_end', 'phase_edge', 'student_states', 'StudentTarget', 'grid_index', 'distance', 'ConsistencyLoss',
-           'LCMTraining', 'LCMLoraTraining', 'ProgressiveTraining', 'DistillTraining']
+           'guided_prediction', 'ddim_step', 'schedule_mismatch', 'TeacherMode', 'copy_matching',
+           'consistency_scalings', 'consistency_fn', 'clean_end', 'phase_edge', 'student_states', 'StudentTarget',
+           'grid_index', 'distance', 'ConsistencyLoss', 'LCMTraining', 'LCMLoraTraining', 'ProgressiveTraining',
+           'DistillTraining']
 
 # %% ../nbs/62_distill.ipynb #5574d344
 @config_section("distill", modes=("lcm", "progressive", "distill"), ranges=dict(
@@ -46,6 +47,9 @@ class DistillConfig:
     # the teacher's CFG scale, or [lo, hi] drawn per sample (lcm, progressive)
     cfg_scale: Union[float, tuple[float, float]] = 3.0
     cfg_rho: float = 0.7                 # CFG rescale of the teacher's guided prediction (gdf.sample's default)
+    # the rescale's std: over each sample, or over the micro-batch's samples at the same noise level (as gdf.sample's
+    # whole-batch std over a batch that shares its level)
+    cfg_rescale_std: Literal["sample", "level"] = "sample"
     solver_steps: int = 50               # lcm: the student's grid on t in [0, 1]; skipping interval 1/solver_steps
     # lcm: the teacher's DDIM steps over one skipping interval (its grid: solver_steps x this)
     solver_substeps: int = 1
@@ -121,20 +125,41 @@ def load_teacher(cfg: Config, device="cpu") -> tuple[nn.Module, Config]:
 
 # %% ../nbs/62_distill.ipynb #3750377d
 @torch.no_grad()
-def guided_prediction(model, x, r, conds: dict, uncond: dict, w, rho: float = 0.7) -> torch.Tensor:
-    "`model`'s classifier-free guided prediction at scale `w` (a number or one per sample); w = 1: the conditional one."
+def guided_prediction(model, x, r, conds: dict, uncond: dict, w, rho: float = 0.7,
+                      std_over: Literal["sample", "level"] = "sample") -> torch.Tensor:
+    ("`model`'s classifier-free guided prediction at scale `w` (a number or one per sample; w = 1: the conditional "
+     "one), its CFG rescale's std over each sample or over the samples at the same noise level `r`.")
     w = torch.as_tensor(w, dtype=torch.float32, device=x.device).expand(len(x))
     if bool((w == 1).all()): return model(x, r, **conds).float()
     p_cond, p_uncond = model(torch.cat([x, x]), torch.cat([r, r]), **cfg_batch(conds, uncond)).float().chunk(2)
-    return guide(p_cond, p_uncond, append_dims(w, p_cond), rho, per_sample=True)
+    w = append_dims(w, p_cond)
+    if std_over == "sample": return guide(p_cond, p_uncond, w, rho, per_sample=True)
+    pred = torch.empty_like(p_cond)
+    for level in r.unique():
+        # the samples at one level: what gdf.sample's whole-batch std sees (a sampler's batch shares its level)
+        at = r == level
+        pred[at] = guide(p_cond[at], p_uncond[at], w[at], rho)
+    return pred
 
 # %% ../nbs/62_distill.ipynb #5ff5ab9c
 @torch.no_grad()
-def ddim_step(gdf, model, x, logsnr, logsnr_next, conds: dict, uncond: dict, w, rho: float = 0.7) -> torch.Tensor:
+def ddim_step(gdf, model, x, logsnr, logsnr_next, conds: dict, uncond: dict, w, rho: float = 0.7,
+              std_over: Literal["sample", "level"] = "sample") -> torch.Tensor:
     "One deterministic DDIM step of `model` (guided at `w`) from `logsnr` to `logsnr_next`: x' = a' x0 + b' eps."
-    pred = guided_prediction(model, x, gdf.noise_cond(logsnr), conds, uncond, w, rho)
+    pred = guided_prediction(model, x, gdf.noise_cond(logsnr), conds, uncond, w, rho, std_over)
     x0, eps = gdf.undiffuse(x.float(), logsnr, pred)
     return DDIMSampler()(x.float(), x0, eps, logsnr, logsnr_next, gdf.input_scaler)
+
+# %% ../nbs/62_distill.ipynb #7f2cf035
+def schedule_mismatch(gdf, teacher_gdf, shift: float = 1., teacher_shift: float = 1., steps: int = 20) -> str | None:
+    "Why the student's grid t -> logSNR is not the teacher's (a warning's text), or None where they agree."
+    t = torch.linspace(1, 0, steps + 1)
+    a, b = gdf.schedule(t, shift=shift), teacher_gdf.schedule(t, shift=teacher_shift)
+    if torch.allclose(a, b, atol=1e-3): return None
+    i = int((a - b).abs().argmax())
+    return (f"the student's noise schedule is not the teacher's (logSNR at t = {t[i]:.2f}: {a[i]:.3f} vs {b[i]:.3f}): "
+            "its targets follow another grid than the teacher's sampler; set noise_schedule, timestep_sampling and "
+            "shift to the teacher's")
 
 # %% ../nbs/62_distill.ipynb #bb6f1f92
 class TeacherMode(FullTraining):
@@ -189,6 +214,8 @@ class TeacherMode(FullTraining):
         elif cfg.distill.init_from_teacher: self.copied = copy_matching(generator, teacher)
         self.teacher = FrozenTeacher(teacher, teacher_dtype(cfg)).to(device)
         self.teacher_gdf, self._empty = gdf_from_config(self.teacher_cfg.gdf), None
+        shifts = training_shift(cfg), training_shift(self.teacher_cfg)
+        if why := schedule_mismatch(gdf_from_config(cfg.gdf), self.teacher_gdf, *shifts): warnings.warn(why)
     def uncond(self, conds: dict) -> dict:
         "The empty caption's conditions, encoded once and repeated (the teacher's CFG needs them every step)."
         if self._empty is None: self._empty = FullTraining.uncond(self, {k: v[:1] for k, v in conds.items()})
@@ -336,7 +363,7 @@ class ConsistencyLoss:
             for j in range(1, m + 1):
                 logsnr_next = gdf.schedule((n - j / m) / N, shift=shift).to(x0.device)   # j = m: lambda(t_{n-1})
                 x, logsnr = (ddim_step(self.teacher_gdf, self.teacher, x, logsnr, logsnr_next, conds, uncond, w,
-                                       dc.cfg_rho), logsnr_next)
+                                       dc.cfg_rho, dc.cfg_rescale_std), logsnr_next)
             target = consistency_fn(self.target(net), gdf, x, logsnr, conds, r_min, edge)
         raw = distance(consistency_fn(net, gdf, d.noised, d.logsnr, conds, r_min, edge), target, dc.distill_loss,
                        dc.huber_c)
@@ -476,9 +503,9 @@ class ProgressiveTraining(TeacherMode):
         l_mid, l_next = (gdf.schedule((2 * j - k) / N, shift=shift).to(x0.device) for k in (1, 2))
         w = self.guidance(B, rng, x0.device)
         with torch.no_grad():
-            x_t, uncond = d.noised.float(), self.uncond(conds)
-            x_mid = ddim_step(self.teacher_gdf, self.teacher, x_t, d.logsnr, l_mid, conds, uncond, w, dc.cfg_rho)
-            x_next = ddim_step(self.teacher_gdf, self.teacher, x_mid, l_mid, l_next, conds, uncond, w, dc.cfg_rho)
+            x_t, uncond, g = d.noised.float(), self.uncond(conds), (w, dc.cfg_rho, dc.cfg_rescale_std)
+            x_mid = ddim_step(self.teacher_gdf, self.teacher, x_t, d.logsnr, l_mid, conds, uncond, *g)
+            x_next = ddim_step(self.teacher_gdf, self.teacher, x_mid, l_mid, l_next, conds, uncond, *g)
             (a, b), (a2, b2) = gdf.scales(d.logsnr, x_t), gdf.scales(l_next, x_t)
             x0_t = (x_next - b2 / b * x_t) / (a2 - b2 / b * a)     # the one-step target
             eps_t = (x_t - a * x0_t) / b

@@ -12,7 +12,9 @@ DEMO = ROOT / "configs" / "demo.yaml"
 TINY = ["webdataset_path=" + str(ROOT / "data_samples" / "emoji"), "num_workers=0", "batch_size=4", "tracker=none",
         "log_every=1", "eval_every=null", "best_metric=null", "ema_start_iters=null", "sample_steps=2"]
 MODES = {"lcm": ["mode=lcm", "solver_steps=8", "cfg_scale=[1, 3]"],
-         "lcm_phased": ["mode=lcm", "solver_steps=4", "solver_substeps=2", "phases=2", "cfg_scale=2", "student_rollout=0.5"],   # PCM, a 2-step teacher solve, half the inputs the student's own
+         # PCM, a 2-step teacher solve, half the inputs the student's own, the CFG rescale's std over each noise level
+         "lcm_phased": ["mode=lcm", "solver_steps=4", "solver_substeps=2", "phases=2", "cfg_scale=2", "student_rollout=0.5",
+                        "cfg_rescale_std=level"],
          "progressive": ["mode=progressive", "teacher_steps=4", "cfg_scale=2"],
          "distill": ["mode=distill", "model_overrides={c_in: 3, c_out: 3, patch_size: 2, blocks: [[1, 1], [1, 1]]}"]}
 
