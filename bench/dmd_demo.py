@@ -9,10 +9,14 @@ optionally an lcm student (configs/lcm_demo.yaml) at its own sampler and steps.
 
     accelerate launch cascade_nb/train.py configs/demo.yaml                                 # the teacher
     accelerate launch cascade_nb/train.py configs/dmd_demo.yaml                             # the DMD student
+    accelerate launch cascade_nb/train.py configs/dmd_demo.yaml regression_weight=0.5 student_steps=4 \\
+        experiment_id=dmd_demo4                                                             # the 4-step student
     python bench/dmd_demo.py --teacher checkpoints/demo --dmd checkpoints/dmd_demo --seeds 0 1 2   # bench/RESULTS.md
+    python bench/dmd_demo.py --teacher checkpoints/demo --dmd checkpoints/dmd_demo checkpoints/dmd_demo4 --seeds 0 \\
+        --figure nbs/images/dmd_demo_grid.png --curves nbs/images/dmd_demo_curves.png
 
-`--figure PNG` draws the same captions and noise through each sampler; `--curves PNG` scores the run's numbered
-backups (backup_every) at 1 and 4 steps on the first seed: retrieval and diversity against updates.
+`--figure PNG` draws the same captions and noise through each sampler; `--curves PNG` scores each run's numbered
+backups (backup_every, its EMA) at 1 and 4 steps on the first seed: retrieval and diversity against updates.
 """
 import argparse, itertools, re, sys
 from pathlib import Path
@@ -40,8 +44,9 @@ def entries(a) -> dict:
         s = load_run(a.lcm); g = s[2].gdf
         e[f"LCM student {g.sample_sampler}@{g.sample_steps}"] = (s, dict(sampler=g.sample_sampler, steps=g.sample_steps,
                                                                          cfg_scale=1.0))
-    d = load_run(a.dmd)
-    for k in a.steps: e[f"DMD student lcm@{k}"] = (d, dict(sampler="lcm", steps=k, cfg_scale=1.0))
+    for run in a.dmd:   # several runs: named by their directories
+        d, tag = load_run(run, ema=False if a.live else None), f" [{Path(run).name}]" if len(a.dmd) > 1 else ""
+        for k in a.steps: e[f"DMD student lcm@{k}{tag}"] = (d, dict(sampler="lcm", steps=k, cfg_scale=1.0))
     return e
 
 def table(e, captions, ref, seed) -> list[dict]:
@@ -67,23 +72,23 @@ def curves(a, e, captions, ref, path, seed=0):
     "Retrieval and diversity ratio of the run's backups generator[_ema]_N.safetensors at 1 and 4 steps."
     from matplotlib.figure import Figure
     from safetensors.torch import load_file
-    run, (trun, tkw) = load_run(a.dmd), e["teacher DDPM@20 CFG 3"]
+    trun, tkw = e["teacher DDPM@20 CFG 3"]
     teacher_div = diversity(trun, captions, seed, tkw)
-    net = run[0].net
-    pat = re.compile(r"generator_ema_(\d+)\.safetensors" if list(Path(a.dmd).glob("generator_ema_*")) else
-                     r"generator_(\d+)\.safetensors")
-    files = sorted((int(m.group(1)), f) for f in Path(a.dmd).glob("generator*_*.safetensors")
-                   if (m := pat.fullmatch(f.name)))
     fig = Figure(figsize=(8, 3)); ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    for k in a.steps:
+    for dmd, k in itertools.product(a.dmd, a.steps):
+        run = load_run(dmd); net = run[0].net
+        pat = re.compile(r"generator_ema_(\d+)\.safetensors" if list(Path(dmd).glob("generator_ema_*")) else
+                         r"generator_(\d+)\.safetensors")
+        files = sorted((int(m.group(1)), f) for f in Path(dmd).glob("generator*_*.safetensors")
+                       if (m := pat.fullmatch(f.name)))
         kw, pts = dict(sampler="lcm", steps=k, cfg_scale=1.0), []
         for u, f in files:
             net.load_state_dict(load_file(str(f)))
             pts.append((u, Retrieval()(samples(run, captions, seed, kw, net), captions, *ref)["top1"],
                         diversity(run, captions, seed, kw, net=net) / teacher_div))
-            print(f"update {u} @{k}: top1 {pts[-1][1]:.3f}, diversity {pts[-1][2]:.2f}x teacher")
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"DMD @{k}")
-        ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"DMD @{k}")
+            print(f"{Path(dmd).name} update {u} @{k}: top1 {pts[-1][1]:.3f}, diversity {pts[-1][2]:.2f}x teacher")
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{Path(dmd).name} @{k}")
+        ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"{Path(dmd).name} @{k}")
     top = Retrieval()(samples(trun, captions, seed, tkw), captions, *ref)["top1"]
     ax1.axhline(top, color="k", ls="--", label="teacher DDPM@20 CFG 3"); ax2.axhline(1, color="k", ls="--")
     ax2.axhline(0.8, color="r", ls=":", label="0.8x teacher")
@@ -93,10 +98,11 @@ def curves(a, e, captions, ref, path, seed=0):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--teacher", default="checkpoints/demo")
-    p.add_argument("--dmd", default="checkpoints/dmd_demo")
+    p.add_argument("--dmd", nargs="+", default=["checkpoints/dmd_demo"], help="DMD runs, each at --steps")
     p.add_argument("--lcm", default=None, help="an lcm student run (configs/lcm_demo.yaml), sampled as it says")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 4])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--live", action="store_true", help="the DMD run's live weights, not its EMA")
     p.add_argument("--figure", default=None)
     p.add_argument("--curves", default=None)
     p.add_argument("--threads", type=int, default=1)
