@@ -9,7 +9,8 @@ from conftest import ROOT, run_cli, free_port
 from test_distill import DEMO, DRIVER, TINY, StopAt, teacher   # noqa: F401 (the tiny teacher fixture)
 
 TWO_PROCESSES = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
-DMD = ["mode=dmd", "generator_steps=2", "fake_updates=2", "cfg_scale=2", "ema_start_iters=0", "ema_beta=0.9"]
+DMD = ["mode=dmd", "generator_steps=2", "fake_updates=2", "cfg_scale=2", "ema_start_iters=0", "ema_beta=0.9",
+       "regression_weight=0.5", "regression_steps=2", "regression_samples=2"]
 
 def overrides(tmp, name, teacher, *extra):
     return [*TINY, *DMD, f"teacher_checkpoint_path={teacher}", f"experiment_id={name}", f"checkpoint_path={tmp}/ck",
