@@ -30,7 +30,7 @@ __all__ = ['TIMESTEP_SCALING', 'SIGMA_DATA', 'DistillConfig', 'teacher_config', 
            'DistillTraining']
 
 # %% ../nbs/62_distill.ipynb #5574d344
-@config_section("distill", modes=("lcm", "progressive", "distill"), ranges=dict(
+@config_section("distill", modes=("lcm", "progressive", "distill", "dmd"), ranges=dict(
     cfg_scale=AT_LEAST_0, cfg_rho=Range(0, 1), solver_steps=AT_LEAST_1, solver_substeps=AT_LEAST_1, phases=AT_LEAST_1,
     student_rollout=Range(0, 1), teacher_steps=Range(2), huber_c=POSITIVE,
     target_ema_beta=DECAY, student_steps=AT_LEAST_1, student_cfg=AT_LEAST_0))

@@ -166,7 +166,8 @@ def released_ema(ema: EMA, acc, mode, net: nn.Module, names: list[str]) -> dict:
     prepared `net` (all processes: FSDP gathers)."""
     if not ema.trained_only:
         # the state's file as it is, unless it holds a loss term's module (nbs/36_loss_terms), which is not released
-        whole = ema.saved if ema.saved and not mode.loss_terms else released_state(gather_ema(ema))
+        terms = hasattr(acc.unwrap_model(net), "loss_terms")   # e.g. mode dmd's fake score network
+        whole = ema.saved if ema.saved and not terms else released_state(gather_ema(ema))
         return {f"{names[0]}_ema": whole}
     with ema_weights(ema, acc.unwrap_model(net)):
         # copies: a state dict may alias the weights, which get their own values back on leaving

@@ -77,7 +77,8 @@ BUILTIN_PARTS = ("cascade_nb.gdf", "cascade_nb.recipe_config", "cascade_nb.data.
                  "cascade_nb.modes", "cascade_nb.block_swap", "cascade_nb.prompt_samples", "cascade_nb.train",
                  "cascade_nb.eval", "cascade_nb.report", "cascade_nb.adapters", "cascade_nb.lora_training",
                  "cascade_nb.adapter_readers",
-                 "cascade_nb.adapter_exports", "cascade_nb.controlnet", "cascade_nb.distill", "cascade_nb.check")
+                 "cascade_nb.adapter_exports", "cascade_nb.controlnet", "cascade_nb.distill", "cascade_nb.dmd",
+                 "cascade_nb.check")
 """Every module of the package that registers built-in parts (config sections and hooks, schedules, loss weights,
 samplers, optimizers, modes, adapter types, metrics, feature spaces, launch checks), in reading order."""
 

@@ -41,7 +41,7 @@ def test_keys_are_checked_in_one_line(overrides, says):
     msg = one_line_error(*overrides)
     assert says in msg, msg
 
-@pytest.mark.parametrize("mode", ["lcm", "progressive", "distill"])
+@pytest.mark.parametrize("mode", ["lcm", "progressive", "distill", "dmd"])
 def test_distillation_modes_refuse_a_loss_mask(mode):
     msg = one_line_error(f"mode={mode}", "teacher_checkpoint_path=t.safetensors", "loss_mask=auto")
     assert "'loss_mask'" in msg and "does not weight its loss per pixel" in msg, msg

@@ -86,7 +86,8 @@ def test_config_imports_no_later_module_at_import_and_loads_the_built_in_parts_a
     assert not late(got["at_import"]), late(got["at_import"])
     assert set(BUILTIN_PARTS) <= set(got["at_load"]), set(BUILTIN_PARTS) - set(got["at_load"])
     assert got["configs"] == {"controlnet_demo.yaml": "controlnet", "controlnet_images_demo.yaml": "controlnet",
-                              "demo.yaml": "full", "lcm_demo.yaml": "lcm", "lora_demo.yaml": "lora"}
+                              "demo.yaml": "full", "dmd_demo.yaml": "dmd", "lcm_demo.yaml": "lcm",
+                              "lora_demo.yaml": "lora"}
 
 def test_every_module_that_registers_a_built_in_part_is_in_the_one_list():
     "A module of the package that registers parts (a decorator or `registry(...)` at module level) is in BUILTIN_PARTS."

@@ -10,7 +10,7 @@ from cascade_nb.gdf.recipe import DensitySchedule, ModeDensity, ParabolaTDensity
 
 DEMO = [f"webdataset_path={ROOT / 'data_samples' / 'emoji'}"]
 
-@pytest.mark.parametrize("mode", ["lcm", "progressive", "distill"])
+@pytest.mark.parametrize("mode", ["lcm", "progressive", "distill", "dmd"])
 @pytest.mark.parametrize("key", ["logsnr_max=2", "loss_type=l1", "input_perturbation=0.1", "pyramid_noise_discount=0.3",
                                  "logsnr_max_end=2", "t_density_weight=2"])
 def test_distillation_modes_refuse_recipe_keys_in_one_line(mode, key):

@@ -1,0 +1,83 @@
+"""Mode dmd (cascade_nb.dmd) through the real trainer: a run stopped and resumed equals an uninterrupted one, released
+files and training state file for file; it runs on 2 DDP processes (gloo) with identical weights; what it cannot train
+is refused in one line; the run says how its student samples."""
+import json, os
+from pathlib import Path
+import pytest, torch
+from safetensors.torch import load_file
+from conftest import ROOT, run_cli, free_port
+from test_distill import DEMO, DRIVER, TINY, StopAt, teacher   # noqa: F401 (the tiny teacher fixture)
+
+TWO_PROCESSES = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
+DMD = ["mode=dmd", "generator_steps=2", "fake_updates=2", "cfg_scale=2", "ema_start_iters=0", "ema_beta=0.9",
+       "regression_weight=0.5", "regression_steps=2", "regression_samples=2"]
+
+def overrides(tmp, name, teacher, *extra):
+    return [*TINY, *DMD, f"teacher_checkpoint_path={teacher}", f"experiment_id={name}", f"checkpoint_path={tmp}/ck",
+            f"output_path={tmp}/out", *extra]
+
+def state_files(run: Path) -> dict:
+    "The committed training state's files: safetensors as tensors, the rest as bytes."
+    d = run / json.loads((run / "info.json").read_text())["state_dir"]
+    return {f.name: load_file(str(f)) if f.suffix == ".safetensors" else f.read_bytes() for f in sorted(d.iterdir())}
+
+def test_dmd_resumes_bit_identically_and_samples_as_it_says(tmp_path, teacher):
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.train_state import TRAINING_HOOKS
+    from cascade_nb.sample import run_config
+    run = lambda tmp: train(load_config(DEMO, overrides(tmp, "s", teacher, "updates=3", "save_every=3")))
+    ref = run(tmp_path / "ref")
+    assert ref["update"] == 3 and type(ref["mode"]).name == "dmd"
+    TRAINING_HOOKS["test_stop"] = StopAt
+    try:
+        StopAt.n = 2
+        assert run(tmp_path / "stopped")["update"] == 2
+    finally:
+        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
+    assert run(tmp_path / "stopped")["update"] == 3
+    a, b = (tmp_path / k / "ck" / "s" for k in ("ref", "stopped"))
+    files = sorted(f.name for f in a.glob("generator*.safetensors"))
+    assert files == ["generator.safetensors", "generator_ema.safetensors"]
+    teacher_sd = load_file(str(teacher))
+    for f in files:
+        x, y = load_file(str(a / f)), load_file(str(b / f))
+        assert x.keys() == teacher_sd.keys()   # the student alone: the fake score network is not released
+        assert not [k for k in x if not torch.equal(x[k], y[k])], f
+    sa, sb = state_files(a), state_files(b)
+    assert set(sa) == set(sb) and any(k.startswith("loss_terms.dmd.") for k in sa["model.safetensors"])
+    for name in sa:
+        if isinstance(sa[name], dict):
+            assert not [k for k in sa[name] if not torch.equal(sa[name][k], sb[name][k])], name
+        # accelerate's snapshot of the global generators, which training does not draw from (its stream: rng_0)
+        elif name != "train_state.json" and not name.startswith("random_states"): assert sa[name] == sb[name], name
+    assert int(sa["model.safetensors"]["loss_terms.dmd.updates"]) == 3
+    g = run_config(a).gdf   # the sample CLI and eval read these: lcm sampler, the student's steps, no CFG
+    assert (g.sample_sampler, g.sample_steps, g.sample_cfg) == ("lcm", 2, 1.0)
+
+def test_two_process_ddp(tmp_path, teacher):
+    res = run_cli("-m", "accelerate.commands.launch", "--config_file", TWO_PROCESSES,
+                  "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync", DEMO,
+                  *overrides(tmp_path, "ddp", teacher, "updates=2", "save_every=2", "batch_size=8"),
+                  env={"OMP_NUM_THREADS": "1"})
+    assert res.stdout.count("weights identical on 2 processes") >= 1, res.stdout[-2000:]
+    info = json.loads((tmp_path / "ck" / "ddp" / "info.json").read_text())
+    assert info["num_processes"] == 2 and info["update"] == 2
+
+@pytest.mark.parametrize("extra, says", [
+    (["dmd_t_min=0.5", "dmd_t_max=0.4"], "key 'dmd_t_min': 0.5 is not below dmd_t_max=0.4"),
+    (["module_filters=['.attn']"], "LoRA students are not supported"),
+    (["align_encoder=tiny"], "unset align_encoder"),
+])
+def test_refusals_are_one_line(tmp_path, teacher, extra, says):
+    from cascade_nb.config import load_config, ConfigError
+    with pytest.raises(ConfigError, match=".*") as e:
+        load_config(DEMO, overrides(tmp_path, "r", teacher, *extra))
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+def test_fsdp_is_refused_in_one_line(tmp_path, teacher):
+    res = run_cli("-m", "accelerate.commands.launch", "--config_file", TWO_PROCESSES,
+                  "--main_process_port", str(free_port()), DRIVER, "--fsdp-cpu", DEMO,
+                  *overrides(tmp_path, "fsdp", teacher, "updates=1", "batch_size=8"), env={"OMP_NUM_THREADS": "1"},
+                  check=False)
+    assert res.returncode != 0 and "FSDP2 cannot" in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
