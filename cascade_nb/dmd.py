@@ -164,11 +164,16 @@ class DMDTraining(DistributionMatching, TeacherMode):
     def check_config(cls, cfg):
         super().check_config(cfg)
         dc, why = cfg.dmd, None
+        moves = OPTIMIZERS.choose(cfg.train.optimizer).moves_at_zero_gradient(cfg.train)
         if dc.dmd_t_min >= dc.dmd_t_max: why = f"key 'dmd_t_min': {dc.dmd_t_min} is not below dmd_t_max={dc.dmd_t_max}"
         elif cfg.lora.module_filters or cfg.lora.train_tokens:
             why = "mode 'dmd' trains the whole student (LoRA students are not supported): remove module_filters"
         elif cfg.alignment.align_encoder: why = "mode 'dmd' holds its fake score network where align_encoder's " \
                                                  "projector goes: unset align_encoder"
+        elif dc.fake_updates > 1 and moves:
+            why = (f"mode 'dmd' with fake_updates: {dc.fake_updates} gives the student a zero gradient on the fake "
+                   f"network's updates, but optimizer {cfg.train.optimizer!r} still moves it by {moves}: use adamw "
+                   "with adam_betas: [0, 0.999] and weight_decay: 0 (DMD2's), or fake_updates: 1")
         if why: raise ConfigError(why)
     @classmethod
     def student_sampling(cls, cfg):

@@ -19,11 +19,12 @@ from .ema import local_shard, resharded
 # %% auto #0
 __all__ = ['LR_SCHEDULES', 'register_lr_schedule', 'WARMUP_SHAPES', 'ADAM_LR', 'OPTIMIZERS', 'register_optimizer', 'GROUP_KEYS',
            'constant_decay', 'linear_decay', 'cosine_decay', 'cosine_with_restarts_decay', 'polynomial_decay',
-           'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'LrRange', 'OptimizerSpec',
-           'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME', 'Lion', 'Prodigy',
-           'on_load_optimizer_args', 'stochastic_round_', 'FusedBackward', 'first_match', 'named_groups',
-           'group_settings', 'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout', 'on_load_optimization',
-           'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view', 'MuonWithAdamW', 'Muon']
+           'rex_decay', 'linear_warmup', 'cosine_warmup', 'LRSchedule', 'set_lr', 'LrRange', 'adam_moves',
+           'OptimizerSpec', 'FusedAdamW', 'check_optimizer_args', 'AdamW8bit', 'factored_numel', 'Adafactor', 'CAME',
+           'Lion', 'Prodigy', 'on_load_optimizer_args', 'stochastic_round_', 'FusedBackward', 'first_match',
+           'named_groups', 'group_settings', 'optimizer_groups', 'group_lrs', 'describe_groups', 'group_layout',
+           'on_load_optimization', 'schedule_free_view', 'ScheduleFreeAdamW', 'evaluation_view', 'MuonWithAdamW',
+           'Muon']
 
 # %% ../nbs/40a_optimizers.ipynb #adc89fbf
 def constant_decay(progress: float) -> float:
@@ -112,6 +113,11 @@ class LrRange(NamedTuple):
     hi: float
     is_step: bool = True
 
+def adam_moves(beta1: float | None, weight_decay: float) -> str | None:
+    "What moves an Adam-like step's weight at a zero gradient: a first moment (`beta1` > 0), weight decay; or None."
+    why = [f"its first moment (beta1 {beta1})"] * bool(beta1) + [f"weight_decay {weight_decay}"] * bool(weight_decay)
+    return " and ".join(why) or None
+
 ADAM_LR = LrRange(1e-5, 1e-2)
 "The Adam family's usual rates: the official 1e-4, the demos' 1e-3 to 4e-3, a decade beyond (`cascade_nb.check`)."
 
@@ -152,6 +158,11 @@ class OptimizerSpec:
         in their dtype, or fp32 under stochastic rounding (each step runs on an fp32 copy of its tensor)."""
         return cls.state_bytes_of(shapes, 4 if t.stochastic_rounding else weight_bytes, cls.args(t))
     @classmethod
+    def moves_at_zero_gradient(cls, t) -> str | None:
+        """What still moves a weight whose gradient is zero under the `train` keys `t` (a momentum, weight decay);
+        None: nothing. A mode that gives some weights a zero gradient on some updates (dmd's student) needs None."""
+        return "its state (a momentum, an estimated step), which moves a weight whose gradient is zero"
+    @classmethod
     def args(cls, t) -> dict:
         "The options' values: their defaults, updated by the config's `optimizer_args`."
         return {**{k: default for k, (_, default, _) in cls.options.items()}, **(t.optimizer_args or {})}
@@ -169,6 +180,8 @@ class FusedAdamW(OptimizerSpec):
     def build(params, t, lr):
         return torch.optim.AdamW(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay,
                                  fused=True)
+    @staticmethod
+    def moves_at_zero_gradient(t): return adam_moves(t.adam_betas[0], t.weight_decay)
 
 # %% ../nbs/40a_optimizers.ipynb #e6e225ab
 def check_optimizer_args(name: str, given: dict, where: str = "config") -> dict:
@@ -201,6 +214,8 @@ class AdamW8bit(OptimizerSpec):
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
     @staticmethod
+    def moves_at_zero_gradient(t): return adam_moves(t.adam_betas[0], t.weight_decay)
+    @staticmethod
     def state_bytes(param_bytes): return 2
     @classmethod
     def state_bytes_of(cls, shapes, param_bytes, args=None):
@@ -231,6 +246,8 @@ class Adafactor(OptimizerSpec):
         from transformers.optimization import Adafactor as Opt
         return Opt(params, lr=lr, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False,
                    warmup_init=False, **args)
+    @classmethod
+    def moves_at_zero_gradient(cls, t): return adam_moves(cls.args(t).get("beta1"), t.weight_decay)
     @classmethod
     def state_bytes_of(cls, shapes, param_bytes, args=None):
         first = (args or {}).get("beta1") is not None

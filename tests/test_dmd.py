@@ -10,7 +10,7 @@ from test_distill import DEMO, DRIVER, TINY, StopAt, teacher   # noqa: F401 (the
 
 TWO_PROCESSES = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
 DMD = ["mode=dmd", "generator_steps=2", "fake_updates=2", "cfg_scale=2", "ema_start_iters=0", "ema_beta=0.9",
-       "regression_weight=0.5", "regression_steps=2", "regression_samples=2"]
+       "regression_weight=0.5", "regression_steps=2", "regression_samples=2", "adam_betas=[0, 0.999]", "weight_decay=0"]
 
 def overrides(tmp, name, teacher, *extra):
     return [*TINY, *DMD, f"teacher_checkpoint_path={teacher}", f"experiment_id={name}", f"checkpoint_path={tmp}/ck",
@@ -68,6 +68,9 @@ def test_two_process_ddp(tmp_path, teacher):
     (["dmd_t_min=0.5", "dmd_t_max=0.4"], "key 'dmd_t_min': 0.5 is not below dmd_t_max=0.4"),
     (["module_filters=['.attn']"], "LoRA students are not supported"),
     (["align_encoder=tiny"], "unset align_encoder"),
+    # the student's off-turn gradient is zero: a momentum or weight decay would still move it
+    (["adam_betas=[0.9, 0.999]"], "optimizer 'adamw' still moves it by its first moment (beta1 0.9)"),
+    (["optimizer=lion"], "optimizer 'lion' still moves it by its state"),
 ])
 def test_refusals_are_one_line(tmp_path, teacher, extra, says):
     from cascade_nb.config import load_config, ConfigError
