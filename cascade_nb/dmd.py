@@ -121,7 +121,7 @@ class DistributionMatching:
         with torch.no_grad():
             w, tg = self.guidance(B, rng, x.device), self.teacher_gdf
             pred = guided_prediction(self.teacher, d.noised, tg.noise_cond(d.logsnr), conds, self.uncond(conds), w,
-                                     self.cfg.distill.cfg_rho)
+                                     self.cfg.distill.cfg_rho, self.cfg.distill.cfg_rescale_std)
             real = tg.undiffuse(d.noised.float(), d.logsnr, pred)[0]
             fake = predict_x0(self.fake(net), gdf, d.noised, d.logsnr, conds)
             grad = dm_gradient(x.detach().float(), real, fake, gdf.input_scaler(d.logsnr)[0], dc.dmd_weighting)
@@ -144,7 +144,7 @@ class DistributionMatching:
         y, w, uncond = z.float(), self.guidance(n, rng, z.device), self.uncond(conds)
         for j in range(dc.regression_steps):
             y = ddim_step(self.teacher_gdf, self.teacher, y, grid[j].expand(n), grid[j + 1].expand(n), conds, uncond,
-                          w, self.cfg.distill.cfg_rho)
+                          w, self.cfg.distill.cfg_rho, self.cfg.distill.cfg_rescale_std)
         return y
     def regression_term(self, x, z, conds: dict, rng=None) -> torch.Tensor:
         "DMD's regression loss per sample: the student's 1-step x0 against the teacher's solve from the same noise."
