@@ -381,11 +381,15 @@ class FusedBackward:
     def zero_grad(self, set_to_none: bool = True): pass
     def state_dict(self) -> dict: return {"update": self.update, "optimizers": [o.state_dict() for o in self.opts]}
     def load_state_dict(self, sd: dict):
-        if len(sd["optimizers"]) != len(self.opts):
-            raise ValueError(f"fused_backward state of {len(sd['optimizers'])} tensors; "
-                             f"this model trains {len(self.opts)}")
+        """Each tensor's saved state is taken out of `sd["optimizers"]` (left None) as its optimizer loads it: an
+        optimizer that copies what it loads (bitsandbytes' deep-copies) then holds one copy of the whole state, not
+        two (at the 3.6B's size, 7.2 GB of 8-bit AdamW state)."""
+        states = sd["optimizers"]
+        if len(states) != len(self.opts):
+            raise ValueError(f"fused_backward state of {len(states)} tensors; this model trains {len(self.opts)}")
         self.update = sd["update"]
-        for p, o, s in zip(self.params, self.opts, sd["optimizers"]):
+        for i, (p, o) in enumerate(zip(self.params, self.opts)):
+            s, states[i] = states[i], None
             if not (self.stochastic_rounding and p.dtype == torch.bfloat16): o.load_state_dict(s); continue
             # torch casts a loaded state to its parameter's dtype: here the fp32 the steps run in, not the bf16 weight
             bf16, p.data = p.data, p.data.float()
