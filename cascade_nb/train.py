@@ -42,12 +42,12 @@ from .data.buckets import resolution_at, check_resolution_schedule, at_resolutio
 
 # %% auto #0
 __all__ = ['QUIET_ON_RESUME', 'LAUNCH_CHECKS', 'Run', 'build_optimizer', 'gradient_norm', 'update_ema', 'last_checkpoint',
-           'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'export_weights', 'load_checkpoint', 'resume',
-           'resume_changes', 'run_info', 'check_resumed_groups', 'tracker_image', 'log_samples', 'log_metrics',
-           'interactive', 'validate', 'init_trackers', 'start_logging', 'duration', 'Clock', 'report_partial_states',
-           'run_summary', 'check_optimizer', 'register_launch_check', 'run_launch_checks', 'start_launch',
-           'build_models', 'resume_run', 'finish_run', 'stopped_in_setup', 'setup_stage', 'train', 'plot_metrics',
-           'main']
+           'stop_message', 'weights_finite', 'save', 'report_nonfinite', 'backup_suffix', 'export_weights',
+           'load_checkpoint', 'resume', 'resume_changes', 'run_info', 'check_resumed_groups', 'tracker_image',
+           'log_samples', 'log_metrics', 'interactive', 'validate', 'init_trackers', 'start_logging', 'duration',
+           'Clock', 'report_partial_states', 'run_summary', 'check_optimizer', 'register_launch_check',
+           'run_launch_checks', 'start_launch', 'build_models', 'resume_run', 'finish_run', 'stopped_in_setup',
+           'setup_stage', 'train', 'plot_metrics', 'main']
 
 # %% ../nbs/41_train.ipynb #6f3c84c3
 @dataclass
@@ -195,6 +195,11 @@ def report_nonfinite(run: Run, guard: NonFiniteGuard):
                       f"skipped ({run.state.nonfinite_total} so far)")
 
 # %% ../nbs/41_train.ipynb #f2b5e072
+def backup_suffix(update: int) -> str:
+    """A numbered backup's suffix: the official `_{N}k` at whole thousands, any other update by its number (`_1100`),
+    so that backups every 100 or 500 updates past 1000 do not overwrite one another."""
+    return f"_{update // 1000}k" if update % 1000 == 0 else f"_{update}"
+
 def export_weights(run: Run):
     """The released weights (and EMA) of the committed update: gathered under FSDP (all processes), written by the
     main process, each saying which weights it holds (`labelled`); inside `evaluation_view` (schedule-free AdamW
@@ -207,7 +212,7 @@ def export_weights(run: Run):
         if acc.is_main_process:
             ck = run.cfg.checkpoint
             backup = state.update % ck.backup_every == 0 and state.update > 0
-            sfx = (f"_{state.update // 1000}k" if state.update >= 1000 else f"_{state.update}") if backup else None
+            sfx = backup_suffix(state.update) if backup else None
             for name, sd in labelled(released).items():
                 # a file (the EMA just saved): hard-linked, one copy on disk
                 write_weights(sd, run.run_dir.path/f"{name}.safetensors")
