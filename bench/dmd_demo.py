@@ -9,11 +9,10 @@ optionally an lcm student (configs/lcm_demo.yaml) at its own sampler and steps.
 
     accelerate launch cascade_nb/train.py configs/demo.yaml                                 # the teacher
     accelerate launch cascade_nb/train.py configs/dmd_demo.yaml                             # the DMD student
-    accelerate launch cascade_nb/train.py configs/dmd_demo.yaml regression_weight=0.5 student_steps=4 \\
-        experiment_id=dmd_demo4                                                             # the 4-step student
+    accelerate launch cascade_nb/train.py configs/lcm_demo.yaml                             # an LCM student (figure)
     python bench/dmd_demo.py --teacher checkpoints/demo --dmd checkpoints/dmd_demo --seeds 0 1 2   # bench/RESULTS.md
-    python bench/dmd_demo.py --teacher checkpoints/demo --dmd checkpoints/dmd_demo checkpoints/dmd_demo4 --seeds 0 \\
-        --figure nbs/images/dmd_demo_grid.png --curves nbs/images/dmd_demo_curves.png
+    python bench/dmd_demo.py --teacher checkpoints/demo --dmd checkpoints/dmd_demo --lcm checkpoints/lcm_demo \\
+        --seeds 0 --figure nbs/images/dmd_demo_grid.png --curves nbs/images/dmd_demo_curves.png
 
 `--figure PNG` draws the same captions and noise through each sampler; `--curves PNG` scores each run's numbered
 backups (backup_every, its EMA) at 1 and 4 steps on the first seed: retrieval and diversity against updates.
@@ -77,10 +76,10 @@ def curves(a, e, captions, ref, path, seed=0):
     fig = Figure(figsize=(8, 3)); ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for dmd, k in itertools.product(a.dmd, a.steps):
         run = load_run(dmd); net = run[0].net
-        pat = re.compile(r"generator_ema_(\d+)\.safetensors" if list(Path(dmd).glob("generator_ema_*")) else
-                         r"generator_(\d+)\.safetensors")
-        files = sorted((int(m.group(1)), f) for f in Path(dmd).glob("generator*_*.safetensors")
-                       if (m := pat.fullmatch(f.name)))
+        pat = re.compile(r"generator_ema_(\d+)(k?)\.safetensors" if list(Path(dmd).glob("generator_ema_*")) else
+                         r"generator_(\d+)(k?)\.safetensors")   # _900, _1k, _1100 (train.backup_suffix)
+        files = sorted((int(m.group(1)) * (1000 if m.group(2) else 1), f)
+                       for f in Path(dmd).glob("generator*_*.safetensors") if (m := pat.fullmatch(f.name)))
         kw, pts = dict(sampler="lcm", steps=k, cfg_scale=1.0), []
         for u, f in files:
             net.load_state_dict(load_file(str(f)))

@@ -238,7 +238,7 @@ class CheckpointConfig:
     checkpoint_path: str = "checkpoints"
     output_path: str = "outputs"          # sample grids go to {output_path}/{experiment_id}/
     save_every: int = 2000                # checkpoint + sample grid every N updates
-    backup_every: int = 20000             # keep a copy with a _{N}k suffix every N updates
+    backup_every: int = 20000             # keep a copy every N updates: _20k, _1100 (backup_suffix)
     val_every: Optional[int] = None       # validation loss every N updates (needs val_webdataset_path)
     eval_every: Optional[int] = None      # sample metrics (cascade_nb.eval) every N updates; None: off
     # a YAML or JSON-lines file of prompts (text, seed, cfg, steps, size, negative_prompt, adapter_scale) sampled at
