@@ -74,20 +74,23 @@ def curves(a, e, captions, ref, path, seed=0):
     trun, tkw = e["teacher DDPM@20 CFG 3"]
     teacher_div = diversity(trun, captions, seed, tkw)
     fig = Figure(figsize=(8, 3)); ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    for dmd, k in itertools.product(a.dmd, a.steps):
+    for dmd in a.dmd:   # each run loaded once, each of its backups read once, scored at every step count
         run = load_run(dmd); net = run[0].net
         pat = re.compile(r"generator_ema_(\d+)(k?)\.safetensors" if list(Path(dmd).glob("generator_ema_*")) else
                          r"generator_(\d+)(k?)\.safetensors")   # _900, _1k, _1100 (train.backup_suffix)
         files = sorted((int(m.group(1)) * (1000 if m.group(2) else 1), f)
                        for f in Path(dmd).glob("generator*_*.safetensors") if (m := pat.fullmatch(f.name)))
-        kw, pts = dict(sampler="lcm", steps=k, cfg_scale=1.0), []
+        pts = {k: [] for k in a.steps}
         for u, f in files:
             net.load_state_dict(load_file(str(f)))
-            pts.append((u, Retrieval()(samples(run, captions, seed, kw, net), captions, *ref)["top1"],
-                        diversity(run, captions, seed, kw, net=net) / teacher_div))
-            print(f"{Path(dmd).name} update {u} @{k}: top1 {pts[-1][1]:.3f}, diversity {pts[-1][2]:.2f}x teacher")
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{Path(dmd).name} @{k}")
-        ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"{Path(dmd).name} @{k}")
+            for k, kw in ((k, dict(sampler="lcm", steps=k, cfg_scale=1.0)) for k in a.steps):
+                pts[k].append((u, Retrieval()(samples(run, captions, seed, kw, net), captions, *ref)["top1"],
+                               diversity(run, captions, seed, kw, net=net) / teacher_div))
+                print(f"{Path(dmd).name} update {u} @{k}: top1 {pts[k][-1][1]:.3f}, "
+                      f"diversity {pts[k][-1][2]:.2f}x teacher")
+        for k, ps in pts.items():
+            ax1.plot([p[0] for p in ps], [p[1] for p in ps], "o-", label=f"{Path(dmd).name} @{k}")
+            ax2.plot([p[0] for p in ps], [p[2] for p in ps], "o-", label=f"{Path(dmd).name} @{k}")
     top = Retrieval()(samples(trun, captions, seed, tkw), captions, *ref)["top1"]
     ax1.axhline(top, color="k", ls="--", label="teacher DDPM@20 CFG 3"); ax2.axhline(1, color="k", ls="--")
     ax2.axhline(0.8, color="r", ls=":", label="0.8x teacher")
