@@ -6,10 +6,11 @@ Docs: https://cascade-nb.github.io/cascade_nb/dmd.html.md"""
 
 # %% ../nbs/62a_dmd.ipynb #d8fbf756
 from __future__ import annotations
-import copy
+import copy, math
 from dataclasses import dataclass
 from typing import Literal
 import torch
+import torch.nn.functional as F
 from torch import nn
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, extract_model_from_parallel
@@ -19,18 +20,20 @@ from .typed_yaml import Range, AT_LEAST_0, AT_LEAST_1
 from .gdf.presets import training_shift
 from .modes import register_training_mode, diffusion_loss
 from .optimizers import OPTIMIZERS
-from .loss_terms import TERMS_PREFIX
+from .loss_terms import TERMS_PREFIX, feature_blocks, block_width, outputs_of
 from .distill import TeacherMode, guided_prediction, ddim_step, distance
 
 # %% auto #0
 __all__ = ['DMD_WEIGHTS', 'FAKE', 'DMDConfig', 'student_grid', 'predict_x0', 'backward_simulation', 'dm_gradient', 'dm_loss',
-           'FakeScore', 'DistributionMatching', 'DMDTraining']
+           'noised_sample', 'bottleneck', 'GANHead', 'FakeScore', 'DistributionMatching', 'DMDTraining']
 
 # %% ../nbs/62a_dmd.ipynb #57ab80e3
 @config_section("dmd", modes=("dmd",), ranges=dict(generator_steps=AT_LEAST_1, fake_updates=AT_LEAST_1,
                                                     dmd_t_min=Range(0, 1), dmd_t_max=Range(0, 1),
                                                     regression_weight=AT_LEAST_0, regression_steps=AT_LEAST_1,
-                                                    regression_samples=AT_LEAST_1))
+                                                    regression_samples=AT_LEAST_1, gan_weight=AT_LEAST_0,
+                                                    gan_classifier_weight=AT_LEAST_0),
+                resume_keys=("gan_weight",))
 @dataclass
 class DMDConfig:
     "Distribution matching distillation (DMD2): the student's grid, the fake score network's pace, the noise levels."
@@ -48,6 +51,11 @@ class DMDConfig:
     regression_weight: float = 0.0
     regression_steps: int = 10
     regression_samples: int = 4
+    # DMD2's adversarial term (0: off): weight of the student's non-saturating GAN loss, judged by a classifier head on
+    # the fake score network's bottleneck features that tells noised training images from noised student samples
+    # (DMD2: 3e-3 to 5e-3). A resume keeps it: the head exists only where it is on
+    gan_weight: float = 0.0
+    gan_classifier_weight: float = 1e-2   # the classifier's loss in the fake network's objective (DMD2: 1e-2)
 
 # %% ../nbs/62a_dmd.ipynb #00cc1ed9
 def student_grid(gdf, steps: int, shift: float = 1.) -> torch.Tensor:
@@ -83,18 +91,45 @@ def dm_loss(x, grad) -> torch.Tensor:
     "Per-sample 0.5 mean((x - sg(x - grad))^2): its gradient on `x` is grad / (C H W)."
     return 0.5 * (x.float() - (x - grad).detach().float()).pow(2).flatten(1).mean(1)
 
+# %% ../nbs/62a_dmd.ipynb #abb5949b
+def noised_sample(gdf, x, cfg: Config, rng=None):
+    "`x` diffused at t uniform in [dmd_t_min, dmd_t_max] on the run's schedule (its shift): a `Diffused`."
+    dc, shift = cfg.dmd, training_shift(cfg)
+    t = dc.dmd_t_min + (dc.dmd_t_max - dc.dmd_t_min) * seeded_rand(len(x), rng, x.device)
+    return gdf.diffuse(x, t=t, shift=shift, loss_shift=shift, generator=rng)
+
 # %% ../nbs/62a_dmd.ipynb #660c3cdb
 FAKE = f"{TERMS_PREFIX}dmd."
 "Where the fake score network lives in the trained network's state dict (not released)."
 
+def bottleneck(generator: nn.Module) -> str:
+    "The module path of the generator's deepest block (the last down block): where DMD2's classifier reads features."
+    return [p for p in feature_blocks(generator) if p.startswith("down_")][-1]
+
+class GANHead(nn.Module):
+    ("DMD2's classifier head: a convolution, group norm and SiLU, then one logit per position, averaged per sample "
+     "(> 0: a training image).")
+    def __init__(self, width: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.GroupNorm(min(32, width), width), nn.SiLU(),
+                                 nn.Conv2d(width, 1, 1))
+    def forward(self, features: torch.Tensor) -> torch.Tensor: return self.net(features).flatten(1).mean(1)
+
 class FakeScore(nn.Module):
-    "DMD's fake score network: a copy of the (teacher-initialised) student that learns the student's samples."
-    def __init__(self, student: nn.Module):
+    ("DMD's fake score network: a copy of the (teacher-initialised) student that learns the student's samples; with "
+     "`gan`, DMD2's classifier head on its bottleneck.")
+    def __init__(self, student: nn.Module, gan: bool = False):
         super().__init__()
         self.net = copy.deepcopy(student)
         # the two time-scale rule's clock: updates so far, saved and resumed with the weights
         self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+        self.path = bottleneck(student)
+        self.head = GANHead(block_width(student, self.path)) if gan else None
     def forward(self, x, r, **conds): return self.net(x, r, **conds)
+    def logits(self, x, r, **conds) -> torch.Tensor:
+        "The classifier's logit per sample of noised inputs `x` at noise condition `r` (> 0: a training image)."
+        with outputs_of(self.net.get_submodule(self.path)) as seen: self.net(x, r, **conds)
+        return self.head(seen[-1].float())
 
 # %% ../nbs/62a_dmd.ipynb #d4896412
 class DistributionMatching:
@@ -115,9 +150,7 @@ class DistributionMatching:
     def dm_term(self, net, gdf, x, conds: dict, rng=None) -> torch.Tensor:
         "Per-sample distribution-matching loss of the student's samples `x`: teacher (CFG) against fake score."
         dc, B = self.cfg.dmd, len(x)
-        t = dc.dmd_t_min + (dc.dmd_t_max - dc.dmd_t_min) * seeded_rand(B, rng, x.device)
-        shift = training_shift(self.cfg)
-        d = gdf.diffuse(x.detach(), t=t, shift=shift, loss_shift=shift, generator=rng)
+        d = noised_sample(gdf, x.detach(), self.cfg, rng)
         with torch.no_grad():
             w, tg = self.guidance(B, rng, x.device), self.teacher_gdf
             pred = guided_prediction(self.teacher, d.noised, tg.noise_cond(d.logsnr), conds, self.uncond(conds), w,
@@ -128,14 +161,35 @@ class DistributionMatching:
         return dm_loss(x, grad)
     def loss(self, net, gdf, x0, conds: dict, rng=None, **kw):
         "(fake network's loss + the student's on its turns, the fake network's per-sample loss, its Diffused)."
+        dc = self.cfg.dmd
         if self._count is None: self._count = int(self.fake(net).updates)   # once per run (and per resume)
         x, z = self.student_x0(net, gdf, x0.shape, conds, rng, x0.device)
         loss, raw, d = diffusion_loss(self.fake(net), gdf, x.detach(), conds, rng=rng, shift=training_shift(self.cfg))
+        if dc.gan_weight:   # the classifier learns every update, as the fake network does
+            loss = loss + dc.gan_classifier_weight * self.classifier_term(net, gdf, x0, x, conds, rng).mean()
         # not the student's turn: its sample enters times 0, so that every parameter has a gradient (DDP)
-        if self._count % self.cfg.dmd.fake_updates: return loss + 0 * x.sum(), raw, d
+        if self._count % dc.fake_updates: return loss + 0 * x.sum(), raw, d
         loss = loss + self.dm_term(net, gdf, x, conds, rng).mean()
-        if w := self.cfg.dmd.regression_weight: loss = loss + w * self.regression_term(x, z, conds, rng).mean()
+        if dc.regression_weight: loss = loss + dc.regression_weight * self.regression_term(x, z, conds, rng).mean()
+        if dc.gan_weight: loss = loss + dc.gan_weight * self.gan_term(net, gdf, x, conds, rng).mean()
         return loss, raw, d
+    def classifier_term(self, net, gdf, x0, x, conds: dict, rng=None) -> torch.Tensor:
+        ("DMD2's classifier loss per sample (the fake network and its head learn it): training images `x0` are real, "
+         "the student's detached samples `x` fake, each noised.")
+        fake = self.fake(net)
+        noised = (noised_sample(gdf, v.float(), self.cfg, rng) for v in (x0, x.detach()))
+        real_logit, fake_logit = (fake.logits(d.noised, d.noise_cond, **conds) for d in noised)
+        return F.softplus(-real_logit) + F.softplus(fake_logit)
+    def gan_term(self, net, gdf, x, conds: dict, rng=None) -> torch.Tensor:
+        ("The student's non-saturating GAN loss per sample, softplus(-logit) of its noised samples: its gradient "
+         "reaches the student through `x` only (the classifier keeps still).")
+        x_in = x.detach().float().requires_grad_(True)
+        d = noised_sample(gdf, x_in, self.cfg, rng)
+        with torch.enable_grad(): gan = F.softplus(-self.fake(net).logits(d.noised, d.noise_cond, **conds))
+        # the gradient on the sample alone: autograd.grad leaves the fake network's and the head's .grad untouched
+        g = torch.autograd.grad(gan.sum(), x_in)[0]
+        pull = (x.float() * g).flatten(1).sum(1)
+        return gan.detach() + pull - pull.detach()   # the GAN loss's value, the gradient g on x
     @torch.no_grad()
     def teacher_solve(self, z, conds: dict, rng=None) -> torch.Tensor:
         "The guided teacher's deterministic DDIM solve from pure noise `z` in `regression_steps` steps (DMD's pairs)."
@@ -166,6 +220,10 @@ class DMDTraining(DistributionMatching, TeacherMode):
         dc, why = cfg.dmd, None
         moves = OPTIMIZERS.choose(cfg.train.optimizer).moves_at_zero_gradient(cfg.train)
         if dc.dmd_t_min >= dc.dmd_t_max: why = f"key 'dmd_t_min': {dc.dmd_t_min} is not below dmd_t_max={dc.dmd_t_max}"
+        elif dc.gan_weight and not dc.gan_classifier_weight:
+            why = (f"key 'gan_classifier_weight': 0 with gan_weight={dc.gan_weight} leaves the classifier at its "
+                   "random start, which the student would chase; expected a positive weight (DMD2's 1e-2), or "
+                   "gan_weight: 0")
         elif cfg.lora.module_filters or cfg.lora.train_tokens:
             why = "mode 'dmd' trains the whole student (LoRA students are not supported): remove module_filters"
         elif cfg.alignment.align_encoder: why = "mode 'dmd' holds its fake score network where align_encoder's " \
@@ -188,6 +246,12 @@ class DMDTraining(DistributionMatching, TeacherMode):
                 "fake score network (optimizer state)": OPTIMIZERS.choose(t.optimizer).run_state_bytes(
                     shapes, t, itemsize)}
         if t.ema_start_iters is not None: rows["fake score network (EMA copy)"] = n * itemsize
+        if cfg.dmd.gan_weight:   # the classifier head: weights, gradients, optimizer state (and EMA copy)
+            with torch.device("meta"):
+                head = [p.shape for p in GANHead(block_width(generator, bottleneck(generator))).parameters()]
+            m = sum(math.prod(s) for s in head) * itemsize
+            rows["GAN classifier head"] = (2 + (t.ema_start_iters is not None)) * m + OPTIMIZERS.choose(
+                t.optimizer).run_state_bytes(head, t, itemsize)
         return rows
 
     def __init__(self, cfg, generator, *models, **kw):
@@ -195,4 +259,4 @@ class DMDTraining(DistributionMatching, TeacherMode):
             raise ConfigError("mode 'dmd' runs its fake score network outside the root forward, which FSDP2 cannot "
                               "shard: train it with DDP or one process")
         super().__init__(cfg, generator, *models, **kw)
-        generator.loss_terms = nn.ModuleDict({"dmd": FakeScore(generator)})
+        generator.loss_terms = nn.ModuleDict({"dmd": FakeScore(generator, gan=bool(cfg.dmd.gan_weight))})

@@ -10,7 +10,8 @@ from test_distill import DEMO, DRIVER, TINY, StopAt, teacher   # noqa: F401 (the
 
 TWO_PROCESSES = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
 DMD = ["mode=dmd", "generator_steps=2", "fake_updates=2", "cfg_scale=2", "ema_start_iters=0", "ema_beta=0.9",
-       "regression_weight=0.5", "regression_steps=2", "regression_samples=2", "adam_betas=[0, 0.999]", "weight_decay=0"]
+       "regression_weight=0.5", "regression_steps=2", "regression_samples=2", "gan_weight=0.003", "adam_betas=[0, 0.999]",
+       "weight_decay=0"]
 
 def overrides(tmp, name, teacher, *extra):
     return [*TINY, *DMD, f"teacher_checkpoint_path={teacher}", f"experiment_id={name}", f"checkpoint_path={tmp}/ck",
@@ -52,6 +53,7 @@ def test_dmd_resumes_bit_identically_and_samples_as_it_says(tmp_path, teacher):
         # accelerate's snapshot of the global generators, which training does not draw from (its stream: rng_0)
         elif name != "train_state.json" and not name.startswith("random_states"): assert sa[name] == sb[name], name
     assert int(sa["model.safetensors"]["loss_terms.dmd.updates"]) == 3
+    assert any(k.startswith("loss_terms.dmd.head.") for k in sa["model.safetensors"])   # the GAN classifier trains
     g = run_config(a).gdf   # the sample CLI and eval read these: lcm sampler, the student's steps, no CFG
     assert (g.sample_sampler, g.sample_steps, g.sample_cfg) == ("lcm", 2, 1.0)
 
@@ -71,6 +73,8 @@ def test_two_process_ddp(tmp_path, teacher):
     # the student's off-turn gradient is zero: a momentum or weight decay would still move it
     (["adam_betas=[0.9, 0.999]"], "optimizer 'adamw' still moves it by its first moment (beta1 0.9)"),
     (["optimizer=lion"], "optimizer 'lion' still moves it by its state"),
+    (["gan_classifier_weight=0"], "key 'gan_classifier_weight': 0 with gan_weight=0.003 leaves the classifier at its"),
+    (["gan_weight=-1"], "gan_weight"),
 ])
 def test_refusals_are_one_line(tmp_path, teacher, extra, says):
     from cascade_nb.config import load_config, ConfigError
