@@ -192,9 +192,10 @@ class DistributionMatching:
         return gan.detach() + pull - pull.detach()   # the GAN loss's value, the gradient g on x
     @torch.no_grad()
     def teacher_solve(self, z, conds: dict, rng=None) -> torch.Tensor:
-        "The guided teacher's deterministic DDIM solve from pure noise `z` in `regression_steps` steps (DMD's pairs)."
+        ("The guided teacher's deterministic DDIM solve from pure noise `z` in `regression_steps` steps on its own "
+         "grid (its schedule and shift): DMD's pairs.")
         dc, n = self.cfg.dmd, len(z)
-        grid = student_grid(self.teacher_gdf, dc.regression_steps, training_shift(self.cfg)).to(z.device)
+        grid = student_grid(self.teacher_gdf, dc.regression_steps, training_shift(self.teacher_cfg)).to(z.device)
         y, w, uncond = z.float(), self.guidance(n, rng, z.device), self.uncond(conds)
         for j in range(dc.regression_steps):
             y = ddim_step(self.teacher_gdf, self.teacher, y, grid[j].expand(n), grid[j + 1].expand(n), conds, uncond,
