@@ -381,12 +381,7 @@ class LCMTraining(ConsistencyLoss, TeacherMode):
         "The class that trains `cfg`: `LCMLoraTraining` when it sets `module_filters` (LCM-LoRA), else this one."
         return LCMLoraTraining if cls is LCMTraining and cfg.lora.module_filters else cls
     @classmethod
-    def build(cls, cfg: Config, *models, **kw) -> TrainingMode:
-        if (lora := cls.for_config(cfg)) is not cls: return lora.build(cfg, *models, **kw)
-        return super().build(cfg, *models, **kw)
-    @classmethod
     def check_config(cls, cfg):
-        if (lora := cls.for_config(cfg)) is not cls: return lora.check_config(cfg)
         super().check_config(cfg)
         if cfg.lora.train_tokens:
             raise ConfigError("mode 'lcm' trains LoRA adapters (module_filters, rank), not train_tokens")
@@ -398,15 +393,6 @@ class LCMTraining(ConsistencyLoss, TeacherMode):
             raise ConfigError(f"key 'solver_steps': {dc.solver_steps} is not a multiple of phases={dc.phases}; "
                               f"expected each phase to hold a whole number of skipping intervals (e.g. "
                               f"solver_steps={dc.phases * max(1, dc.solver_steps // dc.phases)})")
-    @classmethod
-    def memory_terms(cls, cfg, generator, batch=1, side=1, prec=None) -> MemoryTerms:
-        if (lora := cls.for_config(cfg)) is not cls: return lora.memory_terms(cfg, generator, batch, side, prec)
-        return super().memory_terms(cfg, generator, batch, side, prec)
-    @classmethod
-    def released_generator(cls, cfg, run, ema: bool | None = None):
-        "A student's weights (an LCM-LoRA run's: `LCMLoraTraining.released_generator`)."
-        if (lora := cls.for_config(cfg)) is not cls: return lora.released_generator(cfg, run, ema)
-        return super().released_generator(cfg, run, ema)
     @classmethod
     def student_sampling(cls, cfg):
         ("LCM: its multistep sampler, 4 steps; phased: DDIM at the phase edges. CFG 1 either way: the guidance is "

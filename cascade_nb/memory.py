@@ -372,8 +372,8 @@ def plan_memory(cfg: Config, world_size: int = 1, fsdp: bool = False, cpu_offloa
     upcast = fsdp and amp   # accelerate's FSDP2 prepare: trainable parameters become fp32 master weights
     rows, notes = {}, []
 
-    # what trains, as the registered mode declares it: the generator (full), adapters (LoRA), a ControlNet ...
-    mode = TRAINING_MODES[t.mode]
+    # what trains, as the mode's class for this config declares it: the generator (full), adapters (LoRA), a ControlNet
+    mode = TRAINING_MODES[t.mode].for_config(cfg)
     n_train, train_b, wgrads, mode_rows = mode.memory_terms(cfg, gen, batch=batch, side=side, prec=prec)
     if upcast: train_b = max(train_b, 4)   # trained parameters are fp32 master weights under FSDP2 + bf16
     gen_label = "generator weights" if mode.trains_generator else "generator weights (frozen)"
@@ -447,7 +447,7 @@ class Suggestion(NamedTuple):
 def _options(cfg: Config, world_size: int, fsdp: bool):
     "The memory options in order of cost: (label, config overrides, world_size, fsdp)."
     m, t = cfg.model, cfg.train
-    mode = TRAINING_MODES[t.mode]
+    mode = TRAINING_MODES[t.mode].for_config(cfg)
     if t.mixed_precision == "no":
         yield "bf16 autocast (mixed_precision=bf16)", {"mixed_precision": "bf16"}, world_size, fsdp
     if not mode.trains_generator and m.dtype != "bfloat16":

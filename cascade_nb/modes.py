@@ -473,14 +473,15 @@ def refuse_prior_entries(cfg: Config, mode: type):
 
 # %% ../nbs/40b_modes.ipynb #c6a088f8
 def resolve_mode(cfg: Config, where: str = "config") -> type:
-    """The class of the config's training mode (inferred from the keys when `mode` is unset), after its own checks;
-    the built-in modes come from `BUILTIN_PARTS`, a user's from the config's `imports:`."""
+    """The class that trains the config: its mode (inferred from the keys when `mode` is unset) as `for_config` picks
+    it (`lcm` with `module_filters`: LCM-LoRA), after its own checks; the built-in modes come from `BUILTIN_PARTS`, a
+    user's from the config's `imports:`."""
     load_builtin_parts()
     search = Path(cfg.source).parent if cfg.source else None
     import_modules(cfg.train.imports or (), where, search)
     t = cfg.train
     if t.mode is None: t.mode = next((n for n, c in TRAINING_MODES.items() if c.selected_by(cfg)), "full")
-    try: mode = TRAINING_MODES.choose(t.mode)
+    try: mode = TRAINING_MODES.choose(t.mode).for_config(cfg)
     except UnknownChoice as e: raise ConfigError(f"{where}: key 'mode': {e}") from None
     try:
         mode.check_config(cfg)
