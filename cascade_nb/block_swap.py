@@ -50,7 +50,7 @@ def check_block_swap(cfg, where: str):
     n = s.blocks_to_swap
     need(m.stage == "c", where, f"key 'blocks_to_swap': {n}; block swap moves Stage C blocks, and model_version "
          f"{m.model_version!r} is Stage {m.stage.upper()}: set blocks_to_swap: 0")
-    need(TRAINING_MODES[cfg.train.mode].trains_generator, where, f"key 'blocks_to_swap': {n}; the "
+    need(TRAINING_MODES[cfg.train.mode].for_config(cfg).trains_generator, where, f"key 'blocks_to_swap': {n}; the "
          f"'{cfg.train.mode}' mode trains no generator weights to swap: set blocks_to_swap: 0")
     need(not m.compile, where, f"key 'blocks_to_swap': {n} with compile: true; compiled blocks assume their weights "
          "stay on one device: set compile: false")

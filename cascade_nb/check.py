@@ -153,7 +153,7 @@ def adapter_scale(cfg):
     """(scale, its formula, the formula's values): the factor between the adapter's parameters and the weights they
     change, the chosen adapter type's own (`Adapter.step_scale`: alpha/rank for LoRA, DoRA, LoHa, a factorized LoKr);
     None for a mode without adapters (`has_adapters`) or a type without such a factor (nothing to check)."""
-    if not TRAINING_MODES.choose(cfg.train.mode).has_adapters: return None
+    if not TRAINING_MODES.choose(cfg.train.mode).for_config(cfg).has_adapters: return None
     cls, keys = adapter_keys(cfg.lora)
     return cls.step_scale(keys)
 
@@ -231,7 +231,7 @@ def check_lr_multipliers(ctx: CheckContext) -> list[Finding]:
         return ctx.skip("lr_multipliers", f"the '{t.mode}' mode's parameters are named once train builds them")
     try: params = [(n, torch.nn.Parameter(torch.empty(0, device="meta"))) for n in names(ctx.cfg)]
     except ConfigError as e: return ctx.skip("lr_multipliers", str(e))
-    group = TRAINING_MODES.choose(t.mode).param_group_names[0]
+    group = TRAINING_MODES.choose(t.mode).for_config(ctx.cfg).param_group_names[0]
     try: optimizer_groups({group: params}, t)
     except ConfigError as e:
         return [Finding("error", "lr_multipliers", str(e), "use a part of a trained parameter's name")]
@@ -311,8 +311,8 @@ def epochs(cfg: Config, samples: int) -> float:
 def check_epochs(ctx: CheckContext) -> list[Finding]:
     "More than MAX_EPOCHS passes over the data from pretrained weights."
     cfg = ctx.cfg
-    if not TRAINING_MODES.choose(cfg.train.mode).learns_from_images or not cfg.model.generator_checkpoint_path:
-        return []
+    mode = TRAINING_MODES.choose(cfg.train.mode).for_config(cfg)
+    if not mode.learns_from_images or not cfg.model.generator_checkpoint_path: return []
     if (d := _data(ctx, "epochs")) is None or not d.samples: return []
     if not d.complete: return ctx.skip("epochs", f"the scan stopped at {d.samples} samples: the data is larger")
     if (e := epochs(cfg, d.samples)) <= MAX_EPOCHS: return []

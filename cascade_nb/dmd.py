@@ -21,11 +21,13 @@ from .gdf.presets import training_shift
 from .modes import register_training_mode, diffusion_loss
 from .optimizers import OPTIMIZERS
 from .loss_terms import TERMS_PREFIX, feature_blocks, block_width, outputs_of
-from .distill import TeacherMode, guided_prediction, ddim_step, distance
+from .distill import TeacherMode, guided_prediction, ddim_step, distance, load_teacher
+from .lora_training import LoraTraining, LORA_PARAM_GROUPS, merged_lora_run
 
 # %% auto #0
 __all__ = ['DMD_WEIGHTS', 'FAKE', 'DMDConfig', 'student_grid', 'predict_x0', 'backward_simulation', 'dm_gradient', 'dm_loss',
-           'noised_sample', 'bottleneck', 'GANHead', 'FakeScore', 'DistributionMatching', 'DMDTraining']
+           'noised_sample', 'bottleneck', 'GANHead', 'FakeScore', 'DistributionMatching', 'DMDTraining',
+           'DMDLoraTraining']
 
 # %% ../nbs/62a_dmd.ipynb #57ab80e3
 @config_section("dmd", modes=("dmd",), ranges=dict(generator_steps=AT_LEAST_1, fake_updates=AT_LEAST_1,
@@ -216,6 +218,10 @@ class DMDTraining(DistributionMatching, TeacherMode):
     param_group_names = ("generator", "fake")
     def param_group(self, name: str) -> str: return "fake" if name.startswith(FAKE) else "generator"
     @classmethod
+    def for_config(cls, cfg: Config) -> type:
+        "The class that trains `cfg`: `DMDLoraTraining` when it sets `module_filters` (a LoRA student), else this one."
+        return DMDLoraTraining if cls is DMDTraining and cfg.lora.module_filters else cls
+    @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
         dc, why = cfg.dmd, None
@@ -225,8 +231,9 @@ class DMDTraining(DistributionMatching, TeacherMode):
             why = (f"key 'gan_classifier_weight': 0 with gan_weight={dc.gan_weight} leaves the classifier at its "
                    "random start, which the student would chase; expected a positive weight (DMD2's 1e-2), or "
                    "gan_weight: 0")
-        elif cfg.lora.module_filters or cfg.lora.train_tokens:
-            why = "mode 'dmd' trains the whole student (LoRA students are not supported): remove module_filters"
+        elif cfg.lora.train_tokens or cfg.lora.text_encoder_adapter:
+            why = ("mode 'dmd' distils the generator (a LoRA student with module_filters); train_tokens and "
+                   "text_encoder_adapter are not supported: remove them")
         elif cfg.alignment.align_encoder: why = "mode 'dmd' holds its fake score network where align_encoder's " \
                                                  "projector goes: unset align_encoder"
         elif dc.fake_updates > 1 and moves:
@@ -261,3 +268,36 @@ class DMDTraining(DistributionMatching, TeacherMode):
                               "shard: train it with DDP or one process")
         super().__init__(cfg, generator, *models, **kw)
         generator.loss_terms = nn.ModuleDict({"dmd": FakeScore(generator, gan=bool(cfg.dmd.gan_weight))})
+
+# %% ../nbs/62a_dmd.ipynb #c143f77a
+class DMDLoraTraining(DMDTraining):
+    ("DMD-LoRA: `mode: dmd` with `module_filters` trains LoRA adapters on the teacher as its student (a file that "
+     "merges into it); the fake score network stays a whole copy.")
+    student_kind = LoraTraining   # its memory terms: LoRA's (adapters train, the base is frozen), the teacher, the fake
+    released_name = LoraTraining.released_name   # lora.safetensors, exported like any LoRA
+    base_is_rebuilt = True        # the state: adapters and fake network; the frozen base is the teacher, loaded again
+    trains_generator = LoraTraining.trains_generator   # the student's base is frozen (the planner's rows, options)
+    param_group_names = (LORA_PARAM_GROUPS[0], "fake")   # adapters, fake
+    @classmethod
+    def check_config(cls, cfg):
+        super().check_config(cfg)
+        LoraTraining.check_config(cfg)   # the LoRA keys' own rules (rank default 4)
+    @classmethod
+    def released_generator(cls, cfg, run, ema: bool | None = None):
+        "The run's `lora.safetensors` merged into the teacher, the base it was trained on."
+        return merged_lora_run(cfg, run, load_teacher(cfg)[0], ema)
+
+    def __init__(self, cfg, generator, *models, **kw):
+        super().__init__(cfg, generator, *models, **kw)   # the teacher's weights, the fake network attached
+        # the adapters go on the student alone: the fake network leaves the generator while LoRA freezes and adapts it
+        fake = generator.loss_terms; del generator.loss_terms
+        self.lora = LoraTraining(cfg, generator, *models, **kw)
+        generator.loss_terms, self.net = fake, self.lora.net
+    def fake(self, net) -> FakeScore: return extract_model_from_parallel(net).generator.loss_terms["dmd"]
+    def param_group(self, name: str) -> str:
+        return "fake" if name.removeprefix("generator.").startswith(FAKE) else self.lora.param_group(name)
+    def trainable_modules(self, net): return [*self.lora.trainable_modules(net), self.fake(net)]
+    has_adapters = LoraTraining.has_adapters   # prompt samples at another adapter strength, the teacher at 0
+    def adapter_scaled(self, net, scale: float): return self.lora.adapter_scaled(net, scale)
+    def released(self, accelerator, net) -> dict:
+        return self.lora.released(accelerator, net)   # lora.safetensors: the adapters, not the fake network

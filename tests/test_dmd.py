@@ -57,10 +57,48 @@ def test_dmd_resumes_bit_identically_and_samples_as_it_says(tmp_path, teacher):
     g = run_config(a).gdf   # the sample CLI and eval read these: lcm sampler, the student's steps, no CFG
     assert (g.sample_sampler, g.sample_steps, g.sample_cfg) == ("lcm", 2, 1.0)
 
-def test_two_process_ddp(tmp_path, teacher):
+LORA = ["module_filters=['.attn']", "rank=4"]
+
+def test_dmd_lora_resumes_bit_identically_and_merges_into_the_teacher(tmp_path, teacher):
+    "DMD-LoRA: the state holds adapters and fake network (not the frozen base), the released file merges into the teacher."
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.train_state import TRAINING_HOOKS
+    from cascade_nb.sample import run_generator
+    run = lambda tmp: train(load_config(DEMO, overrides(tmp, "l", teacher, *LORA, "updates=3", "save_every=3")))
+    ref = run(tmp_path / "ref")
+    assert type(ref["mode"]).__name__ == "DMDLoraTraining"
+    TRAINING_HOOKS["test_stop"] = StopAt
+    try:
+        StopAt.n = 2
+        assert run(tmp_path / "stopped")["update"] == 2
+    finally:
+        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
+    assert run(tmp_path / "stopped")["update"] == 3
+    a, b = (tmp_path / k / "ck" / "l" for k in ("ref", "stopped"))
+    assert sorted(f.name for f in a.glob("*.safetensors")) == ["lora.safetensors", "lora_ema.safetensors"]
+    for f in ("lora.safetensors", "lora_ema.safetensors"):
+        x, y = load_file(str(a / f)), load_file(str(b / f))
+        assert x and not [k for k in x if "loss_terms" in k] and not [k for k in x if not torch.equal(x[k], y[k])], f
+    sa, sb = state_files(a), state_files(b)
+    model = sa["model.safetensors"]
+    assert any(k.startswith("generator.loss_terms.dmd.net.") for k in model)         # the fake network trains
+    assert not [k for k in model if k.startswith("generator.") and ".dmd." not in k and "lora" not in k]   # no base
+    for name in sa:
+        if isinstance(sa[name], dict):
+            assert not [k for k in sa[name] if not torch.equal(sa[name][k], sb[name][k])], name
+    # the sample CLI's student: the teacher with the adapters merged, which moved it
+    _, merged, weights = run_generator(a)
+    assert weights.name == "lora_ema.safetensors"
+    t_sd, m_sd = load_file(str(teacher)), merged.state_dict()
+    moved = [k for k in t_sd if not torch.equal(t_sd[k], m_sd[k])]
+    assert moved and all(".attn" in k for k in moved), moved[:5]
+
+@pytest.mark.parametrize("student", [[], LORA], ids=["full", "lora"])
+def test_two_process_ddp(tmp_path, teacher, student):
     res = run_cli("-m", "accelerate.commands.launch", "--config_file", TWO_PROCESSES,
                   "--main_process_port", str(free_port()), DRIVER, "--check-ddp-sync", DEMO,
-                  *overrides(tmp_path, "ddp", teacher, "updates=2", "save_every=2", "batch_size=8"),
+                  *overrides(tmp_path, "ddp", teacher, "updates=2", "save_every=2", "batch_size=8", *student),
                   env={"OMP_NUM_THREADS": "1"})
     assert res.stdout.count("weights identical on 2 processes") >= 1, res.stdout[-2000:]
     info = json.loads((tmp_path / "ck" / "ddp" / "info.json").read_text())
@@ -68,7 +106,7 @@ def test_two_process_ddp(tmp_path, teacher):
 
 @pytest.mark.parametrize("extra, says", [
     (["dmd_t_min=0.5", "dmd_t_max=0.4"], "key 'dmd_t_min': 0.5 is not below dmd_t_max=0.4"),
-    (["module_filters=['.attn']"], "LoRA students are not supported"),
+    (["module_filters=['.attn']", "train_tokens=[['[x]', 'cat']]"], "train_tokens and text_encoder_adapter are not"),
     (["align_encoder=tiny"], "unset align_encoder"),
     # the student's off-turn gradient is zero: a momentum or weight decay would still move it
     (["adam_betas=[0.9, 0.999]"], "optimizer 'adamw' still moves it by its first moment (beta1 0.9)"),
