@@ -437,6 +437,9 @@ class LCMLoraTraining(LCMTraining):
      "student is its own target.")
     student_kind = LoraTraining   # its memory terms: LoRA's (adapters train, the base is frozen), plus the teacher
     released_name = LoraTraining.released_name   # lora.safetensors, exported like any LoRA
+    # the base is frozen: the planner counts an optimizer for the adapters alone, and the state holds them alone (the
+    # base is the teacher, loaded again on resume)
+    trains_generator, base_is_rebuilt = LoraTraining.trains_generator, LoraTraining.base_is_rebuilt
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)

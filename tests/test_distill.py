@@ -144,6 +144,33 @@ def test_lcm_lora_and_lora_runs_sample_through_the_cli(tmp_path, teacher, capsys
     base = load_stage_c(teacher).float()
     assert any(not torch.equal(generator.state_dict()[k], v) for k, v in base.state_dict().items())   # the adapters are in
 
+def test_lcm_lora_resumes_bit_identically_from_its_adapters(tmp_path, teacher):
+    """LCM-LoRA's training state holds its adapters, not the frozen base (the teacher, loaded again on resume), and
+    the memory planner counts an optimizer for the adapters alone; a resumed run equals an uninterrupted one."""
+    from cascade_nb.config import load_config
+    from cascade_nb.train import train
+    from cascade_nb.train_state import TRAINING_HOOKS
+    from cascade_nb.memory import plan_memory
+    keys = ["module_filters=[attention]", "rank=2", "updates=3", "save_every=3"]
+    run = lambda tmp: train(load_config(DEMO, overrides(tmp, "s", teacher, "lcm", *keys)))
+    run(tmp_path / "ref")
+    TRAINING_HOOKS["test_stop"] = StopAt
+    try:
+        StopAt.n = 2
+        assert run(tmp_path / "stopped")["update"] == 2
+    finally:
+        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
+    assert run(tmp_path / "stopped")["update"] == 3
+    a, b = (tmp_path / k / "ck" / "s" for k in ("ref", "stopped"))
+    x, y = load_file(str(a / "lora.safetensors")), load_file(str(b / "lora.safetensors"))
+    assert x and not [k for k in x if not torch.equal(x[k], y[k])]
+    state = a / json.loads((a / "info.json").read_text())["state_dir"] / "model.safetensors"
+    saved = load_file(str(state))
+    assert saved and all("lora" in k for k in saved), [k for k in saved if "lora" not in k][:3]   # no frozen base
+    plan = plan_memory(load_config(DEMO, overrides(tmp_path, "p", teacher, "lcm", *keys)))
+    n_adapters = sum(v.numel() for k, v in x.items() if not k.endswith(".alpha"))
+    assert plan.rows["optimizer state (adamw)"] <= 2 * 4 * n_adapters * 1.01   # AdamW's two moments, float32
+
 def test_lcm_target_network_follows_schedule_free_x(tmp_path, teacher):
     """Schedule-free AdamW trains y and releases x; LCM's target network, the student's EMA, averages x as the run's
     EMA does (`target_ema_beta=0`: a copy of x after every update, which y is not)."""
