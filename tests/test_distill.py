@@ -47,6 +47,18 @@ class StopAt:
     def after_update(self, run):
         if run.state.update == self.n: os.kill(os.getpid(), signal.SIGTERM)
 
+def stopped_and_resumed(run, tmp: Path, at: int = 2) -> dict:
+    """`run(folder)` twice into `tmp`/stopped, the first stopped by SIGTERM after update `at` (`StopAt`), the second
+    resuming it; the second's result."""
+    from cascade_nb.train_state import TRAINING_HOOKS
+    TRAINING_HOOKS["test_stop"] = StopAt
+    try:
+        StopAt.n = at
+        assert run(tmp / "stopped")["update"] == at
+    finally:
+        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
+    return run(tmp / "stopped")
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_mode_trains_and_resumes_bit_identically(tmp_path, teacher, mode):
     from cascade_nb.config import load_config
@@ -149,18 +161,11 @@ def test_lcm_lora_resumes_bit_identically_from_its_adapters(tmp_path, teacher):
     the memory planner counts an optimizer for the adapters alone; a resumed run equals an uninterrupted one."""
     from cascade_nb.config import load_config
     from cascade_nb.train import train
-    from cascade_nb.train_state import TRAINING_HOOKS
     from cascade_nb.memory import plan_memory
     keys = ["module_filters=[attention]", "rank=2", "updates=3", "save_every=3"]
     run = lambda tmp: train(load_config(DEMO, overrides(tmp, "s", teacher, "lcm", *keys)))
     run(tmp_path / "ref")
-    TRAINING_HOOKS["test_stop"] = StopAt
-    try:
-        StopAt.n = 2
-        assert run(tmp_path / "stopped")["update"] == 2
-    finally:
-        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
-    assert run(tmp_path / "stopped")["update"] == 3
+    assert stopped_and_resumed(run, tmp_path)["update"] == 3
     a, b = (tmp_path / k / "ck" / "s" for k in ("ref", "stopped"))
     x, y = load_file(str(a / "lora.safetensors")), load_file(str(b / "lora.safetensors"))
     assert x and not [k for k in x if not torch.equal(x[k], y[k])]

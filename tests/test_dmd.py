@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file
 from conftest import ROOT, run_cli, free_port
-from test_distill import DEMO, DRIVER, TINY, StopAt, teacher   # noqa: F401 (the tiny teacher fixture)
+from test_distill import DEMO, DRIVER, TINY, stopped_and_resumed, teacher   # noqa: F401 (the tiny teacher fixture)
 
 TWO_PROCESSES = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
 DMD = ["mode=dmd", "generator_steps=2", "fake_updates=2", "cfg_scale=2", "ema_start_iters=0", "ema_beta=0.9",
@@ -25,18 +25,11 @@ def state_files(run: Path) -> dict:
 def test_dmd_resumes_bit_identically_and_samples_as_it_says(tmp_path, teacher):
     from cascade_nb.config import load_config
     from cascade_nb.train import train
-    from cascade_nb.train_state import TRAINING_HOOKS
     from cascade_nb.sample import run_config
     run = lambda tmp: train(load_config(DEMO, overrides(tmp, "s", teacher, "updates=3", "save_every=3")))
     ref = run(tmp_path / "ref")
     assert ref["update"] == 3 and type(ref["mode"]).name == "dmd"
-    TRAINING_HOOKS["test_stop"] = StopAt
-    try:
-        StopAt.n = 2
-        assert run(tmp_path / "stopped")["update"] == 2
-    finally:
-        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
-    assert run(tmp_path / "stopped")["update"] == 3
+    assert stopped_and_resumed(run, tmp_path)["update"] == 3
     a, b = (tmp_path / k / "ck" / "s" for k in ("ref", "stopped"))
     files = sorted(f.name for f in a.glob("generator*.safetensors"))
     assert files == ["generator.safetensors", "generator_ema.safetensors"]
@@ -63,18 +56,11 @@ def test_dmd_lora_resumes_bit_identically_and_merges_into_the_teacher(tmp_path, 
     "DMD-LoRA: the state holds adapters and fake network (not the frozen base), the released file merges into the teacher."
     from cascade_nb.config import load_config
     from cascade_nb.train import train
-    from cascade_nb.train_state import TRAINING_HOOKS
     from cascade_nb.sample import run_generator
     run = lambda tmp: train(load_config(DEMO, overrides(tmp, "l", teacher, *LORA, "updates=3", "save_every=3")))
     ref = run(tmp_path / "ref")
     assert type(ref["mode"]).__name__ == "DMDLoraTraining"
-    TRAINING_HOOKS["test_stop"] = StopAt
-    try:
-        StopAt.n = 2
-        assert run(tmp_path / "stopped")["update"] == 2
-    finally:
-        StopAt.n = None; del TRAINING_HOOKS["test_stop"]
-    assert run(tmp_path / "stopped")["update"] == 3
+    assert stopped_and_resumed(run, tmp_path)["update"] == 3
     a, b = (tmp_path / k / "ck" / "l" for k in ("ref", "stopped"))
     assert sorted(f.name for f in a.glob("*.safetensors")) == ["lora.safetensors", "lora_ema.safetensors"]
     for f in ("lora.safetensors", "lora_ema.safetensors"):
